@@ -1,0 +1,83 @@
+"""The ``et-hpc`` command line.
+
+Each area registers its own subcommands through a ``register(subparsers)`` function in a
+``cli_*`` module listed in ``_AREAS``; this file only wires them up and turns ``UserError``
+into one line on stderr with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from et_hpc import __version__
+from et_hpc.errors import UserError
+
+# Modules that provide ``register(subparsers)``; each adds one or more subcommands.
+_AREAS = [
+    "et_hpc.platform.cli",
+    "et_hpc.tasks.cli",
+    "et_hpc.images.cli",
+    "et_hpc.sandbox.cli",
+    "et_hpc.runner.cli",
+    "et_hpc.store_cli",
+]
+
+EPILOG = """\
+typical session on a cluster:
+  et-hpc doctor                          check apptainer, rootless support, Slurm, disks
+  et-hpc base build                      build the base image tasks start from (once)
+  et-hpc tasks list --tasks-dir DIR      see what tasks were found
+  et-hpc build --tasks-dir DIR --slurm   build every task image into the shared cache
+  et-hpc run --config run.yaml           run episodes (locally or as Slurm arrays)
+  et-hpc status RUN                      progress of a run
+Run 'et-hpc COMMAND --help' for each command's options.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="et-hpc",
+        description="Run Endless Terminals agent episodes on HPC clusters: rootless Apptainer, "
+        "Slurm arrays, a parquet store on the shared filesystem.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--version", action="version", version=f"et-hpc {__version__}")
+    p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    for mod in _AREAS:
+        try:
+            m = importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            if e.name == mod:
+                continue  # area not present in this build
+            raise
+        m.register(sub)
+    return p
+
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = logging.WARNING - 10 * min(args.verbose, 2)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        rc = args.func(args)
+    except UserError as e:
+        print(f"et-hpc: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("et-hpc: interrupted", file=sys.stderr)
+        return 130
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

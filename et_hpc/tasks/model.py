@@ -1,0 +1,53 @@
+"""The Task model: everything et-hpc knows about one Endless Terminals task.
+
+A Task is source-agnostic: native folders, Harbor folders and SkyRL parquet rows all load into it.
+``truth`` is privileged ground truth and is never shown to an agent.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Limits(BaseModel):
+    """Per-task budgets; ``None`` means "use the run's configured default"."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_turns: int | None = None
+    wall_time_s: float | None = None  # agent wall time for the whole episode
+    verifier_timeout_s: float | None = None  # final tests
+    cpus: float | None = None
+    memory_mb: int | None = None
+    storage_mb: int | None = None  # size of the per-episode writable layer
+
+
+class Recipe(BaseModel):
+    """How to get the task's image."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["def", "dockerfile", "sif"]
+    path: Path  # container.def, environment/Dockerfile, or container.sif
+    context_dir: Path  # build context (files COPY/%files refer to)
+
+
+class Task(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    prompt: str
+    truth: str | None = Field(default=None, repr=False)
+    recipe: Recipe
+    initial_tests: Path | None = None
+    final_tests: Path | None = None
+    solution: Path | None = None  # solution/solve.sh (reference solution)
+    recorded_runs: list[Path] = Field(default_factory=list)  # solutions/*_summary.json
+    limits: Limits = Field(default_factory=Limits)
+    source: Path  # the task folder
+    source_kind: Literal["native", "harbor", "parquet"] = "native"
+    split: str | None = None
+    metadata: dict = Field(default_factory=dict)  # e.g. difficulty, category, name
