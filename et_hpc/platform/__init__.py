@@ -1,0 +1,1 @@
+"""Platform checks (doctor) and the base image command."""
