@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
         try:
             m = importlib.import_module(mod)
         except ModuleNotFoundError as e:
-            if e.name == mod:
+            if e.name and mod.startswith(e.name):
                 continue  # area not present in this build
             raise
         m.register(sub)
