@@ -1,0 +1,9 @@
+"""Running many episodes: run config, planning (resume), the local and Slurm executors, status.
+
+A *unit* is one (task, sample) pair. Executors hand units to a *unit runner*, a callable
+``runner(task, sample, cfg, image, stop) -> record`` that runs one episode and returns its record
+(the default is :func:`et_hpc.runner.local.episode_runner`). Finished records go to the run's store
+as they finish, so an interrupted run resumes where it stopped.
+"""
+
+from __future__ import annotations

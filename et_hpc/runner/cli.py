@@ -1,0 +1,227 @@
+"""``et-hpc run`` and ``et-hpc status``: the command-line face of the runner."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from et_hpc.errors import UserError
+from et_hpc.paths import store_dir
+from et_hpc.runner import watch
+from et_hpc.runner.config import RunConfig, load_config, parse_set
+from et_hpc.runner.plan import OK, Plan, make_plan, open_store, read_run_json, rec_get, rec_passed, store_records
+from et_hpc.util import format_table
+
+RUN_HELP = """\
+Run agent episodes for every selected task, SAMPLES times each, locally or as Slurm arrays.
+Finished episodes go to the run's store (<store>/<run name>/) as they finish; rerunning the
+same command resumes: units already ok (and errors, unless --retry-errors) are skipped.
+Settings come from a YAML run config, then --set KEY=VALUE, then the dedicated flags.
+
+run config keys: name, store, tasks.{source,tasks_dir,ids,glob,split,sample,seed}, samples,
+  policy.*, budgets.*, sandbox.{overlay_mb,writable_tmpfs,network}, scoring_timeout_s,
+  executor (local|slurm), concurrency, retry_errors, unit_runner (module:function),
+  slurm.{partition,account,qos,time_min,cpus_per_task,mem_gb,array_parallelism,
+  units_per_task,setup,additional_parameters,max_array_size,max_num_timeout,python,
+  wait_timeout_min,poll_s}
+"""
+RUN_EPILOG = """\
+examples:
+  et-hpc run tasks/ --policy oracle --samples 2 --concurrency 4
+  et-hpc run --config run.yaml --executor slurm --set slurm.partition=cpu --detach
+  et-hpc status oracle-smoke
+"""
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("run", help="run episodes (locally or as Slurm arrays); resumable",
+                       description=RUN_HELP, epilog=RUN_EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("source", nargs="?", help="task source: a folder of tasks or a parquet file")
+    p.add_argument("--config", type=Path, help="YAML run config")
+    p.add_argument("--tasks-dir", type=Path, help="folder of task folders")
+    p.add_argument("--samples", type=int, help="episodes per task (group size)")
+    p.add_argument("--policy", help="policy kind: oracle, null, replay or openai")
+    p.add_argument("--executor", choices=["local", "slurm"])
+    p.add_argument("--concurrency", type=int, help="episodes at once per node")
+    p.add_argument("--run-name", help="name of the run (its folder in the store)")
+    p.add_argument("--store", type=Path, help="store root (default $ET_HPC_STORE or ./et-hpc-runs)")
+    p.add_argument("--detach", action="store_true", help="slurm: return after submitting")
+    p.add_argument("--retry-errors", action="store_true", help="run again units recorded with an error")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set slurm.units_per_task=4 (repeatable)")
+    p.add_argument("--json", action="store_true", help="print the final summary as JSON")
+    p.set_defaults(func=cmd_run)
+
+    s = sub.add_parser("status", help="progress of a run: units done, array tasks, pass rate",
+                       description="Show a run's progress: planned units, units done ok or with an "
+                       "error, the state of its latest Slurm array tasks, and the pass rate so far.",
+                       epilog="example:\n  et-hpc status oracle-smoke\n  et-hpc status et-hpc-runs/oracle-smoke --json",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("run", help="run directory, or run name inside --store")
+    s.add_argument("--store", type=Path, help="store root used to find a run by name")
+    s.add_argument("--json", action="store_true", help="print as JSON")
+    s.set_defaults(func=cmd_status)
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    overrides = parse_set(args.set)
+    flags = {
+        ("tasks", "source"): args.source, ("tasks", "tasks_dir"): args.tasks_dir and str(args.tasks_dir),
+        ("samples",): args.samples, ("policy", "kind"): args.policy, ("executor",): args.executor,
+        ("concurrency",): args.concurrency, ("name",): args.run_name,
+        ("store",): args.store and str(args.store), ("retry_errors",): args.retry_errors or None,
+    }
+    overrides += [(list(k), v) for k, v in flags.items() if v is not None]
+    return load_config(args.config, overrides)
+
+
+def unit_counts(plan: Plan, store: Any) -> dict[str, Any]:
+    done = store.units()
+    ok = err = 0
+    for tid in plan.tasks:
+        for s in range(plan.cfg.samples):
+            st = done.get((tid, s))
+            ok += st == OK
+            err += st is not None and st != OK
+    recs = [r for r in store_records(store) if rec_get(r, "task_id") in plan.tasks]
+    n_ok = sum(1 for r in recs if rec_get(r, "status") == OK)
+    passed = sum(1 for r in recs if rec_passed(r))
+    return {"units": plan.total, "ok": ok, "error": err, "missing": plan.total - ok - err,
+            "passed": passed, "pass_rate": round(passed / n_ok, 4) if n_ok else None}
+
+
+def _print_summary(title: str, info: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(info, indent=2))
+        return
+    rate = info.get("pass_rate")
+    rows = [[k, v] for k, v in info.items() if k not in ("pass_rate", "array_tasks", "missing_units")]
+    rows.append(["pass_rate", f"{100 * rate:.1f}%" if rate is not None else "-"])
+    print(title)
+    print(format_table(["", "value"], rows))
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    plan = make_plan(cfg)
+    print(f"run {cfg.run_name()} in {plan.run_dir}: {plan.total} units, {plan.done_ok} ok and "
+          f"{plan.done_error} with errors already, {len(plan.units)} to run", file=sys.stderr)
+    for e in plan.load_errors[:5]:
+        print(f"et-hpc: warning: task skipped: {e}", file=sys.stderr)
+    store = open_store(plan.run_dir)
+    rc = 0
+    if not plan.units:
+        print("nothing to do: every unit is in the store (use --retry-errors to redo errors)", file=sys.stderr)
+    elif cfg.executor == "local":
+        from et_hpc.runner.local import run_local
+
+        res = run_local(plan, store=store)
+        if res.interrupted:
+            print(f"stopped: {res.ok + res.errors} episodes kept, rerun the same command to resume",
+                  file=sys.stderr)
+            rc = 130
+    else:
+        rc = _run_slurm(plan, store, args.detach)
+        if args.detach:
+            return rc
+    info = unit_counts(plan, store)
+    info["run_dir"] = str(plan.run_dir)
+    if info["missing"] and rc == 0:
+        rc = 1
+        print(f"{info['missing']} units are still missing: rerun the same 'et-hpc run' command to do them",
+              file=sys.stderr)
+    _print_summary(f"run {cfg.run_name()}", info, args.json)
+    return rc
+
+
+def _run_slurm(plan: Plan, store: Any, detach: bool) -> int:
+    from et_hpc.runner.slurm import submit, task_ids
+
+    cfg = plan.cfg
+    subs = submit(plan)
+    ids = ", ".join(f"{s['array_id']} ({s['tasks']} tasks, {s['units']} units)" for s in subs)
+    print(f"submitted array job(s): {ids}", file=sys.stderr)
+    if detach:
+        print(f"follow it with: et-hpc status {plan.run_dir}")
+        return 0
+    todo = set(plan.units)
+    bar = tqdm(total=len(todo), desc=f"slurm {cfg.run_name()}", unit="ep", file=sys.stderr, dynamic_ncols=True)
+
+    def on_poll(states: dict[str, str]) -> None:
+        done = store.units()
+        n = sum(1 for u in todo if u in done)
+        c = watch.counts(states)
+        bar.set_postfix_str(f"tasks q{c['queued']} r{c['running']} done{c['done']} fail{c['failed']}", refresh=False)
+        bar.update(n - bar.n)
+
+    timeout = cfg.slurm.wait_timeout_min * 60 if cfg.slurm.wait_timeout_min else None
+    try:
+        states, all_ended = watch.wait_tasks(task_ids(subs), poll_s=cfg.slurm.poll_s, timeout_s=timeout,
+                                             on_poll=on_poll)
+    finally:
+        bar.close()
+    failed = sorted(t for t, s in states.items() if watch.category(s) == "failed")
+    if failed:
+        shown = ", ".join(f"{t} {states[t]}" for t in failed[:8])
+        print(f"{len(failed)} array task(s) ended without completing: {shown}", file=sys.stderr)
+    if not all_ended:
+        print(f"stopped watching after {cfg.slurm.wait_timeout_min} min; jobs keep running: "
+              f"et-hpc status {plan.run_dir}", file=sys.stderr)
+        return 3
+    return 0
+
+
+def find_run_dir(run: str, store: Path | None) -> Path:
+    p = Path(run).expanduser()
+    if (p / "run.json").is_file():
+        return p
+    q = Path(store or store_dir()).expanduser() / run
+    if (q / "run.json").is_file():
+        return q
+    raise UserError(f"no run found at {p} or {q}: give a run directory (it holds run.json) or a run "
+                    "name with --store")
+
+
+def status_info(run_dir: Path) -> dict[str, Any]:
+    from et_hpc.runner.slurm import latest_submissions, task_ids
+
+    meta = read_run_json(run_dir)
+    store = open_store(run_dir)
+    done = store.units()
+    cfg = meta.get("config", {})
+    total = int(meta.get("plan", {}).get("units_total", 0))
+    ok = sum(1 for s in done.values() if s == OK)
+    err = len(done) - ok
+    recs = store_records(store)
+    n_ok = sum(1 for r in recs if rec_get(r, "status") == OK)
+    passed = sum(1 for r in recs if rec_passed(r))
+    info: dict[str, Any] = {
+        "run": meta.get("name"), "run_dir": str(run_dir), "executor": cfg.get("executor"),
+        "units": total, "ok": ok, "error": err, "missing": max(0, total - ok - err),
+        "passed": passed, "pass_rate": round(passed / n_ok, 4) if n_ok else None,
+    }
+    subs = latest_submissions(run_dir)
+    if subs:
+        states = watch.task_states(task_ids(subs))
+        info["array_jobs"] = ",".join(s["array_id"] for s in subs)
+        info["array_tasks"] = watch.counts(states)
+    return info
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    info = status_info(find_run_dir(args.run, args.store))
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    tasks = info.get("array_tasks")
+    if tasks:
+        info = dict(info)
+        info["array_tasks (q/r/done/failed)"] = f"{tasks['queued']}/{tasks['running']}/{tasks['done']}/{tasks['failed']}"
+    _print_summary(f"run {info['run']}", info, False)
+    return 0

@@ -1,0 +1,207 @@
+"""The local executor: run units a few at a time in threads, write each record as it finishes.
+
+Episodes are bound by subprocesses (apptainer, bash), so threads are enough. A shared
+``threading.Event`` named *stop* is passed to every unit runner: once set (Ctrl-C, SIGTERM, a
+Slurm checkpoint), no new episode starts and running ones are expected to stop their instance and
+return soon. Records of episodes that did not finish ok after *stop* are dropped, so a resumed run
+does them again; everything that finished before is kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import logging
+import signal
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+from tqdm import tqdm
+
+from et_hpc.errors import UserError
+from et_hpc.runner.config import RunConfig
+from et_hpc.runner.plan import OK, Plan, Unit, open_store, rec_get, rec_passed
+
+log = logging.getLogger(__name__)
+
+UnitRunner = Callable[..., Any]  # (task, sample, cfg, image, stop) -> record
+WorkItem = tuple[Any, int, Any]  # (task, sample, image)
+
+
+def episode_runner(task: Any, sample: int, cfg: RunConfig, image: Any, stop: threading.Event) -> Any:
+    """The default unit runner: one real episode via ``et_hpc.episode.run_episode``."""
+    try:
+        from et_hpc.episode import run_episode  # type: ignore[attr-defined]
+    except ImportError:
+        raise UserError("this et-hpc has no episode runner (et_hpc.episode); set unit_runner") from None
+    if "stop" in inspect.signature(run_episode).parameters:
+        return run_episode(task, sample, cfg, image, stop=stop)
+    return run_episode(task, sample, cfg, image)
+
+
+def resolve_runner(spec: str) -> UnitRunner:
+    """``"package.module:function"`` -> the function."""
+    mod, sep, attr = spec.partition(":")
+    if not sep:
+        raise UserError(f"unit_runner {spec!r}: expected 'module:function'")
+    try:
+        fn = getattr(importlib.import_module(mod), attr)
+    except (ImportError, AttributeError) as e:
+        raise UserError(f"unit_runner {spec!r} cannot be imported: {e}") from None
+    return fn
+
+
+@dataclass
+class ExecResult:
+    started: int = 0
+    ok: int = 0
+    errors: int = 0
+    passed: int = 0
+    crashed: int = 0  # the unit runner raised: nothing recorded, the unit stays to do
+    dropped: int = 0  # interrupted by stop: nothing recorded
+    not_started: int = 0
+    interrupted: bool = False
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def pass_rate(self) -> float | None:
+        return self.passed / self.ok if self.ok else None
+
+
+@contextlib.contextmanager
+def stop_on_signals(stop: threading.Event, signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> Iterator[None]:
+    """Set ``stop`` on the first SIGINT/SIGTERM; a second SIGINT raises KeyboardInterrupt."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {}
+
+    def handler(signum: int, frame: Any) -> None:
+        if stop.is_set() and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        if not stop.is_set():
+            print(f"et-hpc: {signal.Signals(signum).name}: stopping, no new episodes; "
+                  "running ones are being interrupted", file=sys.stderr, flush=True)
+        stop.set()
+
+    for s in signals:
+        old[s] = signal.signal(s, handler)
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+class UnitPool:
+    """Threads that pull work items and run them with a unit runner until done or stopped."""
+
+    def __init__(self, items: list[WorkItem], runner: UnitRunner, cfg: RunConfig, store: Any,
+                 concurrency: int, stop: threading.Event, progress: tqdm | None = None):
+        self.items = list(items)
+        self.runner, self.cfg, self.store = runner, cfg, store
+        self.stop = stop
+        self.progress = progress
+        self.result = ExecResult()
+        self._lock = threading.Lock()
+        self._next = 0
+        n = max(1, min(concurrency, len(self.items) or 1))
+        self.threads = [threading.Thread(target=self._work, name=f"unit-{i}", daemon=True) for i in range(n)]
+
+    def _take(self) -> WorkItem | None:
+        with self._lock:
+            if self.stop.is_set() or self._next >= len(self.items):
+                return None
+            item = self.items[self._next]
+            self._next += 1
+            self.result.started += 1
+            return item
+
+    def _work(self) -> None:
+        while (item := self._take()) is not None:
+            task, sample, image = item
+            try:
+                rec = self.runner(task, sample, self.cfg, image, self.stop)
+            except Exception as e:  # a bug or an interrupt in the unit runner: leave the unit to redo
+                if self.stop.is_set():
+                    with self._lock:
+                        self.result.dropped += 1
+                    continue
+                log.exception("unit %s/%s raised", task.id, sample)
+                with self._lock:
+                    self.result.crashed += 1
+                    self.result.failures.append(f"{task.id}#{sample}: {type(e).__name__}: {e}")
+                self._tick()
+                continue
+            status = rec_get(rec, "status")
+            if self.stop.is_set() and status != OK:
+                with self._lock:
+                    self.result.dropped += 1
+                continue
+            self.store.write([rec])
+            with self._lock:
+                if status == OK:
+                    self.result.ok += 1
+                    self.result.passed += int(rec_passed(rec))
+                else:
+                    self.result.errors += 1
+            self._tick()
+
+    def _tick(self) -> None:
+        if self.progress is None:
+            return
+        with self._lock:
+            r = self.result
+            rate = f"{100 * r.pass_rate:.0f}%" if r.pass_rate is not None else "-"
+            self.progress.set_postfix_str(f"pass {rate} err {r.errors + r.crashed}", refresh=False)
+            self.progress.update(1)
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for every thread (in short slices so signals are handled); True when all ended."""
+        import time
+
+        end = None if timeout is None else time.monotonic() + timeout
+        for t in self.threads:
+            while t.is_alive():
+                left = 0.5 if end is None else min(0.5, end - time.monotonic())
+                if left <= 0:
+                    return False
+                t.join(left)
+        return True
+
+    def run(self) -> ExecResult:
+        self.start()
+        self.join()
+        self.result.not_started = len(self.items) - self.result.started
+        self.result.interrupted = self.stop.is_set()
+        return self.result
+
+
+def run_local(plan: Plan, runner: UnitRunner | None = None, *, store: Any = None,
+              stop: threading.Event | None = None, progress: bool = True,
+              handle_signals: bool = True) -> ExecResult:
+    """Run every unit of ``plan`` on this machine with ``cfg.node_concurrency()`` at once."""
+    cfg = plan.cfg
+    runner = runner or resolve_runner(cfg.unit_runner)
+    store = store if store is not None else open_store(plan.run_dir)
+    stop = stop or threading.Event()
+    items = work_items(plan, plan.units)
+    bar = tqdm(total=len(items), desc=f"run {cfg.run_name()}", unit="ep", file=sys.stderr,
+               disable=not progress, dynamic_ncols=True)
+    pool = UnitPool(items, runner, cfg, store, cfg.node_concurrency(), stop, bar)
+    try:
+        with stop_on_signals(stop) if handle_signals else contextlib.nullcontext():
+            return pool.run()
+    finally:
+        bar.close()
+
+
+def work_items(plan: Plan, units: list[Unit]) -> list[WorkItem]:
+    return [(plan.tasks[tid], s, plan.images.get(tid)) for tid, s in units]
