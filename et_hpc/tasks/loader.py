@@ -1,0 +1,197 @@
+"""One entry point for every task source: ``load_tasks(source, ...) -> LoadResult``.
+
+``source`` may be a task folder (native or Harbor), a folder of task folders (mixed layouts),
+a parquet file, a folder of parquet files, or a hub data set name (``org/name``). Detection is
+automatic. Problems with one task become a ``TaskError`` in ``LoadResult.errors`` and the other
+tasks load; a missing source or tasks dir raises ``UserError`` for the whole load.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from et_hpc.errors import TaskError, UserError
+from et_hpc.tasks import dataset, filters
+from et_hpc.tasks.harbor import is_harbor, load_harbor
+from et_hpc.tasks.model import Task
+from et_hpc.tasks.native import is_native, load_native
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadResult:
+    tasks: list[Task] = field(default_factory=list)
+    errors: list[TaskError] = field(default_factory=list)  # per-task problems; the other tasks loaded
+    skipped: int = 0  # parquet rows whose task folder is missing
+    kind: str = ""  # task | folder | parquet | hub
+
+    def by_id(self, task_id: str) -> Task | None:
+        return next((t for t in self.tasks if t.id == task_id), None)
+
+
+def is_task_folder(folder: Path) -> bool:
+    return is_native(folder) or is_harbor(folder)
+
+
+def load_task_folder(folder: Path) -> Task:
+    """Load one task folder, native or Harbor (Harbor wins when both kinds of files are there)."""
+    folder = Path(folder)
+    if is_harbor(folder):
+        return load_harbor(folder)
+    if is_native(folder):
+        return load_native(folder)
+    raise TaskError(
+        f"{folder}: not a task folder (no task.json/container.def or instruction.md/environment/Dockerfile)"
+    )
+
+
+def validate_recipe(task: Task, base_map: dict[str, Path] | None = None) -> None:
+    """Parse (and normalise) the task's recipe; raises ``TaskError`` for def or Dockerfile problems."""
+    from et_hpc.images.recipe import normalise
+
+    normalise(task, base_map=base_map if base_map is not None else default_base_map())
+
+
+def default_base_map() -> dict[str, Path]:
+    try:
+        from et_hpc.images.base import default_base_map as dbm
+
+        return dbm()
+    except ImportError:
+        from et_hpc import paths
+
+        p = paths.cache_dir() / "base" / "ubuntu_22.04.sif"
+        return {"ubuntu_22.04.sif": p, "./ubuntu_22.04.sif": p, "ubuntu:22.04": p}
+
+
+def _progress(items: list, desc: str, enabled: bool):
+    if not enabled or len(items) < 50:
+        return items
+    from tqdm import tqdm
+
+    return tqdm(items, desc=desc, unit="task", file=sys.stderr, disable=None, leave=False)
+
+
+def load_tasks(
+    source: str | Path,
+    *,
+    tasks_dir: str | Path | None = None,
+    ids: Iterable[str] | None = None,
+    glob: str | Iterable[str] | None = None,
+    split: str | None = None,
+    sample: int | None = None,
+    seed: int = 0,
+    validate: bool = False,
+    base_map: dict[str, Path] | None = None,
+    progress: bool = True,
+) -> LoadResult:
+    """Load, filter and (optionally) validate tasks from any source; see the module docstring."""
+    ids = list(ids) if ids is not None else None
+    tdir = None
+    if tasks_dir is not None:
+        tdir = Path(tasks_dir).expanduser()
+        if not tdir.is_dir():
+            raise UserError(f"tasks dir {tdir} does not exist or is not a folder; pass --tasks-dir with the folder holding task_* folders")
+    want = filters.id_predicate(ids, glob)
+    res = LoadResult()
+    p = Path(source).expanduser()
+    if p.is_file():
+        if p.suffix != ".parquet":
+            raise UserError(f"{p}: not a task source (expected a task folder, a folder of tasks, a .parquet file or org/name)")
+        res.kind = "parquet"
+        _load_parquets([p], tdir, split, want, res)
+    elif p.is_dir():
+        if is_task_folder(p):
+            res.kind = "task"
+            if want(p.name):
+                _load_one(p, res)
+        else:
+            children = sorted(c for c in p.iterdir() if not c.name.startswith("."))
+            parquets = [c for c in children if c.is_file() and c.suffix == ".parquet"]
+            folders = [c for c in children if c.is_dir() and is_task_folder(c)]
+            if parquets and not folders:
+                res.kind = "parquet"
+                _load_parquets(parquets, tdir, split, want, res)
+            else:
+                res.kind = "folder"
+                for c in _progress([c for c in folders if want(c.name)], "loading tasks", progress):
+                    _load_one(c, res)
+                ignored = [c.name for c in children if c.is_dir() and c not in folders]
+                if ignored:
+                    log.debug("%s: ignored %d folders that are not tasks: %s", p, len(ignored), ", ".join(ignored[:5]))
+                if not folders:
+                    log.warning("%s: no task folders found (task.json or instruction.md inside)", p)
+    elif dataset.HUB_RE.match(str(source)) and not str(source).startswith((".", "/")):
+        res.kind = "hub"
+        try:
+            tasks, errors, skipped = dataset.load_parquet(str(source), tasks_dir=tdir, split=split, want=want, hub=True)
+        except TaskError as e:
+            res.errors.append(e)
+        else:
+            res.tasks += tasks
+            res.errors += errors
+            res.skipped += skipped
+    else:
+        raise UserError(f"{source}: no such file or folder; pass a task folder, a folder of tasks, a .parquet file or org/name")
+
+    if ids is not None:
+        found = {t.id for t in res.tasks} | {_err_id(e) for e in res.errors}
+        for i in ids:
+            if i not in found:
+                res.errors.append(TaskError(f"{source}: no task with id {i!r}; check the id ('et-hpc tasks list {source}')"))
+    res.tasks = _dedupe(res.tasks)
+    if split is not None or sample is not None:
+        res.tasks = filters.apply_filters(res.tasks, split=split, sample=sample, seed=seed)
+    if validate:
+        bm = base_map if base_map is not None else default_base_map()
+        good = []
+        for t in res.tasks:
+            try:
+                validate_recipe(t, bm)
+            except TaskError as e:
+                e.task_id = t.id  # type: ignore[attr-defined]
+                res.errors.append(e)
+            else:
+                good.append(t)
+        res.tasks = good
+    return res
+
+
+def _err_id(e: TaskError) -> str | None:
+    return getattr(e, "task_id", None)
+
+
+def _dedupe(tasks: list[Task]) -> list[Task]:
+    seen: dict[tuple[str, str | None], Task] = {}
+    for t in sorted(tasks, key=lambda t: (t.id, t.split or "")):
+        key = (t.id, t.split)
+        if key in seen:
+            log.warning("task %s listed twice (%s and %s); keeping the first", t.id, seen[key].source, t.source)
+            continue
+        seen[key] = t
+    return list(seen.values())
+
+
+def _load_one(folder: Path, res: LoadResult) -> None:
+    try:
+        res.tasks.append(load_task_folder(folder))
+    except TaskError as e:
+        e.task_id = folder.name  # type: ignore[attr-defined]
+        res.errors.append(e)
+
+
+def _load_parquets(files: list[Path], tdir: Path | None, split: str | None, want, res: LoadResult) -> None:
+    for f in files:
+        try:
+            tasks, errors, skipped = dataset.load_parquet(f, tasks_dir=tdir, split=split, want=want)
+        except TaskError as e:
+            res.errors.append(e)
+            continue
+        res.tasks += tasks
+        res.errors += errors
+        res.skipped += skipped
