@@ -1,0 +1,241 @@
+"""The episode record: one scored agent episode, as a pydantic model and as one parquet row.
+
+``EpisodeRecord`` is what an episode produces; ``EPISODE_SCHEMA`` is the one explicit Arrow
+schema every shard of the store is written with (so shards from many hosts always concatenate).
+Free-form parts (sampling params, the chat transcript, tool versions) are stored as JSON strings
+so the schema never changes when a policy adds a key; the model keeps them as Python objects.
+
+Token accounting (optional; what the Atropos export turns into ``tokens``/``masks``): for turn
+``i``, ``prompt_token_ids[i]`` are the tokens fed to the model before completion ``i`` that were
+not already part of the sequence (turn 0: the whole first prompt; later turns: the tool output
+and chat-template tokens added since the previous completion), ``token_ids[i]`` the completion's
+tokens and ``logprobs[i]`` their sampling logprobs. ``prompt_deltas()`` converts the full
+per-request prompts a server returns into these deltas.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import datetime, timezone
+from typing import Any, Literal
+
+import pyarrow as pa
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+SCHEMA_VERSION = 1
+
+Status = Literal["ok", "policy_error", "shell_error", "infra_error", "score_error", "timeout"]
+STATUSES: tuple[str, ...] = ("ok", "policy_error", "shell_error", "infra_error", "score_error", "timeout")
+
+TIMING_FIELDS = ("start_s", "stop_s", "queue_s", "setup_s", "agent_s", "score_s", "teardown_s", "total_s")
+
+_TEST_TYPE = pa.struct([("name", pa.string()), ("outcome", pa.string())])
+_TIMINGS_TYPE = pa.struct([(f, pa.float64()) for f in TIMING_FIELDS])
+
+EPISODE_SCHEMA = pa.schema(
+    [
+        ("schema_version", pa.int16(), False),
+        ("episode_id", pa.string(), False),
+        ("run_name", pa.string(), False),
+        ("task_id", pa.string(), False),
+        ("sample", pa.int32(), False),
+        ("group_id", pa.string(), False),
+        ("split", pa.string()),
+        ("policy_kind", pa.string()),
+        ("model", pa.string()),
+        ("sampling_params", pa.string()),  # JSON object
+        ("messages", pa.string()),  # JSON list of chat messages
+        ("turns", pa.int32()),
+        ("stop_reason", pa.string()),
+        ("status", pa.string(), False),
+        ("reward", pa.float64()),
+        ("passed", pa.int32()),
+        ("total", pa.int32()),
+        ("tests", pa.list_(_TEST_TYPE)),
+        ("prompt_tokens", pa.int64()),
+        ("completion_tokens", pa.int64()),
+        ("prompt_token_ids", pa.list_(pa.list_(pa.int32()))),
+        ("token_ids", pa.list_(pa.list_(pa.int32()))),
+        ("logprobs", pa.list_(pa.list_(pa.float32()))),
+        ("timings", _TIMINGS_TYPE),
+        ("image_digest", pa.string()),
+        ("image_path", pa.string()),
+        ("host", pa.string()),
+        ("slurm_job_id", pa.string()),
+        ("slurm_array_task_id", pa.int32()),
+        ("versions", pa.string()),  # JSON object: et-hpc, apptainer, python, ...
+        ("error", pa.string()),
+        ("created_at", pa.timestamp("us", tz="UTC"), False),
+    ],
+    metadata={b"et_hpc.schema_version": str(SCHEMA_VERSION).encode()},
+)
+
+_JSON_FIELDS = ("sampling_params", "messages", "versions")
+
+
+class TestResult(BaseModel):
+    """One test of the final test file: its pytest node name and outcome."""
+
+    __test__ = False  # not a pytest class
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    outcome: str  # passed | failed | error | skipped
+
+
+class Timings(BaseModel):
+    """Wall-clock facts of one episode in seconds (``start_s``/``stop_s`` are Unix times)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    start_s: float | None = None
+    stop_s: float | None = None
+    queue_s: float | None = None  # waiting for a slot/node before setup
+    setup_s: float | None = None  # instance start, initial tests
+    agent_s: float | None = None  # the agent loop
+    score_s: float | None = None  # final tests
+    teardown_s: float | None = None  # instance stop, overlay removal
+    total_s: float | None = None
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class EpisodeRecord(BaseModel):
+    """One finished episode. ``reward`` is set only when ``status == "ok"``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    schema_version: int = SCHEMA_VERSION
+    episode_id: str = Field(default_factory=lambda: str(uuid.uuid4()))
+    run_name: str
+    task_id: str
+    sample: int = Field(ge=0)
+    group_id: str = ""  # defaults to task_id: one group per task per run
+    split: str | None = None
+    policy_kind: str | None = None  # vllm | text | oracle | replay ...
+    model: str | None = None
+    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    messages: list[dict[str, Any]] = Field(default_factory=list)
+    turns: int = 0
+    stop_reason: str | None = None
+    status: Status
+    reward: float | None = None
+    passed: int | None = None
+    total: int | None = None
+    tests: list[TestResult] = Field(default_factory=list)
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    prompt_token_ids: list[list[int]] | None = None
+    token_ids: list[list[int]] | None = None
+    logprobs: list[list[float]] | None = None
+    timings: Timings = Field(default_factory=Timings)
+    image_digest: str | None = None
+    image_path: str | None = None
+    host: str | None = None
+    slurm_job_id: str | None = None
+    slurm_array_task_id: int | None = None
+    versions: dict[str, str] = Field(default_factory=dict)
+    error: str | None = None
+    created_at: datetime = Field(default_factory=_now)
+
+    @field_validator("created_at")
+    @classmethod
+    def _utc(cls, v: datetime) -> datetime:
+        return v.replace(tzinfo=timezone.utc) if v.tzinfo is None else v.astimezone(timezone.utc)
+
+    @model_validator(mode="after")
+    def _check(self) -> EpisodeRecord:
+        if not self.group_id:
+            self.group_id = self.task_id
+        if self.status == "ok" and self.reward is None:
+            raise ValueError("status 'ok' needs a reward")
+        if self.status != "ok" and self.reward is not None:
+            raise ValueError(f"status {self.status!r} must have reward None (failures are not reward 0)")
+        return self
+
+    @property
+    def succeeded(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def has_tokens(self) -> bool:
+        """True when the token accounting is complete enough for a trainer (see module doc)."""
+        return (
+            self.token_ids is not None
+            and self.prompt_token_ids is not None
+            and len(self.token_ids) == len(self.prompt_token_ids)
+            and len(self.token_ids) > 0
+        )
+
+    def token_sequence(self) -> tuple[list[int], list[int], list[float] | None]:
+        """The whole episode as one sequence: ``(tokens, masks, logprobs)``.
+
+        Masks follow Atropos: ``-100`` on prompt positions (including tool output), the token id
+        on completion positions. Logprobs are ``1.0`` on prompt positions (trainers ignore
+        positions > 0), or ``None`` when logprobs were not recorded.
+        """
+        if not self.has_tokens:
+            raise ValueError(f"episode {self.episode_id} has no complete token ids")
+        assert self.token_ids is not None and self.prompt_token_ids is not None
+        with_lp = self.logprobs is not None and len(self.logprobs) == len(self.token_ids)
+        tokens: list[int] = []
+        masks: list[int] = []
+        lps: list[float] = []
+        for i, (prompt, completion) in enumerate(zip(self.prompt_token_ids, self.token_ids)):
+            tokens += prompt
+            masks += [-100] * len(prompt)
+            tokens += completion
+            masks += completion
+            if with_lp:
+                turn_lp = list(self.logprobs[i])  # type: ignore[index]
+                if len(turn_lp) != len(completion):
+                    with_lp = False
+                    continue
+                lps += [1.0] * len(prompt) + turn_lp
+        return tokens, masks, (lps if with_lp else None)
+
+    def to_row(self) -> dict[str, Any]:
+        """A dict matching ``EPISODE_SCHEMA`` (JSON fields serialised)."""
+        row = self.model_dump()
+        for f in _JSON_FIELDS:
+            row[f] = json.dumps(row[f], ensure_ascii=False, separators=(",", ":"))
+        return row
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> EpisodeRecord:
+        """Inverse of ``to_row``; accepts rows of older schema versions (missing keys take defaults)."""
+        data = {k: v for k, v in row.items() if k in cls.model_fields and v is not None}
+        for f in _JSON_FIELDS:
+            if isinstance(data.get(f), str):
+                data[f] = json.loads(data[f])
+        return cls.model_validate(data)
+
+
+def records_to_table(records: list[EpisodeRecord]) -> pa.Table:
+    return pa.Table.from_pylist([r.to_row() for r in records], schema=EPISODE_SCHEMA)
+
+
+def records_from_table(table: pa.Table) -> list[EpisodeRecord]:
+    return [EpisodeRecord.from_row(r) for r in table.to_pylist()]
+
+
+def prompt_deltas(prompts: list[list[int]], completions: list[list[int]]) -> list[list[int]]:
+    """Turn the full prompt of every request into the per-turn deltas ``prompt_token_ids`` holds.
+
+    ``prompts[i]`` is the whole token list sent for completion ``i``. When it does not extend the
+    sequence so far (a chat template re-rendered earlier turns differently) a ``ValueError`` is
+    raised: such an episode cannot be expressed as one masked sequence.
+    """
+    if len(prompts) != len(completions):
+        raise ValueError("one prompt per completion expected")
+    seq: list[int] = []
+    out: list[list[int]] = []
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        if p[: len(seq)] != seq:
+            raise ValueError(f"prompt of turn {i} does not extend the previous turns")
+        out.append(list(p[len(seq) :]))
+        seq = list(p) + list(c)
+    return out
