@@ -1,0 +1,398 @@
+"""A scripted OpenAI-compatible chat server (vLLM's response shape) for tests and dry runs.
+
+It answers ``POST /v1/chat/completions`` and ``GET /v1/models`` on 127.0.0.1 only. A script maps a
+substring of the first user message to a list of replies, served by turn (turn index = number of
+assistant messages in the request, so parallel conversations do not interfere). A reply is text
+(``"<command>ls</command>"``), a tool call (``{"command": "ls", "timeout": 5}``), or a fault:
+``{"fault": 500|429|"timeout"|"empty_choices"|"context_length"}`` (tried once per attempt, before
+the turn's next reply; a fault with no reply after it repeats) or ``{"fault": "malformed_tool_json"}``
+(a reply whose tool-call arguments are not JSON). Usage:
+
+    with ScriptedServer({"create": [{"command": "echo hi > f"}, "all done"]}) as srv:
+        OpenAI(base_url=srv.base_url, api_key="x")...
+
+    python -m et_hpc.scripted_server --script s.json --port 0 --endpoint-file ep.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import re
+import signal
+import sys
+import threading
+import time
+import uuid
+import zlib
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+HOST = "127.0.0.1"
+DONE_REPLY = "<action>done</action>"
+ATTEMPT_FAULTS = {500, 429, "timeout", "empty_choices", "context_length"}
+REPLY_FAULTS = {"malformed_tool_json"}
+_TOKEN_RE = re.compile(r"\w+|[^\w\s]")
+
+
+def tokenize(text: str) -> list[str]:
+    """A crude deterministic tokenizer: words and punctuation."""
+    return _TOKEN_RE.findall(text or "")
+
+
+def token_id(tok: str) -> int:
+    return zlib.crc32(tok.encode("utf-8")) % 151_000
+
+
+def load_script(source: dict | str | Path) -> dict[str, list]:
+    """A script from a dict, or a JSON/YAML file; raises ``UserError`` naming the file."""
+    from et_hpc.errors import UserError
+
+    if isinstance(source, dict):
+        data, where = source, "script"
+    else:
+        path = Path(source)
+        where = str(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as e:
+            raise UserError(f"cannot read script {path}: {e.strerror}") from None
+        try:
+            if path.suffix in (".yaml", ".yml"):
+                import yaml
+
+                data = yaml.safe_load(text)
+            else:
+                data = json.loads(text)
+        except Exception as e:
+            raise UserError(f"script {path} does not parse: {e}".splitlines()[0]) from None
+    if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, list) for k, v in data.items()):
+        raise UserError(f"{where}: a script maps a substring of the first user message to a list of replies")
+    for key, replies in data.items():
+        for i, r in enumerate(replies):
+            ok = isinstance(r, str) or (
+                isinstance(r, dict)
+                and ("fault" in r or "command" in r or "content" in r or "tool_calls" in r)
+            )
+            if isinstance(r, dict) and "fault" in r and r["fault"] not in ATTEMPT_FAULTS | REPLY_FAULTS:
+                ok = False
+            if not ok:
+                raise UserError(
+                    f"{where}: reply {i} of {key!r} is not text, {{command}}, {{tool_calls}} or a known "
+                    f"{{fault}} ({sorted(map(str, ATTEMPT_FAULTS | REPLY_FAULTS))})"
+                )
+    return data
+
+
+def _split_turns(replies: list) -> list[tuple[list[dict], Any]]:
+    """Group attempt faults with the reply that follows them: [(faults, reply_or_None), ...]."""
+    turns: list[tuple[list[dict], Any]] = []
+    pending: list[dict] = []
+    for r in replies:
+        if isinstance(r, dict) and r.get("fault") in ATTEMPT_FAULTS:
+            pending.append(r)
+        else:
+            turns.append((pending, r))
+            pending = []
+    if pending:
+        turns.append((pending, None))
+    return turns
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _HTTPServer
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, fmt: str, *args: Any) -> None:
+        log.debug("%s " + fmt, self.address_string(), *args)
+
+    def _send(self, code: int, body: dict | list | None, headers: dict[str, str] | None = None) -> None:
+        data = json.dumps(body).encode()
+        try:
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            for k, v in (headers or {}).items():
+                self.send_header(k, v)
+            self.end_headers()
+            self.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the client gave up (e.g. its timeout)
+
+    def _error(self, code: int, msg: str, kind: str, headers: dict[str, str] | None = None) -> None:
+        self._send(code, {"error": {"message": msg, "type": kind, "param": None, "code": code}}, headers)
+
+    def do_GET(self) -> None:  # noqa: N802
+        srv = self.server.owner
+        srv._count("GET " + self.path)
+        path = self.path.split("?")[0].rstrip("/")
+        if path in ("/v1/models", "/models"):
+            self._send(200, {"object": "list", "data": [{
+                "id": srv.model, "object": "model", "created": int(srv.started), "owned_by": "et-hpc",
+                "max_model_len": srv.max_model_len}]})
+        elif path in ("/health", "/v1/health"):
+            self._send(200, {})
+        else:
+            self._error(404, f"no route GET {self.path}", "NotFoundError")
+
+    def do_POST(self) -> None:  # noqa: N802
+        srv = self.server.owner
+        srv._count("POST " + self.path)
+        path = self.path.split("?")[0].rstrip("/")
+        try:
+            n = int(self.headers.get("Content-Length") or 0)
+            req = json.loads(self.rfile.read(n) or b"{}")
+        except (ValueError, OSError):
+            self._error(400, "request body is not JSON", "BadRequestError")
+            return
+        if path not in ("/v1/chat/completions", "/chat/completions"):
+            self._error(404, f"no route POST {self.path}", "NotFoundError")
+            return
+        srv._chat(self, req)
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    block_on_close = False
+    owner: ScriptedServer
+
+
+class ScriptedServer:
+    """The server; use as a context manager or ``start()``/``stop()``. ``base_url`` ends in /v1."""
+
+    def __init__(
+        self,
+        script: dict | str | Path,
+        *,
+        port: int = 0,
+        model: str = "scripted",
+        max_model_len: int = 32768,
+        timeout_sleep_s: float = 30.0,
+    ):
+        self.script = {k: _split_turns(v) for k, v in load_script(script).items()}
+        self.model = model
+        self.max_model_len = max_model_len
+        self.timeout_sleep_s = timeout_sleep_s
+        self.started = time.time()
+        self.requests: dict[str, int] = {}  # "POST /v1/chat/completions" -> count
+        self.log: list[dict[str, Any]] = []  # one entry per chat request: key, turn, attempt, served
+        self._attempts: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._httpd = _HTTPServer((HOST, port), _Handler)
+        self._httpd.owner = self
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    @property
+    def port(self) -> int:
+        return int(self._httpd.server_address[1])
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{HOST}:{self.port}/v1"
+
+    @property
+    def chat_requests(self) -> int:
+        return sum(v for k, v in self.requests.items() if k.startswith("POST") and "chat/completions" in k)
+
+    def start(self) -> ScriptedServer:
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="scripted-server", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+    def __enter__(self) -> ScriptedServer:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def write_endpoint_file(self, path: Path, job_id: str | None = None) -> dict:
+        """Write the same endpoint file as ``slurm/vllm.sbatch``."""
+        from et_hpc.agent.endpoint import endpoint_record
+        from et_hpc.util import atomic_write_text
+
+        rec = endpoint_record(HOST, self.port, self.model, job_id)
+        atomic_write_text(Path(path), json.dumps(rec, indent=2) + "\n")
+        return rec
+
+    # -- serving -----------------------------------------------------------------------------
+    def _count(self, what: str) -> None:
+        with self._lock:
+            self.requests[what] = self.requests.get(what, 0) + 1
+
+    def _chat(self, h: _Handler, req: dict) -> None:
+        messages = req.get("messages") or []
+        first_user = next((str(m.get("content") or "") for m in messages if m.get("role") == "user"), "")
+        key = next((k for k in self.script if k in first_user), None)
+        turn = sum(1 for m in messages if m.get("role") == "assistant")
+        digest = hashlib.sha256(json.dumps(messages, sort_keys=True).encode()).hexdigest()
+        with self._lock:
+            attempt = self._attempts.get(digest, 0)
+            self._attempts[digest] = attempt + 1
+        entry: dict[str, Any] = {"key": key, "turn": turn, "attempt": attempt}
+        with self._lock:
+            self.log.append(entry)
+        if key is None:
+            entry["served"] = "no_match"
+            h._error(400, "scripted server: no script entry matches the first user message", "BadRequestError")
+            return
+        prompt_tokens = sum(len(tokenize(json.dumps(m.get("content")))) + 4 for m in messages)
+        if prompt_tokens >= self.max_model_len:
+            entry["served"] = "context_length"
+            self._context_error(h, prompt_tokens, req)
+            return
+        turns = self.script[key]
+        faults, reply = turns[turn] if turn < len(turns) else ([], DONE_REPLY)
+        if attempt < len(faults) or (reply is None and faults):
+            fault = faults[min(attempt, len(faults) - 1)]
+            entry["served"] = f"fault:{fault['fault']}"
+            self._fault(h, fault, prompt_tokens, req)
+            return
+        entry["served"] = "reply"
+        h._send(200, self._completion(reply, req, prompt_tokens))
+
+    def _context_error(self, h: _Handler, prompt_tokens: int, req: dict) -> None:
+        want = prompt_tokens + int(req.get("max_tokens") or req.get("max_completion_tokens") or 0)
+        h._error(400, (
+            f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+            f"{want} tokens ({prompt_tokens} in the messages, {want - prompt_tokens} in the completion). "
+            "Please reduce the length of the messages or completion."), "BadRequestError")
+
+    def _fault(self, h: _Handler, fault: dict, prompt_tokens: int, req: dict) -> None:
+        kind = fault["fault"]
+        if kind == 500:
+            h._error(500, fault.get("message", "scripted fault: internal server error"), "InternalServerError")
+        elif kind == 429:
+            headers = {"Retry-After": str(fault["retry_after"])} if "retry_after" in fault else None
+            h._error(429, fault.get("message", "scripted fault: too many requests"), "RateLimitError", headers)
+        elif kind == "timeout":
+            self._stop.wait(float(fault.get("sleep_s", self.timeout_sleep_s)))
+            h._error(504, "scripted fault: answered after the client's timeout", "GatewayTimeout")
+        elif kind == "empty_choices":
+            body = self._completion("", req, prompt_tokens)
+            body["choices"] = []
+            h._send(200, body)
+        elif kind == "context_length":
+            self._context_error(h, max(prompt_tokens, self.max_model_len + 1), req)
+
+    def _completion(self, reply: Any, req: dict, prompt_tokens: int) -> dict:
+        content: str | None
+        tool_calls: list[dict] = []
+        extra: dict = reply if isinstance(reply, dict) else {}
+        if isinstance(reply, str):
+            content = reply
+        elif reply.get("fault") == "malformed_tool_json":
+            content = None
+            tool_calls.append(_tool_call({"name": "terminal", "arguments": '{"command": "ls -la", "timeout": '}))
+        else:
+            content = reply.get("content")
+            calls = reply.get("tool_calls") or ([reply] if "command" in reply else [])
+            tool_calls = [_tool_call(c) for c in calls]
+        gen_text = (content or "") + "".join(c["function"]["arguments"] for c in tool_calls)
+        toks = tokenize(gen_text) or [""]
+        completion_tokens = len(toks)
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                 "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": None}
+        usage.update(extra.get("usage") or {})
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        as_ids = bool(req.get("return_tokens_as_token_ids"))
+        logprobs = None
+        if req.get("logprobs"):
+            logprobs = {"content": [{
+                "token": f"token_id:{token_id(t)}" if as_ids else t,
+                "logprob": -((token_id(t) % 1000) / 1000.0),
+                "bytes": list(t.encode("utf-8")),
+                "top_logprobs": [],
+            } for t in toks]}
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": content, "tool_calls": tool_calls,
+                        "reasoning_content": None},
+            "logprobs": logprobs,
+            "finish_reason": extra.get("finish_reason") or ("tool_calls" if tool_calls else "stop"),
+            "stop_reason": None,
+        }
+        if req.get("return_token_ids"):
+            choice["token_ids"] = [token_id(t) for t in toks]
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": req.get("model") or self.model,
+            "choices": [choice],
+            "usage": usage,
+            "prompt_logprobs": None,
+        }
+
+
+def _tool_call(c: dict) -> dict:
+    if "arguments" in c:
+        name, args = c.get("name", "terminal"), c["arguments"]
+        args = args if isinstance(args, str) else json.dumps(args)
+    else:
+        body = {"command": c["command"]}
+        if c.get("timeout") is not None:
+            body["timeout"] = c["timeout"]
+        name, args = "terminal", json.dumps(body)
+    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex[:16]}", "type": "function",
+            "function": {"name": name, "arguments": args}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m et_hpc.scripted_server",
+        description="Serve scripted chat replies in vLLM's OpenAI-compatible shape on 127.0.0.1, for "
+        "dry runs of the agent loop without a model. The script (JSON or YAML) maps a substring of the "
+        "first user message to a list of replies: text, {command, timeout}, or {fault: ...}.",
+        epilog="example:\n  echo '{\"\": [{\"command\": \"echo hi > /home/user/f\"}, \"done\"]}' > s.json\n"
+        "  python -m et_hpc.scripted_server --script s.json --port 0 --endpoint-file ep.json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--script", required=True, type=Path, help="JSON or YAML script file")
+    p.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (0: any free port)")
+    p.add_argument("--model", default="scripted", help="model name to report (default: scripted)")
+    p.add_argument("--max-model-len", type=int, default=32768, help="context length to enforce")
+    p.add_argument("--endpoint-file", type=Path, help="write the endpoint JSON here (as slurm/vllm.sbatch does)")
+    args = p.parse_args(argv)
+    from et_hpc.errors import UserError
+
+    try:
+        srv = ScriptedServer(args.script, port=args.port, model=args.model, max_model_len=args.max_model_len)
+    except UserError as e:
+        print(f"scripted_server: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"scripted_server: error: cannot listen on {HOST}:{args.port}: {e.strerror}", file=sys.stderr)
+        return 2
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    srv.start()
+    if args.endpoint_file:
+        srv.write_endpoint_file(args.endpoint_file, os.environ.get("SLURM_JOB_ID"))
+    print(f"serving {srv.base_url} (model {srv.model})", flush=True)
+    done.wait()
+    srv.stop()
+    if args.endpoint_file:
+        try:
+            if json.loads(args.endpoint_file.read_text()).get("port") == srv.port:
+                args.endpoint_file.unlink()
+        except (OSError, ValueError):
+            pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
