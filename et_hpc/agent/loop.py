@@ -1,0 +1,215 @@
+"""The agent loop: ask the policy, run the command in the shell, feed back the observation.
+
+``run_agent`` never raises for a failing policy or shell: those end the episode with status
+``policy_error`` / ``shell_error``. Budgets (turns, wall time, context, tokens) end it with status
+``ok`` and a ``stop_reason`` saying which budget ran out. The loop knows only ``shell.run``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Literal, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from et_hpc.agent.policies import Action, ContextLengthError, Policy, PolicyError
+from et_hpc.agent.protocols import default_system_prompt, format_observation
+
+log = logging.getLogger(__name__)
+
+StopReason = Literal["done", "max_turns", "wall_time", "context", "token_budget", "policy_error", "shell_error"]
+Status = Literal["ok", "policy_error", "shell_error"]
+
+NOT_RUN = (
+    "Not executed: only one terminal call runs per turn. Call the tool again for the next command."
+)
+
+
+class ShellLike(Protocol):
+    def run(self, command: str, timeout: float = 60.0) -> Any: ...
+
+
+class Budgets(BaseModel):
+    """Limits of one episode. ``total_tokens`` caps the summed completion tokens (None: no cap)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_turns: int = 16
+    wall_time_s: float = 300.0
+    command_timeout_s: float = 60.0
+    max_tokens_per_turn: int = 2048
+    context_tokens: int = 16384
+    total_tokens: int | None = None
+    output_limit_chars: int = 50_000
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0  # summed over turns
+    completion_tokens: int = 0  # summed over turns
+    last_prompt_tokens: int = 0  # the most recent request's prompt length
+
+
+class Turn(BaseModel):
+    index: int
+    kind: Literal["command", "done", "invalid"]
+    message: dict[str, Any]  # the raw assistant message
+    command: str | None = None
+    observation: str | None = None
+    exit_code: int | None = None
+    timed_out: bool = False
+    shell_restarted: bool = False
+    timeout_s: float | None = None  # the timeout the command ran with
+    policy_s: float = 0.0
+    exec_s: float = 0.0
+    usage: dict[str, int] | None = None
+    finish_reason: str | None = None
+    retries: int = 0
+    token_ids: list[int] | None = None
+    logprobs: list[float] | None = None
+
+
+class AgentResult(BaseModel):
+    messages: list[dict[str, Any]]
+    turns: list[Turn] = Field(default_factory=list)
+    stop_reason: StopReason
+    status: Status = "ok"
+    error: str | None = None
+    usage: Usage = Field(default_factory=Usage)
+    wall_s: float = 0.0
+    mode: str = "text"
+
+
+def _observation_message(mode: str, action: Action, content: str) -> dict[str, Any]:
+    if mode == "tools" and action.tool_call_id:
+        return {"role": "tool", "tool_call_id": action.tool_call_id, "content": content}
+    return {"role": "user", "content": content}
+
+
+def run_agent(
+    prompt: str,
+    shell: ShellLike,
+    policy: Policy,
+    budgets: Budgets | None = None,
+    *,
+    system_prompt: str | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> AgentResult:
+    """Run one episode's agent part; the caller scores the shell's state afterwards."""
+    budgets = budgets or Budgets()
+    mode = getattr(policy, "mode", "text")
+    sys_text = system_prompt if system_prompt is not None else default_system_prompt(mode)
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": sys_text},
+        {"role": "user", "content": prompt},
+    ]
+    turns: list[Turn] = []
+    usage = Usage()
+    status: Status = "ok"
+    error: str | None = None
+    stop: StopReason | None = None
+    last_context = 0
+    start = clock()
+
+    while stop is None:
+        elapsed = clock() - start
+        if len(turns) >= budgets.max_turns:
+            stop = "max_turns"
+            break
+        if elapsed >= budgets.wall_time_s:
+            stop = "wall_time"
+            break
+        if budgets.total_tokens is not None and usage.completion_tokens >= budgets.total_tokens:
+            stop = "token_budget"
+            break
+        if last_context > budgets.context_tokens:
+            stop = "context"
+            break
+
+        t0 = clock()
+        try:
+            action = policy.act(messages)
+        except ContextLengthError as e:
+            stop, error = "context", str(e)
+            break
+        except PolicyError as e:
+            stop, status, error = "policy_error", "policy_error", str(e)
+            break
+        except Exception as e:  # a policy bug must not escape the episode
+            log.exception("policy raised")
+            stop, status, error = "policy_error", "policy_error", f"{type(e).__name__}: {e}"
+            break
+        policy_s = clock() - t0
+
+        turn = Turn(
+            index=len(turns),
+            kind=action.kind,
+            message=action.message,
+            command=action.command,
+            policy_s=policy_s,
+            usage=action.usage,
+            finish_reason=action.finish_reason,
+            retries=action.retries,
+            token_ids=action.token_ids,
+            logprobs=action.logprobs,
+        )
+        turns.append(turn)
+        messages.append(action.message)
+        if action.usage:
+            pt = int(action.usage.get("prompt_tokens", 0))
+            ct = int(action.usage.get("completion_tokens", 0))
+            usage.prompt_tokens += pt
+            usage.completion_tokens += ct
+            usage.last_prompt_tokens = pt
+            # The next request holds at least this prompt plus this reply.
+            last_context = pt + ct
+
+        if action.kind == "done":
+            stop = "done"
+            break
+
+        if action.kind == "invalid":
+            turn.observation = action.error or ""
+            messages.append(_observation_message(mode, action, turn.observation))
+        else:
+            remaining = budgets.wall_time_s - (clock() - start)
+            if remaining <= 0:
+                stop = "wall_time"
+                break
+            asked = action.timeout if action.timeout is not None else budgets.command_timeout_s
+            timeout = asked if action.uncapped_timeout else min(asked, budgets.command_timeout_s)
+            timeout = max(0.1, min(timeout, remaining))
+            turn.timeout_s = timeout
+            t1 = clock()
+            try:
+                res = shell.run(action.command or "", timeout=timeout)
+            except Exception as e:
+                log.exception("shell failed")
+                turn.exec_s = clock() - t1
+                stop, status, error = "shell_error", "shell_error", f"{type(e).__name__}: {e}"
+                break
+            turn.exec_s = clock() - t1
+            turn.exit_code = res.exit_code
+            turn.timed_out = bool(getattr(res, "timed_out", False))
+            turn.shell_restarted = bool(getattr(res, "shell_restarted", False))
+            turn.observation = format_observation(
+                res.output,
+                res.exit_code,
+                timed_out=turn.timed_out,
+                timeout_s=timeout,
+                limit=budgets.output_limit_chars,
+            )
+            messages.append(_observation_message(mode, action, turn.observation))
+        for extra in action.extra_tool_call_ids:
+            messages.append({"role": "tool", "tool_call_id": extra, "content": NOT_RUN})
+
+    return AgentResult(
+        messages=messages,
+        turns=turns,
+        stop_reason=stop,
+        status=status,
+        error=error,
+        usage=usage,
+        wall_s=clock() - start,
+        mode=mode,
+    )

@@ -1,0 +1,268 @@
+"""A policy backed by an OpenAI-compatible chat server (vLLM), with our own bounded retries.
+
+Connection errors, time-outs, 429, 5xx and empty ``choices`` are retried with jittered exponential
+backoff inside a retry budget (count and seconds); past it ``PolicyError`` ends the episode as an
+infrastructure failure. A 400 about the context length raises ``ContextLengthError`` (the loop
+stops with reason ``context``). Usage, finish reason, logprobs and token ids are kept per turn.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import re
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+import openai
+
+from et_hpc.agent.policies import Action, ContextLengthError, PolicyError, text_action
+from et_hpc.agent.protocols import TERMINAL_TOOL, Mode, ToolArgsError, parse_tool_arguments
+
+if TYPE_CHECKING:
+    from et_hpc.agent.policies import PolicyConfig
+
+log = logging.getLogger(__name__)
+
+_CONTEXT_RE = re.compile(
+    r"context length|context_length|maximum context|context window|too many tokens|prompt is too long"
+    r"|max_model_len|input is too long",
+    re.IGNORECASE,
+)
+_TOKEN_ID_RE = re.compile(r"^token_id:(-?\d+)$")
+
+
+class _Retryable(Exception):
+    def __init__(self, msg: str, retry_after: float | None = None):
+        super().__init__(msg)
+        self.retry_after = retry_after
+
+
+def _error_text(e: openai.APIStatusError) -> str:
+    body = e.body
+    if isinstance(body, dict):
+        inner = body.get("error", body)
+        if isinstance(inner, dict) and inner.get("message"):
+            return str(inner["message"])
+        if isinstance(inner, str):
+            return inner
+    return str(e.message or e)
+
+
+def _retry_after(e: openai.APIStatusError) -> float | None:
+    try:
+        val = e.response.headers.get("retry-after")
+        return float(val) if val is not None else None
+    except (TypeError, ValueError, AttributeError):
+        return None
+
+
+class OpenAIPolicy:
+    """Ask a served model for the next command, in tool-call (``tools``) or ET text (``text``) mode."""
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str | None = None,
+        *,
+        api_key: str | None = None,
+        mode: Mode = "tools",
+        temperature: float = 0.7,
+        top_p: float = 1.0,
+        max_tokens: int = 2048,
+        seed: int | None = None,
+        logprobs: bool = False,
+        return_token_ids: bool = False,
+        request_timeout_s: float = 300.0,
+        max_retries: int = 6,
+        retry_budget_s: float = 180.0,
+        backoff_base_s: float = 1.0,
+        backoff_max_s: float = 30.0,
+        sleep: Callable[[float], None] = time.sleep,
+        rng: random.Random | None = None,
+    ):
+        self.mode: Mode = mode
+        self.model = model
+        self.temperature = temperature
+        self.top_p = top_p
+        self.max_tokens = max_tokens
+        self.seed = seed
+        self.logprobs = logprobs or return_token_ids
+        self.return_token_ids = return_token_ids
+        self.max_retries = max_retries
+        self.retry_budget_s = retry_budget_s
+        self.backoff_base_s = backoff_base_s
+        self.backoff_max_s = backoff_max_s
+        self._sleep = sleep
+        self._rng = rng or random.Random()
+        self.client = openai.OpenAI(
+            base_url=base_url,
+            api_key=api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY",
+            max_retries=0,
+            timeout=request_timeout_s,
+        )
+        self.requests = 0  # HTTP requests made (including retried ones)
+        self.retries = 0  # of which retries
+
+    @classmethod
+    def from_config(cls, cfg: PolicyConfig) -> OpenAIPolicy:
+        if not cfg.base_url:
+            from et_hpc.errors import UserError
+
+            raise UserError("the openai policy needs policy.base_url (or an endpoint file from slurm/vllm.sbatch)")
+        return cls(
+            cfg.base_url,
+            cfg.model,
+            api_key=cfg.api_key,
+            mode=cfg.mode,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            max_tokens=cfg.max_tokens or 2048,
+            seed=cfg.seed,
+            logprobs=cfg.logprobs,
+            return_token_ids=cfg.return_token_ids,
+            request_timeout_s=cfg.request_timeout_s,
+            max_retries=cfg.max_retries,
+            retry_budget_s=cfg.retry_budget_s,
+            backoff_base_s=cfg.backoff_base_s,
+            backoff_max_s=cfg.backoff_max_s,
+        )
+
+    # -- retries -----------------------------------------------------------------------------
+    def _call(self, what: str, fn: Callable[[], Any]) -> Any:
+        start = time.monotonic()
+        attempt = 0
+        while True:
+            self.requests += 1
+            try:
+                return fn()
+            except openai.APIStatusError as e:
+                text = _error_text(e)
+                code = e.status_code
+                if 400 <= code < 500 and code not in (408, 409, 429) and _CONTEXT_RE.search(text):
+                    raise ContextLengthError(f"{what}: server says the context is too long ({code}): {text}") from None
+                if code in (408, 409, 429) or code >= 500:
+                    err = _Retryable(f"HTTP {code}: {text}", _retry_after(e))
+                else:
+                    raise PolicyError(f"{what}: server rejected the request (HTTP {code}): {text}") from None
+            except openai.APITimeoutError:
+                err = _Retryable("request timed out")
+            except openai.APIConnectionError as e:
+                err = _Retryable(f"connection failed: {e.__cause__ or e}")
+            except _Retryable as e:
+                err = e
+            except openai.APIError as e:  # malformed responses and the like
+                err = _Retryable(f"bad response: {e}")
+            attempt += 1
+            elapsed = time.monotonic() - start
+            if attempt > self.max_retries or elapsed >= self.retry_budget_s:
+                raise PolicyError(
+                    f"{what}: gave up after {attempt} attempts in {elapsed:.1f} s; last error: {err}"
+                ) from None
+            delay = min(self.backoff_max_s, self.backoff_base_s * 2 ** (attempt - 1))
+            delay *= self._rng.uniform(0.5, 1.0)
+            if err.retry_after is not None:
+                delay = max(delay, min(err.retry_after, self.backoff_max_s))
+            delay = max(0.0, min(delay, self.retry_budget_s - elapsed))
+            log.warning("%s: %s; retry %d/%d in %.2f s", what, err, attempt, self.max_retries, delay)
+            self.retries += 1
+            self._sleep(delay)
+
+    def _resolve_model(self) -> str:
+        if self.model is None:
+            def first() -> str:
+                data = list(self.client.models.list().data)
+                if not data:
+                    raise _Retryable("the server lists no models")
+                return data[0].id
+
+            self.model = self._call("listing models", first)
+        return self.model
+
+    # -- one turn ----------------------------------------------------------------------------
+    def act(self, messages: list[dict[str, Any]]) -> Action:
+        model = self._resolve_model()
+        kwargs: dict[str, Any] = dict(
+            model=model,
+            messages=messages,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            max_tokens=self.max_tokens,
+        )
+        if self.seed is not None:
+            kwargs["seed"] = self.seed
+        if self.mode == "tools":
+            kwargs["tools"] = [TERMINAL_TOOL]
+            kwargs["tool_choice"] = "auto"
+        if self.logprobs:
+            kwargs["logprobs"] = True
+        if self.return_token_ids:
+            kwargs["extra_body"] = {"return_tokens_as_token_ids": True}
+
+        def create() -> Any:
+            resp = self.client.chat.completions.create(**kwargs)
+            if not getattr(resp, "choices", None):
+                raise _Retryable("the server returned no choices")
+            return resp
+
+        retries_before = self.retries
+        resp = self._call("chat completion", create)
+        action = self._to_action(resp)
+        action.retries = self.retries - retries_before
+        return action
+
+    def _to_action(self, resp: Any) -> Action:
+        choice = resp.choices[0]
+        msg = choice.message
+        if self.mode == "text":
+            action = text_action(msg.content or "")
+        else:
+            action = self._tool_action(msg)
+        usage = getattr(resp, "usage", None)
+        if usage is not None:
+            action.usage = {
+                k: int(v) for k, v in usage.model_dump().items() if k.endswith("_tokens") and isinstance(v, int)
+            }
+        action.finish_reason = choice.finish_reason
+        lp = getattr(choice, "logprobs", None)
+        content = getattr(lp, "content", None) if lp is not None else None
+        if content:
+            action.logprobs = [float(c.logprob) for c in content]
+            if self.return_token_ids:
+                ids = [_TOKEN_ID_RE.match(c.token or "") for c in content]
+                if all(ids):
+                    action.token_ids = [int(m.group(1)) for m in ids]  # type: ignore[union-attr]
+        extra_ids = getattr(choice, "token_ids", None)  # newer vLLM: return_token_ids
+        if action.token_ids is None and isinstance(extra_ids, list):
+            action.token_ids = [int(t) for t in extra_ids]
+        return action
+
+    def _tool_action(self, msg: Any) -> Action:
+        calls = list(msg.tool_calls or [])
+        message: dict[str, Any] = {"role": "assistant", "content": msg.content}
+        if not calls:
+            return Action(kind="done", message=message)
+        out_calls = []
+        for i, c in enumerate(calls):
+            fn = getattr(c, "function", None)
+            out_calls.append(
+                {
+                    "id": c.id or f"call_{i}",
+                    "type": "function",
+                    "function": {
+                        "name": getattr(fn, "name", None) or "",
+                        "arguments": getattr(fn, "arguments", None) or "",
+                    },
+                }
+            )
+        message["tool_calls"] = out_calls
+        first = out_calls[0]
+        extra = [c["id"] for c in out_calls[1:]]
+        try:
+            cmd, timeout = parse_tool_arguments(first["function"]["name"], first["function"]["arguments"])
+        except ToolArgsError as e:
+            return Action(kind="invalid", message=message, tool_call_id=first["id"], error=str(e),
+                          extra_tool_call_ids=extra)
+        return Action(kind="command", command=cmd, timeout=timeout, message=message,
+                      tool_call_id=first["id"], extra_tool_call_ids=extra)

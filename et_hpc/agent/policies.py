@@ -1,0 +1,250 @@
+"""Policies: what decides the next shell command. The protocol plus the non-model policies.
+
+A policy turns the conversation so far into an ``Action``. ``OpenAIPolicy`` (a served model)
+lives in ``openai_policy.py``; this file has ``OraclePolicy`` (runs the task's reference
+solution), ``ReplayPolicy`` (replays a recorded ET run), ``NullPolicy`` (stops at once) and
+``make_policy`` which builds one from a ``PolicyConfig``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from et_hpc.agent.protocols import COULD_NOT_PARSE, DONE_TEXT, Mode, parse_text_reply
+from et_hpc.errors import InfraError, TaskError, UserError
+
+if TYPE_CHECKING:
+    from et_hpc.tasks.model import Task
+
+
+class PolicyError(InfraError):
+    """The policy could not produce an action (server down, retries exhausted, bad response)."""
+
+
+class ContextLengthError(PolicyError):
+    """The server refused the request because the conversation is longer than its context."""
+
+
+class Action(BaseModel):
+    """One decision of a policy, plus what the server said about producing it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["command", "done", "invalid"]
+    command: str | None = None
+    timeout: float | None = None  # seconds the policy asks for; the loop caps it
+    uncapped_timeout: bool = False  # trusted commands (oracle) are capped by wall time only
+    message: dict[str, Any]  # the assistant message to append, OpenAI format
+    tool_call_id: str | None = None  # tools mode: the call the observation answers
+    extra_tool_call_ids: list[str] = Field(default_factory=list)  # calls that are not run
+    error: str | None = None  # kind == "invalid": the text sent back to the model
+    usage: dict[str, int] | None = None  # prompt_tokens, completion_tokens, total_tokens
+    finish_reason: str | None = None
+    token_ids: list[int] | None = None
+    logprobs: list[float] | None = None
+    retries: int = 0  # failed requests retried before this answer
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """``mode`` tells the loop which protocol (system prompt, observation role) to speak."""
+
+    mode: Mode
+
+    def act(self, messages: list[dict[str, Any]]) -> Action: ...
+
+
+def text_action(content: str) -> Action:
+    """The action a text-protocol reply asks for."""
+    parsed = parse_text_reply(content)
+    msg = {"role": "assistant", "content": content}
+    if parsed.kind == "invalid":
+        return Action(kind="invalid", message=msg, error=COULD_NOT_PARSE)
+    return Action(kind=parsed.kind, command=parsed.command, message=msg)
+
+
+class NullPolicy:
+    """Says done at once: measures the cost of an episode with no agent work."""
+
+    mode: Mode = "text"
+
+    def act(self, messages: list[dict[str, Any]]) -> Action:
+        return text_action(DONE_TEXT)
+
+
+ORACLE_TIMEOUT_S = 600.0
+
+
+class OraclePolicy:
+    """Runs the task's ``solution/solve.sh`` through the shell in one command, then says done."""
+
+    mode: Mode = "text"
+
+    def __init__(self, task: Task, timeout_s: float = ORACLE_TIMEOUT_S):
+        if task.solution is None:
+            raise UserError(
+                f"task {task.id} has no reference solution (solution/solve.sh in {task.source}); "
+                "use the replay or null policy for it, or add the script"
+            )
+        try:
+            self.script = Path(task.solution).read_text(encoding="utf-8", errors="replace")
+        except OSError as e:
+            raise TaskError(f"cannot read {task.solution}: {e.strerror}; check the task folder") from None
+        self.timeout_s = timeout_s
+        self._ran = False
+
+    def command(self) -> str:
+        delim = "ET_ORACLE_EOF"
+        lines = set(self.script.splitlines())
+        while delim in lines:
+            delim += "_X"
+        body = self.script if self.script.endswith("\n") else self.script + "\n"
+        return f"bash <<'{delim}'\n{body}{delim}"
+
+    def act(self, messages: list[dict[str, Any]]) -> Action:
+        if self._ran:
+            return text_action(DONE_TEXT)
+        self._ran = True
+        cmd = self.command()
+        return Action(
+            kind="command",
+            command=cmd,
+            timeout=self.timeout_s,
+            uncapped_timeout=True,
+            message={"role": "assistant", "content": f"<command>{cmd}</command>"},
+        )
+
+
+class RecordedRun(BaseModel):
+    index: int
+    success: bool | None
+    reward: float | None
+    n_assistant_turns: int
+
+
+def _load_summary(path: Path) -> list[dict[str, Any]]:
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise TaskError(f"cannot read recorded runs {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise TaskError(f"recorded runs {path} is not valid JSON ({e.msg}, line {e.lineno})") from None
+    results = data.get("results") if isinstance(data, dict) else None
+    if not isinstance(results, list):
+        raise TaskError(f"recorded runs {path} has no 'results' list (expected a *_summary.json)")
+    for i, r in enumerate(results):
+        if not isinstance(r, dict) or not isinstance(r.get("messages"), list):
+            raise TaskError(f"recorded runs {path}: results[{i}] has no 'messages' list")
+    return results
+
+
+def _assistant_contents(run: dict[str, Any]) -> list[str]:
+    return [str(m.get("content") or "") for m in run["messages"] if m.get("role") == "assistant"]
+
+
+def recorded_runs(path: Path) -> list[RecordedRun]:
+    """Every recorded run in a ``solutions/*_summary.json`` file."""
+    out = []
+    for i, r in enumerate(_load_summary(path)):
+        reward = r.get("reward")
+        success = r.get("success")
+        out.append(
+            RecordedRun(
+                index=i,
+                success=None if success is None else bool(success),
+                reward=None if reward is None else float(reward),
+                n_assistant_turns=len(_assistant_contents(r)),
+            )
+        )
+    return out
+
+
+class ReplayPolicy:
+    """Replays the assistant turns of one recorded run through the text protocol.
+
+    When the recorded turns run out, it says done (so the final tests run on what was replayed).
+    """
+
+    mode: Mode = "text"
+
+    def __init__(self, summary_json_path: Path, run_index: int = 0):
+        results = _load_summary(summary_json_path)
+        if not 0 <= run_index < len(results):
+            raise UserError(
+                f"run index {run_index} is out of range for {summary_json_path} "
+                f"({len(results)} recorded runs: use 0..{len(results) - 1})"
+            )
+        self.path = Path(summary_json_path)
+        self.run_index = run_index
+        self.replies = _assistant_contents(results[run_index])
+        self._pos = 0
+
+    def act(self, messages: list[dict[str, Any]]) -> Action:
+        if self._pos >= len(self.replies):
+            return text_action(DONE_TEXT)
+        content = self.replies[self._pos]
+        self._pos += 1
+        return text_action(content)
+
+
+class PolicyConfig(BaseModel):
+    """Everything that picks and tunes a policy (one block of the run config)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["openai", "oracle", "replay", "null"] = "openai"
+    # openai
+    base_url: str | None = None
+    api_key: str | None = None  # default: $OPENAI_API_KEY, else "EMPTY"
+    model: str | None = None  # default: the first model the server lists
+    mode: Mode = "tools"
+    temperature: float = 0.7
+    top_p: float = 1.0
+    max_tokens: int | None = None  # default: Budgets.max_tokens_per_turn
+    seed: int | None = None
+    logprobs: bool = False
+    return_token_ids: bool = False
+    request_timeout_s: float = 300.0
+    max_retries: int = 6
+    retry_budget_s: float = 180.0
+    backoff_base_s: float = 1.0
+    backoff_max_s: float = 30.0
+    # replay
+    replay_index: int = 0
+    replay_file: Path | None = None  # default: the task's first recorded-runs file
+    # oracle
+    oracle_timeout_s: float = ORACLE_TIMEOUT_S
+
+
+def make_policy(cfg: PolicyConfig, task: Task | None = None, *, max_tokens: int | None = None) -> Policy:
+    """Build the configured policy for one episode of ``task``.
+
+    ``max_tokens`` (usually ``Budgets.max_tokens_per_turn``) is used when the config leaves it unset.
+    """
+    if cfg.kind == "null":
+        return NullPolicy()
+    if cfg.kind == "oracle":
+        if task is None:
+            raise UserError("the oracle policy needs a task (it runs the task's solution/solve.sh)")
+        return OraclePolicy(task, timeout_s=cfg.oracle_timeout_s)
+    if cfg.kind == "replay":
+        path = cfg.replay_file
+        if path is None:
+            if task is None or not task.recorded_runs:
+                tid = task.id if task is not None else "(none)"
+                raise UserError(
+                    f"task {tid} has no recorded runs (solutions/*_summary.json); "
+                    "set policy.replay_file or use another policy"
+                )
+            path = task.recorded_runs[0]
+        return ReplayPolicy(path, cfg.replay_index)
+    from et_hpc.agent.openai_policy import OpenAIPolicy
+
+    if cfg.max_tokens is None and max_tokens is not None:
+        cfg = cfg.model_copy(update={"max_tokens": max_tokens})
+    return OpenAIPolicy.from_config(cfg)

@@ -1,0 +1,66 @@
+"""Endpoint discovery: a late endpoint file, a server that never comes, and what the error says."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+
+import pytest
+
+from et_hpc.agent.endpoint import endpoint_record, resolve_endpoint
+from et_hpc.errors import UserError
+from et_hpc.scripted_server import ScriptedServer
+
+
+def test_waits_for_file_written_late(tmp_path):
+    ep = tmp_path / "shared" / "vllm.json"
+    with ScriptedServer({"": ["hi"]}, model="late-model") as srv:
+        def write_later() -> None:
+            time.sleep(1.0)
+            ep.parent.mkdir()
+            ep.write_text("{\"host\": ")  # a torn write first: must be waited out, not fail
+            time.sleep(0.5)
+            srv.write_endpoint_file(ep, job_id="77")
+
+        t = threading.Thread(target=write_later)
+        t.start()
+        e = resolve_endpoint(None, ep, wait_s=30, poll_s=0.2)
+        t.join()
+        assert e.base_url == srv.base_url
+        assert e.model == "late-model" and e.job_id == "77"
+        assert srv.requests.get("GET /v1/models", 0) >= 1
+
+
+def test_base_url_learns_model_from_server():
+    with ScriptedServer({"": ["hi"]}, model="m7") as srv:
+        e = resolve_endpoint(srv.base_url + "/", None, wait_s=5, poll_s=0.1)
+        assert e.base_url == srv.base_url and e.model == "m7" and e.job_id is None
+
+
+def test_never_written_file_is_clear_user_error(tmp_path):
+    ep = tmp_path / "never.json"
+    with pytest.raises(UserError) as e:
+        resolve_endpoint(None, ep, wait_s=0.6, poll_s=0.2)
+    msg = str(e.value)
+    assert str(ep) in msg and "did not appear" in msg and "sbatch slurm/vllm.sbatch" in msg
+    assert "\n" not in msg
+
+
+def test_dead_server_names_file_and_job(tmp_path):
+    with ScriptedServer({"": ["x"]}) as srv:
+        port = srv.port  # a port that was ours and is now closed
+    ep = tmp_path / "ep.json"
+    ep.write_text(json.dumps(endpoint_record("127.0.0.1", port, "m", "987654321")))
+    with pytest.raises(UserError) as e:
+        resolve_endpoint(None, ep, wait_s=0.5, poll_s=0.2)
+    msg = str(e.value)
+    assert str(ep) in msg and f"127.0.0.1:{port}" in msg and "987654321" in msg and "not reachable" in msg
+    if shutil.which("squeue"):
+        assert "no longer queued or running" in msg and "sacct -j 987654321" in msg
+
+
+def test_needs_something():
+    with pytest.raises(UserError, match="--base-url"):
+        resolve_endpoint(None, None)
