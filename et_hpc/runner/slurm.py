@@ -163,6 +163,7 @@ def submit(plan: Plan) -> list[dict[str, Any]]:
             raise UserError(f"sbatch refused the array: {msg[-1] if msg else e}") from None
         array_id = str(jobs[0].job_id).split("_")[0]
         subs.append({"attempt": attempt, "array_id": array_id, "tasks": len(group),
+                     "job_ids": [str(j.job_id) for j in jobs],  # a one-task array is a plain job
                      "units": sum(len(c) for c in group), "submitted_at": time.time(),
                      "folder": str(run_dir / "slurm")})
         jobs_file["submissions"].append(subs[-1])
@@ -171,7 +172,11 @@ def submit(plan: Plan) -> list[dict[str, Any]]:
 
 
 def task_ids(subs: list[dict[str, Any]]) -> list[str]:
-    return [f"{s['array_id']}_{i}" for s in subs for i in range(s["tasks"])]
+    """Slurm ids of every array task of ``subs`` (``"<array>_<i>"``, or ``"<job>"`` for one task)."""
+    out = []
+    for s in subs:
+        out += s.get("job_ids") or [f"{s['array_id']}_{i}" for i in range(s["tasks"])]
+    return out
 
 
 def load_jobs(run_dir: Path) -> dict[str, Any]:
