@@ -129,6 +129,16 @@ class OpenAIPolicy:
             backoff_max_s=cfg.backoff_max_s,
         )
 
+    def close(self) -> None:
+        """Close the HTTP connections (the policy is unusable afterwards)."""
+        self.client.close()
+
+    def __enter__(self) -> OpenAIPolicy:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
     # -- retries -----------------------------------------------------------------------------
     def _call(self, what: str, fn: Callable[[], Any]) -> Any:
         start = time.monotonic()
