@@ -226,6 +226,7 @@ class ScriptedServer:
 
         rec = endpoint_record(HOST, self.port, self.model, job_id)
         atomic_write_text(Path(path), json.dumps(rec, indent=2) + "\n")
+        os.chmod(path, 0o644)  # readable like the one vllm.sbatch writes
         return rec
 
     # -- serving -----------------------------------------------------------------------------
