@@ -1,0 +1,3 @@
+#!/bin/bash
+set -euo pipefail
+printf 'Hello, et-hpc!\n' > /home/user/greeting.txt
