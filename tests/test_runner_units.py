@@ -27,9 +27,13 @@ INFLIGHT = {"now": 0, "max": 0}
 
 
 def work_runner(task: Task, sample: int, cfg: RunConfig, image, stop: threading.Event) -> dict:
-    """Sleep ``metadata.sleep_s`` in a child process (0 once ``<log_dir>/fast`` exists)."""
+    """Sleep ``metadata.sleep_s`` in a child process (0 once ``<log_dir>/fast`` exists).
+
+    Tasks loaded from folders have no such metadata: then ``$ET_RUNNER_TEST_LOG`` and
+    ``$ET_RUNNER_TEST_SLEEP`` give the log folder and the sleep.
+    """
     meta = task.metadata
-    log_dir = Path(meta["log_dir"])
+    log_dir = Path(meta.get("log_dir") or os.environ["ET_RUNNER_TEST_LOG"])
     job = os.environ.get("SLURM_ARRAY_JOB_ID", "") + "_" + os.environ.get("SLURM_ARRAY_TASK_ID", "")
     with open(log_dir / "starts.log", "a") as f:
         f.write(f"{task.id} {sample} {os.getpid()} {job}\n")
@@ -37,7 +41,7 @@ def work_runner(task: Task, sample: int, cfg: RunConfig, image, stop: threading.
         INFLIGHT["now"] += 1
         INFLIGHT["max"] = max(INFLIGHT["max"], INFLIGHT["now"])
     try:
-        sleep_s = 0 if (log_dir / "fast").exists() else float(meta.get("sleep_s", 0))
+        sleep_s = 0 if (log_dir / "fast").exists() else float(meta.get("sleep_s", os.environ.get("ET_RUNNER_TEST_SLEEP", 0)))
         proc = subprocess.Popen(["sleep", str(sleep_s)])
         while proc.poll() is None:
             if stop.wait(0.05):
