@@ -89,11 +89,19 @@ def unit_counts(plan: Plan, store: Any) -> dict[str, Any]:
             st = done.get((tid, s))
             ok += st == OK
             err += st is not None and st != OK
-    recs = [r for r in store_records(store) if rec_get(r, "task_id") in plan.tasks]
-    n_ok = sum(1 for r in recs if rec_get(r, "status") == OK)
-    passed = sum(1 for r in recs if rec_passed(r))
+    passed, n_ok = pass_stats(store)
     return {"units": plan.total, "ok": ok, "error": err, "missing": plan.total - ok - err,
             "passed": passed, "pass_rate": round(passed / n_ok, 4) if n_ok else None}
+
+
+def pass_stats(store: Any) -> tuple[int, int]:
+    """(episodes with full reward, ok episodes) over the run, one record per unit."""
+    summary = getattr(store, "summary", None)
+    if callable(summary):
+        s = summary()
+        return int(s.solved), int(s.ok)
+    recs = store_records(store)
+    return sum(1 for r in recs if rec_passed(r)), sum(1 for r in recs if rec_get(r, "status") == OK)
 
 
 def _print_summary(title: str, info: dict[str, Any], as_json: bool) -> None:
@@ -198,9 +206,7 @@ def status_info(run_dir: Path) -> dict[str, Any]:
     total = int(meta.get("plan", {}).get("units_total", 0))
     ok = sum(1 for s in done.values() if s == OK)
     err = len(done) - ok
-    recs = store_records(store)
-    n_ok = sum(1 for r in recs if rec_get(r, "status") == OK)
-    passed = sum(1 for r in recs if rec_passed(r))
+    passed, n_ok = pass_stats(store)
     info: dict[str, Any] = {
         "run": meta.get("name"), "run_dir": str(run_dir), "executor": cfg.get("executor"),
         "units": total, "ok": ok, "error": err, "missing": max(0, total - ok - err),
