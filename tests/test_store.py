@@ -284,3 +284,17 @@ def test_open_run_accepts_a_planned_run_without_shards(tmp_path):
     with pytest.raises(UserError):
         open_run(tmp_path / "nothing")
     assert pq.read_schema(rs.write([rec("a", 0)])).equals(EPISODE_SCHEMA)
+
+
+def test_units_cache_follows_new_and_compacted_shards(tmp_path):
+    rs = RunStore(tmp_path / "r")
+    for i in range(6):
+        rs.write([rec("a", i, "infra_error" if i == 5 else "ok")])
+    first = rs.units()
+    assert len(first) == 6 and first[("a", 5)] == "infra_error"
+    rs.write([rec("a", 5, minutes=9)])
+    assert rs.units()[("a", 5)] == "ok"
+    compact(rs)
+    assert len(rs.shards()) == 1
+    assert rs.units() == {("a", i): "ok" for i in range(6)}
+    assert RunStore(rs.path).units() == rs.units()  # a fresh reader agrees with the cached one
