@@ -160,13 +160,15 @@ def _decode(b: bytes) -> str:
 # /proc helpers: find and kill the process groups of a timed-out command from the host side.
 
 def _stat(pid: int) -> tuple[int, int, int] | None:
-    """(ppid, pgid, session) of a host pid, or None if it is gone."""
+    """(ppid, pgid, session) of a live host pid, or None if it is gone or a zombie."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             data = f.read()
     except OSError:
         return None
     fields = data[data.rfind(b")") + 2:].split()
+    if fields[:1] in ([b"Z"], [b"X"]):
+        return None
     try:
         return int(fields[1]), int(fields[2]), int(fields[3])
     except (IndexError, ValueError):
@@ -198,6 +200,17 @@ def _session_members(sid: int) -> list[tuple[int, int]]:
         if st and st[2] == sid:
             out.append((int(name), st[1]))
     return out
+
+
+def kill_session(sid: int, rounds: int = 10) -> None:
+    """SIGKILL every process group in session ``sid`` (host view) until none is left."""
+    for _ in range(rounds):
+        groups = {pgid for _pid, pgid in _session_members(sid)}
+        if not groups:
+            return
+        for pgid in groups:
+            _killpg(pgid)
+        time.sleep(0.02)
 
 
 def _killpg(pgid: int) -> None:

@@ -1,0 +1,371 @@
+"""One Apptainer instance per episode, with its own writable layer, that always gets stopped.
+
+``Sandbox(sif, run_prefix=...)`` is a context manager. ``start()`` copies a sparse ext3 overlay
+(from a per-size template kept in node-local scratch, so creating one costs a ``cp --sparse``)
+and starts ``apptainer instance start --containall --cleanenv --overlay OV [--net --network none]``.
+``stop()`` kills the instance at once (``instance stop -t 0``) and deletes the overlay; it runs on
+``with`` exit, at interpreter exit and on SIGTERM/SIGINT/SIGUSR2. A registry file
+``<scratch>/live/<name>.json`` lets ``et_hpc.sandbox.reaper`` clean up after a killed worker.
+
+Nothing of the host environment reaches the container: apptainer runs with ``--cleanenv`` for the
+instance and for every exec, and ``APPTAINERENV_*`` variables are dropped before calling it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import secrets
+import shlex
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from filelock import FileLock
+
+from et_hpc.errors import InfraError
+from et_hpc.paths import scratch_dir
+from et_hpc.sandbox import apptainer
+from et_hpc.sandbox.shell import Shell, kill_session
+
+log = logging.getLogger(__name__)
+
+HOME = "/home/user"
+DEFAULT_OVERLAY_MB = 512
+# Shell limits: contain fork bombs and memory hogs without cgroups (rootless, no systemd here).
+DEFAULT_NPROC = 512
+DEFAULT_VMEM_MB = 8192
+_LIVE: set[Sandbox] = set()
+_LIVE_LOCK = threading.Lock()
+_HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
+_installed = False
+
+# Run once in a new instance (as part of the first shell's startup, or as its own exec).
+# 1. Task images are built with --fakeroot and `useradd user` + `chown user:user`; the agent runs
+#    as the invoking uid, which apptainer names after the host account. Where the image has a
+#    `user` account, our uid and gid are given that name in the instance's /etc/passwd and
+#    /etc/group (apptainer writes both per instance, owned by us), so tests that check
+#    "owned by user" see the agent's files as `user`'s. The image's own files are already ours:
+#    rootless FUSE mounts show every file as owned by the mounting user.
+# 2. Where the image's files keep foreign owners (setuid installs mount squashfs in the kernel),
+#    $HOME is copied up into the writable layer as ours (content, modes and times kept).
+PREPARE_SCRIPT = r"""
+me=$(id -u); mg=$(id -g)
+if grep -q '^user:' /etc/passwd 2>/dev/null; then
+  p=$(sed -e "/^[^:]*:[^:]*:$me:/{/^user:/!d;}" \
+          -e "s/^user:\([^:]*\):[0-9]*:[0-9]*:/user:\1:$me:$mg:/" /etc/passwd) \
+    && printf '%s\n' "$p" > /etc/passwd 2>/dev/null
+  if grep -q '^user:' /etc/group 2>/dev/null; then
+    g=$(sed -e "/^[^:]*:[^:]*:$mg:/{/^user:/!d;}" -e "s/^user:\([^:]*\):[0-9]*:/user:\1:$mg:/" /etc/group) \
+      && printf '%s\n' "$g" > /etc/group 2>/dev/null
+  fi
+fi
+h=__HOME__
+if [ -d "$h" ] && [ -n "$(find "$h" -xdev ! -user "$me" -print 2>/dev/null | head -n 1)" ]; then
+  t="$h.et-hpc-$$"
+  cp -a "$h" "$t" 2>/dev/null && rm -rf "$h" 2>/dev/null; mv "$t" "$h" 2>/dev/null
+fi
+true
+"""
+
+
+def scratch_paths(scratch: Path | None = None) -> tuple[Path, Path, Path]:
+    """(live registry dir, overlays dir, templates dir) under node-local scratch."""
+    base = Path(scratch) if scratch else scratch_dir()
+    dirs = (base / "live", base / "overlays", base / "overlay-templates")
+    for d in dirs:
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return dirs
+
+
+def new_instance_name(run_prefix: str) -> str:
+    """``<run_prefix>-<host>-<pid>-<rand>``, cut to apptainer's limits (prefix and host first)."""
+    host = socket.gethostname().split(".")[0]
+    tail = f"-{os.getpid()}-{secrets.token_hex(4)}"
+    head = apptainer.safe_name(f"{run_prefix}-{host}")
+    return head[: apptainer.NAME_MAX - len(tail)] + tail
+
+
+def overlay_template(size_mb: int, templates: Path) -> Path:
+    """A sparse ext3 overlay of ``size_mb`` MiB, created once per node (about 0.7 s) and copied after."""
+    path = templates / f"ext3-{int(size_mb)}M.img"
+    if path.exists():
+        return path
+    with FileLock(str(path) + ".lock", timeout=300):
+        if not path.exists():
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            tmp.unlink(missing_ok=True)
+            apptainer.overlay_create(tmp, size_mb, sparse=True)
+            os.replace(tmp, path)
+    return path
+
+
+def copy_sparse(src: Path, dst: Path) -> None:
+    cp = subprocess.run(["cp", "--sparse=always", str(src), str(dst)], capture_output=True, text=True)
+    if cp.returncode != 0:
+        raise InfraError(f"could not copy overlay {src} to {dst}: {cp.stderr.strip()[-300:]}")
+
+
+class Sandbox:
+    """One apptainer instance for one episode.
+
+    ``overlay_mb``: size of the per-episode writable layer (sparse ext3 on node-local scratch);
+    ``None`` or ``writable_tmpfs=True`` uses ``--writable-tmpfs`` instead (capped by apptainer's
+    ``sessiondir max size``, 64 MiB by default). ``network_none`` (default True) gives the
+    instance only a loopback interface; when the host refuses, the sandbox starts with the host
+    network and ``network_isolated`` is False (a warning is logged).
+    ``nproc``/``vmem_mb`` are ``ulimit -u``/``ulimit -v`` set in every shell of the sandbox.
+    """
+
+    def __init__(
+        self,
+        sif: Path,
+        *,
+        run_prefix: str = "et",
+        overlay_mb: int | None = DEFAULT_OVERLAY_MB,
+        writable_tmpfs: bool = False,
+        network_none: bool = True,
+        scratch: Path | None = None,
+        nproc: int | None = DEFAULT_NPROC,
+        vmem_mb: int | None = DEFAULT_VMEM_MB,
+        prepare_home: bool = True,
+        home: str = HOME,
+    ) -> None:
+        self.sif = Path(sif)
+        self.run_prefix = run_prefix
+        self.overlay_mb = None if writable_tmpfs else overlay_mb
+        self.writable_tmpfs = writable_tmpfs or overlay_mb is None
+        self.network_none = network_none
+        self.network_isolated = False
+        self.scratch = scratch
+        self.nproc = nproc
+        self.vmem_mb = vmem_mb
+        self.prepare_home = prepare_home
+        self.home = home
+        self.name: str | None = None
+        self.overlay: Path | None = None
+        self.registry: Path | None = None
+        self.timings: dict[str, float] = {}
+        self._shells: list[Shell] = []
+        self._stopped = True
+        self._prepared = False
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> Sandbox:
+        if not self.sif.is_file():
+            raise InfraError(f"image {self.sif} does not exist")
+        t0 = time.monotonic()
+        live, overlays, templates = scratch_paths(self.scratch)
+        self.name = new_instance_name(self.run_prefix)
+        self.registry = live / f"{self.name}.json"
+        options = ["--containall", "--cleanenv"]
+        if self.overlay_mb:
+            tmpl = overlay_template(self.overlay_mb, templates)
+            self.overlay = overlays / f"{self.name}.img"
+            self._write_registry()  # before anything exists, so a crash leaves a trail
+            copy_sparse(tmpl, self.overlay)
+            options += ["--overlay", str(self.overlay)]
+        else:
+            self._write_registry()
+            options.append("--writable-tmpfs")
+        self.timings["overlay_s"] = time.monotonic() - t0
+        _install_handlers()
+        with _LIVE_LOCK:
+            _LIVE.add(self)
+        self._stopped = False
+        try:
+            self._start_instance(options)
+        except BaseException:
+            self.stop()
+            raise
+        self.timings["start_s"] = time.monotonic() - t0
+        log.debug("sandbox %s started in %.3f s", self.name, self.timings["start_s"])
+        return self
+
+    def _start_instance(self, options: list[str]) -> None:
+        assert self.name
+        if self.network_none:
+            try:
+                apptainer.instance_start(self.sif, self.name, [*options, "--net", "--network", "none"])
+                self.network_isolated = True
+                return
+            except InfraError as e:
+                msg = str(e).lower()
+                if "net" not in msg:
+                    raise
+                log.warning(
+                    "this host does not allow '--net --network none' for unprivileged users (%s); "
+                    "the sandbox shares the host network. Ask the admins to allow it "
+                    "('allow net networks = none' in apptainer.conf) or pass network_none=False.",
+                    str(e)[-200:],
+                )
+        apptainer.instance_start(self.sif, self.name, options)
+
+    def _prepare_script(self) -> str:
+        return PREPARE_SCRIPT.replace("__HOME__", shlex.quote(self.home))
+
+    def prepare(self) -> None:
+        """Apply ``PREPARE_SCRIPT`` once (no-op when a shell already did it)."""
+        if self._prepared or not self.prepare_home:
+            return
+        cp = self.exec(["sh", "-c", self._prepare_script()], timeout=120)
+        if cp.returncode != 0:
+            log.warning("preparing %s in %s failed: %s", self.home, self.name, cp.stdout[-300:])
+        self._prepared = True
+
+    def stop(self) -> None:
+        """Kill the instance and delete its overlay and registry file. Safe to call twice."""
+        if self._stopped:
+            return
+        self._stopped = True
+        t0 = time.monotonic()
+        for sh in self._shells:
+            try:
+                sh.close()
+            except Exception:  # noqa: BLE001 - stopping must go on
+                log.debug("closing a shell failed", exc_info=True)
+        self._shells.clear()
+        try:
+            if self.name:
+                apptainer.instance_stop(self.name, timeout_s=0, check=False)
+        except Exception as e:  # noqa: BLE001
+            log.warning("stopping instance %s failed: %s", self.name, e)
+        for p in (self.overlay, self.registry):
+            if p is not None:
+                try:
+                    p.unlink()
+                except FileNotFoundError:
+                    pass
+                except OSError as e:
+                    log.warning("could not delete %s: %s", p, e)
+        with _LIVE_LOCK:
+            _LIVE.discard(self)
+        self.timings["stop_s"] = time.monotonic() - t0
+
+    def __enter__(self) -> Sandbox:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _write_registry(self) -> None:
+        assert self.registry
+        rec = {
+            "name": self.name,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "overlay": str(self.overlay) if self.overlay else None,
+            "sif": str(self.sif),
+            "started": time.time(),
+        }
+        tmp = self.registry.with_name(f".{self.registry.name}.tmp")
+        tmp.write_text(json.dumps(rec))
+        os.replace(tmp, self.registry)
+
+    # -- using it --------------------------------------------------------------------------
+
+    @property
+    def live(self) -> bool:
+        return not self._stopped
+
+    def exec_argv(self, argv: list[str], *, pwd: str | None = None) -> list[str]:
+        if not self.name or self._stopped:
+            raise InfraError("the sandbox is not running")
+        return apptainer.exec_argv(self.name, argv, pwd=pwd or self.home, env={"HOME": self.home})
+
+    def exec(
+        self, argv: list[str], timeout: float = 60.0, input: bytes | None = None, *, pwd: str | None = None
+    ) -> subprocess.CompletedProcess[bytes]:
+        """A fresh ``apptainer exec instance://NAME ARGV``: merged output in ``stdout`` (bytes).
+
+        On timeout everything it started is killed and ``subprocess.TimeoutExpired`` is raised.
+        """
+        full = self.exec_argv(argv, pwd=pwd)
+        proc = subprocess.Popen(
+            full,
+            stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=apptainer.host_env(),
+        )
+        try:
+            out, _ = proc.communicate(input=input, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_session(proc.pid)
+            proc.kill()
+            out, _ = proc.communicate()
+            raise subprocess.TimeoutExpired(full, timeout, output=out) from None
+        return subprocess.CompletedProcess(full, proc.returncode, out, None)
+
+    def shell_init(self) -> str:
+        """Startup lines of every shell: the one-time preparation (first shell), then ulimits."""
+        lines = []
+        if self.prepare_home and not self._prepared:
+            lines.append(f"( {self._prepare_script()} )")
+            self._prepared = True
+        if self.nproc:
+            lines.append(f"ulimit -S -u {int(self.nproc)} 2>/dev/null; ulimit -H -u {int(self.nproc)} 2>/dev/null")
+        if self.vmem_mb:
+            kb = int(self.vmem_mb) * 1024
+            lines.append(f"ulimit -S -v {kb} 2>/dev/null; ulimit -H -v {kb} 2>/dev/null")
+        return "\n".join(lines)
+
+    def shell(self, **kw: Any) -> Shell:
+        """A started persistent bash in the instance, cwd and HOME ``/home/user``."""
+        kw.setdefault("home", self.home)
+        kw.setdefault("init", self.shell_init())
+        kw.setdefault("popen_env", apptainer.host_env())
+        sh = Shell(self.exec_argv(["bash", "--noprofile", "--norc"]), **kw)
+        sh.start()
+        self._shells.append(sh)
+        return sh
+
+
+# -- stopping on signals and exit ------------------------------------------------------------
+
+def live_sandboxes() -> list[Sandbox]:
+    with _LIVE_LOCK:
+        return list(_LIVE)
+
+
+def stop_all() -> None:
+    for sb in live_sandboxes():
+        try:
+            sb.stop()
+        except Exception:  # noqa: BLE001
+            log.warning("stopping sandbox %s failed", sb.name, exc_info=True)
+
+
+def _install_handlers() -> None:
+    """Once per process (main thread only): stop live sandboxes on SIGTERM/SIGINT/SIGUSR2, then
+    hand the signal to whatever handled it before (default: die of it)."""
+    global _installed
+    if _installed or threading.current_thread() is not threading.main_thread():
+        return
+    _installed = True
+    atexit.register(stop_all)
+    for sig in _HANDLED:
+        prev = signal.getsignal(sig)
+
+        def handler(signum: int, frame: Any, _prev: Any = prev) -> None:
+            stop_all()
+            if callable(_prev):
+                _prev(signum, frame)
+            elif _prev == signal.SIG_IGN:
+                return
+            else:
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+
+        try:
+            signal.signal(sig, handler)
+        except (ValueError, OSError):  # not allowed here
+            pass
