@@ -42,6 +42,14 @@ echo "final_after=$(py /task/test_final_state.py)"
 """
 
 
+def _remove_sandbox(box: Path, base_sif: Path) -> None:
+    """A fakeroot sandbox holds files of sub-uids that the user cannot delete; delete them as fakeroot."""
+    if box.exists():
+        subprocess.run(["apptainer", "exec", "--fakeroot", "-B", f"{box}:/sandbox", str(base_sif),
+                        "find", "/sandbox", "-mindepth", "1", "-delete"], capture_output=True, timeout=300)
+        box.rmdir()
+
+
 @pytest.mark.parametrize("task_id", IDS)
 def test_demo_solution_round_trip(base_sif: Path, tmp_path: Path, task_id: str):
     need("apptainer")
@@ -49,13 +57,16 @@ def test_demo_solution_round_trip(base_sif: Path, tmp_path: Path, task_id: str):
     n = normalise(task, base_map={"ubuntu_22.04.sif": base_sif})
     (tmp_path / "t.def").write_text(n.text)
     box = tmp_path / "box"
-    r = subprocess.run(["apptainer", "build", "--fakeroot", "--sandbox", str(box), str(tmp_path / "t.def")],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    r = subprocess.run(
-        ["apptainer", "exec", "--containall", "--writable-tmpfs", "-B", f"{task.source}:/task:ro", str(box),
-         "bash", "-c", STEPS],
-        capture_output=True, text=True, timeout=300,
-    )
+    try:
+        r = subprocess.run(["apptainer", "build", "--fakeroot", "--sandbox", str(box), str(tmp_path / "t.def")],
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        r = subprocess.run(
+            ["apptainer", "exec", "--containall", "--writable-tmpfs", "-B", f"{task.source}:/task:ro", str(box),
+             "bash", "-c", STEPS],
+            capture_output=True, text=True, timeout=300,
+        )
+    finally:
+        _remove_sandbox(box, base_sif)
     got = dict(ln.split("=", 1) for ln in r.stdout.split() if "=" in ln)
     assert got == {"initial": "0", "final_before": "1", "solve1": "ok", "solve2": "ok", "final_after": "0"}, r.stderr[-2000:]
