@@ -76,6 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("et-hpc: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # e.g. `et-hpc tasks list | head`
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     return int(rc or 0)
 
 
