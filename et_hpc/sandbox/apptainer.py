@@ -146,6 +146,28 @@ def exec_argv(
     return [*cmd, f"instance://{instance}", *argv]
 
 
+_ROOTFS_IDS: dict[tuple[str, float], int | None] = {}
+
+
+def sif_rootfs_id(sif: Path | str) -> int | None:
+    """The descriptor id of a SIF's root filesystem partition (for ``image-src`` binds), or None."""
+    p = Path(sif)
+    try:
+        key = (str(p.resolve()), p.stat().st_mtime)
+    except OSError:
+        return None
+    if key not in _ROOTFS_IDS:
+        found = None
+        cp = run(["sif", "list", str(p)], timeout=60, check=False)
+        for line in cp.stdout.decode("utf-8", "replace").splitlines():
+            cols = [c.strip() for c in line.split("|")]
+            if len(cols) >= 5 and cols[0].isdigit() and "System" in cols[4] and cols[4].startswith("FS"):
+                found = int(cols[0])
+                break
+        _ROOTFS_IDS[key] = found
+    return _ROOTFS_IDS[key]
+
+
 def overlay_create(path: Path, size_mb: int, *, sparse: bool = True) -> None:
     """Create an ext3 overlay image of ``size_mb`` MiB (sparse: only written blocks use disk)."""
     args = ["-s", "overlay", "create", "--size", str(int(size_mb))]

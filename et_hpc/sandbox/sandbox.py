@@ -37,6 +37,7 @@ from et_hpc.sandbox.shell import Shell, kill_session
 log = logging.getLogger(__name__)
 
 HOME = "/home/user"
+PRISTINE = "/.et-pristine"  # where the image is bound read-only (see et_hpc.scoring)
 DEFAULT_OVERLAY_MB = 512
 # Shell limits: contain fork bombs and memory hogs without cgroups (rootless, no systemd here).
 DEFAULT_NPROC = 512
@@ -135,6 +136,7 @@ class Sandbox:
         nproc: int | None = DEFAULT_NPROC,
         vmem_mb: int | None = DEFAULT_VMEM_MB,
         prepare_home: bool = True,
+        pristine: bool = True,
         home: str = HOME,
     ) -> None:
         self.sif = Path(sif)
@@ -147,6 +149,8 @@ class Sandbox:
         self.nproc = nproc
         self.vmem_mb = vmem_mb
         self.prepare_home = prepare_home
+        self.pristine = pristine
+        self.pristine_bound = False
         self.home = home
         self.name: str | None = None
         self.overlay: Path | None = None
@@ -175,6 +179,11 @@ class Sandbox:
         else:
             self._write_registry()
             options.append("--writable-tmpfs")
+        part = apptainer.sif_rootfs_id(self.sif) if self.pristine else None
+        if part is not None:
+            # the image itself, read-only, for scoring with an interpreter the agent cannot touch
+            options += ["--bind", f"{self.sif}:{PRISTINE}:image-src=/,id={part}"]
+            self.pristine_bound = True
         self.timings["overlay_s"] = time.monotonic() - t0
         _install_handlers()
         with _LIVE_LOCK:
@@ -220,18 +229,21 @@ class Sandbox:
             log.warning("preparing %s in %s failed: %s", self.home, self.name, cp.stdout[-300:])
         self._prepared = True
 
-    def stop(self) -> None:
-        """Kill the instance and delete its overlay and registry file. Safe to call twice."""
-        if self._stopped:
-            return
-        self._stopped = True
-        t0 = time.monotonic()
+    def close_shells(self) -> None:
         for sh in self._shells:
             try:
                 sh.close()
             except Exception:  # noqa: BLE001 - stopping must go on
                 log.debug("closing a shell failed", exc_info=True)
         self._shells.clear()
+
+    def stop(self) -> None:
+        """Kill the instance and delete its overlay and registry file. Safe to call twice."""
+        if self._stopped:
+            return
+        self._stopped = True
+        t0 = time.monotonic()
+        self.close_shells()
         try:
             if self.name:
                 apptainer.instance_stop(self.name, timeout_s=0, check=False)
