@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,6 +113,28 @@ def instance_list() -> list[InstanceInfo]:
 
 def instance_start(sif: Path | str, name: str, options: list[str], *, timeout: float = 120.0) -> None:
     run(["-s", "instance", "start", *options, str(sif), name], timeout=timeout)
+
+
+def instance_files(name: str) -> list[Path]:
+    """The state file(s) apptainer keeps for a running instance of this user (any host dir)."""
+    base = Path(os.environ.get("APPTAINER_CONFIGDIR") or Path.home() / ".apptainer") / "instances" / "app"
+    try:
+        import getpass
+
+        user = getpass.getuser()
+    except Exception:  # noqa: BLE001
+        user = "*"
+    return list(base.glob(f"*/{user}/{name}/{name}.json"))
+
+
+def wait_gone(name: str, timeout: float = 10.0) -> bool:
+    """Wait until apptainer has removed the instance's state (it does so just after ``stop``)."""
+    deadline = time.monotonic() + timeout
+    while instance_files(name):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def instance_stop(name: str, *, timeout_s: int = 0, check: bool = True) -> bool:

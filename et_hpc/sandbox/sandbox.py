@@ -247,6 +247,8 @@ class Sandbox:
         try:
             if self.name:
                 apptainer.instance_stop(self.name, timeout_s=0, check=False)
+                if not apptainer.wait_gone(self.name):
+                    log.warning("instance %s still listed 10 s after it was stopped", self.name)
         except Exception as e:  # noqa: BLE001
             log.warning("stopping instance %s failed: %s", self.name, e)
         for p in (self.overlay, self.registry):

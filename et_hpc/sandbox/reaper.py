@@ -1,0 +1,141 @@
+"""Clean up after workers that died without stopping their sandboxes (SIGKILL, node trouble).
+
+A sandbox leaves three traces on a node: the apptainer instance, its overlay file and its registry
+file ``<scratch>/live/<name>.json`` (written before the overlay or the instance exist). ``reap()``
+stops instances and deletes files whose owner process is dead on this host; sandboxes whose owner is
+alive are left alone. Runners call it when a worker starts; ``et-hpc reap`` runs it by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import socket
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+from et_hpc.errors import InfraError
+from et_hpc.sandbox import apptainer
+from et_hpc.sandbox.sandbox import scratch_paths
+
+log = logging.getLogger(__name__)
+
+# <run_prefix>-<host>-<pid>-<8 hex>, as made by sandbox.new_instance_name
+_NAME_RE = re.compile(r"^(?P<head>.+)-(?P<pid>\d+)-(?P<rand>[0-9a-f]{8})$")
+
+
+class ReapReport(BaseModel):
+    stopped: list[str] = Field(default_factory=list)  # instances stopped
+    deleted: list[str] = Field(default_factory=list)  # overlay and registry files deleted
+    kept: list[str] = Field(default_factory=list)  # sandboxes whose owner is alive
+    errors: list[str] = Field(default_factory=list)
+    dry_run: bool = False
+
+
+def pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+        return data[data.rfind(b")") + 2:][:1] not in (b"Z", b"X")
+    except OSError:
+        return True
+
+
+def _short_host() -> str:
+    return apptainer.safe_name(socket.gethostname().split(".")[0])
+
+
+def _name_owner(name: str) -> int | None:
+    """The owner pid encoded in an instance name made on this host, else None."""
+    m = _NAME_RE.match(name)
+    if not m or f"-{_short_host()}" not in m.group("head"):
+        return None
+    return int(m.group("pid"))
+
+
+def reap(scratch: Path | None = None, all_runs: bool = False, dry_run: bool = False) -> ReapReport:
+    """Stop dead workers' instances and delete their overlays and registry files.
+
+    Default: what the registry and overlay files in this node's scratch name. ``all_runs``: also any
+    instance of this user on this host named like ours (``PREFIX-HOST-PID-RAND``) whose PID is dead,
+    wherever its files live.
+    """
+    rep = ReapReport(dry_run=dry_run)
+    live_dir, overlays_dir, _ = scratch_paths(scratch)
+    host = socket.gethostname()
+    try:
+        running = {i.name: i for i in apptainer.instance_list()}
+    except InfraError as e:
+        rep.errors.append(str(e))
+        running = {}
+    handled: set[str] = set()
+
+    def stop(name: str) -> None:
+        if name in running and name not in rep.stopped:
+            if not dry_run:
+                try:
+                    apptainer.instance_stop(name, timeout_s=0)
+                except InfraError as e:
+                    rep.errors.append(str(e))
+                    return
+            rep.stopped.append(name)
+
+    def delete(p: Path) -> None:
+        if p.exists() or p.is_symlink():
+            if not dry_run:
+                try:
+                    p.unlink()
+                except OSError as e:
+                    rep.errors.append(f"cannot delete {p}: {e}")
+                    return
+            rep.deleted.append(str(p))
+
+    for reg in sorted(live_dir.glob("*.json")):
+        try:
+            rec = json.loads(reg.read_text())
+            name, pid, rhost = rec["name"], int(rec["pid"]), rec.get("host", host)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            rep.errors.append(f"unreadable registry file {reg}: {e}")
+            continue
+        handled.add(name)
+        if rhost != host:
+            continue  # another node's scratch seen through a shared path: not ours to judge
+        if pid_alive(pid):
+            rep.kept.append(name)
+            continue
+        stop(name)
+        if rec.get("overlay"):
+            delete(Path(rec["overlay"]))
+        delete(reg)
+
+    for ov in sorted(overlays_dir.glob("*.img")):
+        name = ov.stem
+        if name in handled:
+            continue
+        owner = _name_owner(name)
+        if owner is not None and not pid_alive(owner):
+            handled.add(name)
+            stop(name)
+            delete(ov)
+
+    if all_runs:
+        for name in running:
+            if name in handled:
+                continue
+            owner = _name_owner(name)
+            if owner is not None and not pid_alive(owner):
+                stop(name)
+    if rep.stopped or rep.deleted:
+        log.info("reaped %d instance(s), %d file(s)", len(rep.stopped), len(rep.deleted))
+    return rep
