@@ -90,7 +90,7 @@ def test_failure_reason_picks_the_telling_line() -> None:
     log = [
         "INFO:    Running post scriptlet",
         "+ curl -LO https://dl.k8s.io/release/v1.30.0/bin/linux/amd64/kubectl",
-        "curl: (6) Could not resolve host: dl.k8s.io",
+        "  0     0    0     0    0     0      0      0 --:--:-- --:--:-- --:--:--     0curl: (6) Could not resolve host: dl.k8s.io",
         "FATAL:   While performing build: while running engine: exit status 6",
     ]
     assert failure_reason(log) == "curl: (6) Could not resolve host: dl.k8s.io"

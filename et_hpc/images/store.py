@@ -130,6 +130,102 @@ class _DigestCache:
             return "?"
 
 
+def _stat_list(p: Path) -> list[int] | None:
+    try:
+        st = os.stat(p)
+    except OSError:
+        return None
+    return [st.st_size, st.st_mtime_ns, st.st_ino]
+
+
+class LookupIndex:
+    """Recipe path -> image key, valid while the recipe, its context dir, copied files and base are
+    unchanged (size, mtime, inode) and the normalising code is the same. Lets a fresh process look up
+    thousands of tasks without normalising and hashing; a miss just falls back to the full path."""
+
+    RACY_S = 2.0  # files changed this recently may change again within the same mtime tick
+
+    def __init__(self, path: Path, sig: str) -> None:
+        self.path, self.sig = path, sig
+        self._entries: dict[str, dict] | None = None
+        self._dirty = False
+        self._lock = threading.Lock()
+
+    def _load(self) -> dict[str, dict]:
+        if self._entries is None:
+            try:
+                data = json.loads(self.path.read_text())
+                self._entries = data["entries"] if data.get("sig") == self.sig else {}
+            except (OSError, ValueError, KeyError, TypeError):
+                self._entries = {}
+        return self._entries
+
+    @staticmethod
+    def _id(task: Any) -> str | None:
+        r = getattr(task, "recipe", None)
+        return f"{r.kind}:{r.path}:{r.context_dir}" if r is not None and hasattr(r, "path") else None
+
+    def key(self, task: Any) -> str | None:
+        tid = self._id(task)
+        if tid is None:
+            return None
+        with self._lock:
+            ent = self._load().get(tid)
+        if not ent:
+            return None
+        for p, want in ent["stats"]:
+            if _stat_list(Path(p)) != want:
+                return None
+        return ent["key"]
+
+    def remember(self, task: Any, recipe: Any, key: str) -> None:
+        tid = self._id(task)
+        if tid is None:
+            return
+        r = task.recipe
+        paths = [Path(r.path), Path(r.context_dir)] + [Path(src) for src, _ in recipe.files]
+        if getattr(recipe, "base", None):
+            paths.append(Path(recipe.base))
+        stats = []
+        now = time.time_ns()
+        for p in paths:
+            st = _stat_list(p)
+            if st is None or now - st[1] < self.RACY_S * 1e9 or (p.is_dir() and p not in paths[:2]):
+                return  # missing, too fresh to trust, or a copied directory tree: always recompute
+            stats.append([str(p), st])
+        with self._lock:
+            self._load()[tid] = {"key": key, "stats": stats}
+            self._dirty = True
+
+    def save(self) -> None:
+        with self._lock:
+            if not self._dirty or self._entries is None:
+                return
+            try:
+                atomic_write_text(self.path, json.dumps({"sig": self.sig, "entries": self._entries}))
+                self._dirty = False
+            except OSError as e:
+                log.debug("lookup index not saved: %s", e)
+
+
+_CODE_SIG: str | None = None
+
+
+def _code_signature() -> str:
+    """Digest of the code that turns recipes into keys (a change invalidates the lookup index)."""
+    global _CODE_SIG
+    if _CODE_SIG is None:
+        h = hashlib.sha256()
+        here = Path(__file__).resolve().parent
+        for name in ("recipe.py", "dockerfile.py", "store.py"):
+            try:
+                h.update((here / name).read_bytes())
+            except OSError:
+                h.update(name.encode())
+        _CODE_SIG = h.hexdigest()
+    return _CODE_SIG
+
+
 class ImageStore:
     """Build-once, content-addressed images for tasks.
 
@@ -155,6 +251,16 @@ class ImageStore:
         self._normalise = normalise
         self._digests = _DigestCache()
         self._base_digests: dict[str, tuple[tuple[int, int, int], str]] = {}
+        self._index: LookupIndex | None = None
+
+    @property
+    def index(self) -> "LookupIndex":
+        if self._index is None:
+            sig = hashlib.sha256(_code_signature().encode())
+            for name, p in sorted(self.base_map.items()):
+                sig.update(f"{name}={p}\n".encode())
+            self._index = LookupIndex(self.cache_dir / "index" / f"lookups-{FORMAT}.json", sig.hexdigest())
+        return self._index
 
     # -- paths -------------------------------------------------------------------------------
     @property
@@ -262,18 +368,34 @@ class ImageStore:
                                log_path=self.log_path(key))
         return ImageResult(task_id=task_id, key=key, status="missing", log_path=None)
 
-    def lookup(self, task: Any) -> ImageResult:
-        """Where the task's image is, without building: cached, failed (with reason) or missing."""
+    def _resolve(self, task: Any) -> tuple[str, Any, ImageResult | None]:
+        """(key, normalised recipe, None) or ("", None, result) for prebuilt or unbuildable tasks."""
         tid = _task_id(task)
         try:
             recipe = self.normalised(task)
             pre = self._prebuilt(task, recipe)
             if pre is not None:
-                return pre
+                return "", None, pre
             key = self.key_for(recipe)
         except UserError as e:
-            return ImageResult(task_id=tid, key=None, status="failed", reason=str(e))
-        return self._from_store(tid, key)
+            return "", None, ImageResult(task_id=tid, key=None, status="failed", reason=str(e))
+        self.index.remember(task, recipe, key)
+        return key, recipe, None
+
+    def lookup(self, task: Any) -> ImageResult:
+        """Where the task's image is, without building: cached, failed (with reason) or missing."""
+        key = self.index.key(task)
+        if key is None:
+            key, _, res = self._resolve(task)
+            if res is not None:
+                return res
+        return self._from_store(_task_id(task), key)
+
+    def lookup_many(self, tasks: Iterable[Any]) -> list[ImageResult]:
+        """``lookup`` for many tasks; saves the lookup index so the next process is fast too."""
+        out = [self.lookup(t) for t in tasks]
+        self.index.save()
+        return out
 
     # -- building ----------------------------------------------------------------------------
     def ensure(self, task: Any, *, retry_failed: bool = False, build: bool = True) -> ImageResult:
@@ -281,14 +403,15 @@ class ImageStore:
         t0 = time.monotonic()
         started = time.time()
         tid = _task_id(task)
-        try:
-            recipe = self.normalised(task)
-            pre = self._prebuilt(task, recipe)
-            if pre is not None:
-                return pre
-            key = self.key_for(recipe)
-        except UserError as e:
-            return ImageResult(task_id=tid, key=None, status="failed", reason=str(e))
+        key = self.index.key(task)
+        if key is not None:
+            res = self._from_store(tid, key)
+            if res.status == "cached" or not build or (res.status == "failed" and not retry_failed):
+                res.seconds = time.monotonic() - t0
+                return res
+        key, recipe, res = self._resolve(task)
+        if res is not None:
+            return res
         res = self._from_store(tid, key)
         if res.status == "cached" or not build or (res.status == "failed" and not retry_failed):
             res.seconds = time.monotonic() - t0
@@ -471,6 +594,7 @@ class ImageStore:
         finally:
             if bar is not None:
                 bar.close()
+            self.index.save()
         return [r for r in results if r is not None]
 
 
@@ -497,7 +621,7 @@ def failure_reason(lines: list[str]) -> str | None:
         for ln in reversed(clean):
             m = rx.search(ln)
             if m and not _NOISE.match(ln):
-                return re.sub(r"\s+", " ", ln)[:300]
+                return re.sub(r"\s+", " ", m.group(0))[:300]  # from the match: drops progress-meter junk
     for ln in reversed(clean):
         if not _NOISE.match(ln):
             return re.sub(r"\s+", " ", ln)[:300]
