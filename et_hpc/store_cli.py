@@ -4,18 +4,23 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 
 from et_hpc.util import format_table
 
 _RAW = argparse.RawDescriptionHelpFormatter
 
 
+def _wrap(text: str) -> str:
+    return textwrap.fill(text, width=88)
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     store = subparsers.add_parser(
         "store",
         help="inspect and compact a run's parquet store",
-        description="A run's episodes live in RUN_DIR as part-*.parquet shards, one per finished "
-        "episode or small batch. 'summary' counts them; 'compact' merges small shards.",
+        description=_wrap("A run's episodes live in RUN_DIR as part-*.parquet shards, one per finished "
+        "episode or small batch. 'summary' counts them; 'compact' merges small shards."),
         formatter_class=_RAW,
         epilog="examples:\n  et-hpc store summary et-hpc-runs/nightly-0412\n"
         "  et-hpc store compact et-hpc-runs/nightly-0412",
@@ -26,8 +31,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = ssub.add_parser(
         "summary",
         help="episodes per status, pass rate and mean reward of a run",
-        description="Count a run's episodes after dedupe (one record per task and sample; an ok "
-        "record beats an error record). pass rate = ok episodes with reward 1 / ok episodes.",
+        description=_wrap("Count a run's episodes after dedupe (one record per task and sample; an ok "
+        "record beats an error record). pass rate = ok episodes with reward 1 / ok episodes."),
         formatter_class=_RAW,
         epilog="example:\n  et-hpc store summary et-hpc-runs/my-run --json | jq .pass_rate",
     )
@@ -38,11 +43,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = ssub.add_parser(
         "compact",
         help="merge small shards into big ones (safe while the run is read or written)",
-        description="Merge small part-*.parquet shards into shards of about --target-rows rows. "
+        description=_wrap("Merge small part-*.parquet shards into shards of about --target-rows rows. "
         "Each merged shard is written before its inputs are deleted, so readers never miss an "
         "episode; shards written meanwhile are left for the next compaction. Leftover .tmp-* files "
         "older than an hour (killed writers) are removed. Reading 100k episodes from thousands "
-        "of one-episode shards is slow; after compaction it takes about a second.",
+        "of one-episode shards is slow; after compaction it takes about a second."),
         formatter_class=_RAW,
         epilog="example:\n  et-hpc store compact et-hpc-runs/my-run --target-rows 16384",
     )
@@ -54,7 +59,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     exp = subparsers.add_parser(
         "export",
         help="write a run's ok episodes for a trainer (Atropos JSONL, SkyRL/verl parquet)",
-        description="Export the ok episodes of a run (deduped, errors left out) in a trainer's format.",
+        description=_wrap("Export the ok episodes of a run (deduped, errors left out) in a trainer's format."),
         formatter_class=_RAW,
         epilog="examples:\n  et-hpc export atropos et-hpc-runs/my-run -o groups.jsonl\n"
         "  et-hpc export skyrl et-hpc-runs/my-run -o episodes.parquet",
@@ -65,10 +70,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = esub.add_parser(
         "atropos",
         help="Atropos ScoredDataGroup JSONL, one group per task",
-        description="One ScoredDataGroup per line: the samples of one task with tokens, masks "
+        description=_wrap("One ScoredDataGroup per line: the samples of one task with tokens, masks "
         "(-100 on prompt and tool-output positions), scores and messages. Without recorded token "
         "ids, tokens/masks are empty lists and the trainer tokenizes 'messages'. Groups whose "
-        "scores are all equal are dropped (as Atropos does) unless --keep-equal-scores.",
+        "scores are all equal are dropped (as Atropos does) unless --keep-equal-scores."),
         formatter_class=_RAW,
         epilog="example:\n  et-hpc export atropos et-hpc-runs/my-run -o data/endless.jsonl",
     )
@@ -81,9 +86,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = esub.add_parser(
         "skyrl",
         help="SkyRL/verl-style parquet, one row per ok episode",
-        description="Columns: data_source ('endless'), prompt and messages (lists of {role, "
+        description=_wrap("Columns: data_source ('endless'), prompt and messages (lists of {role, "
         "content}), env_class, ability, reward, reward_spec, reward_model, extra_info (task_id, "
-        "sample, turns, ...).",
+        "sample, turns, ...)."),
         formatter_class=_RAW,
         epilog="example:\n  et-hpc export skyrl et-hpc-runs/my-run -o episodes.parquet",
     )
