@@ -179,9 +179,9 @@ class RunStore:
             try:
                 dataset = ds.dataset([str(f) for f in files], schema=EPISODE_SCHEMA, format="parquet")
                 return dataset.to_table(columns=columns)
-            except (FileNotFoundError, OSError) as e:
+            except (FileNotFoundError, OSError, pa.ArrowInvalid) as e:
                 if all(f.exists() for f in files):
-                    raise
+                    _raise_bad_shard(files, e)
                 last = e
                 log.debug("shard vanished while reading %s (attempt %d), relisting", self.path, attempt)
                 time.sleep(0.05 * (attempt + 1))
@@ -191,8 +191,9 @@ class RunStore:
         """The run's records as an Arrow table with ``EPISODE_SCHEMA`` (or the chosen ``columns``).
 
         With ``dedupe`` (default) there is one row per unit ``(task_id, sample)``: the newest ``ok``
-        record, else the newest error record. Rows keep storage order (shard by shard). ``dedupe=False`` returns every row
-        of every shard, including copies a concurrent ``compact`` may briefly expose.
+        record, else the newest error record. Rows keep storage order (shard by shard).
+        ``dedupe=False`` returns every row of every shard, including copies a concurrent
+        ``compact`` may briefly expose.
         """
         if columns is not None:
             unknown = [c for c in columns if c not in EPISODE_SCHEMA.names]
@@ -226,6 +227,9 @@ class RunStore:
                     return f.name, pq.ParquetFile(f).read(columns=_UNIT_COLS, use_threads=False)
                 except FileNotFoundError:
                     return f.name, None
+                except (OSError, pa.ArrowException) as e:
+                    raise UserError(f"shard {f} is not a readable parquet file ({str(e).splitlines()[0][:200]}); "
+                                    f"move it out of the run directory") from e
 
             with ThreadPoolExecutor(max_workers=min(16, max(1, len(todo)))) as ex:
                 for name, t in ex.map(one, todo):
@@ -290,6 +294,19 @@ class RunStore:
 
     def compact(self, target_rows: int = DEFAULT_TARGET_ROWS, progress: bool = False) -> CompactResult:
         return compact(self, target_rows=target_rows, progress=progress)
+
+
+def _raise_bad_shard(files: list[Path], err: Exception) -> None:
+    """Name the shard that cannot be read (a user can move it away), else re-raise ``err``."""
+    for f in files:
+        try:
+            pq.read_metadata(f).schema.to_arrow_schema()
+        except FileNotFoundError:
+            continue
+        except (OSError, pa.ArrowException) as e:
+            raise UserError(f"shard {f} is not a readable parquet file ({str(e).splitlines()[0][:200]}); "
+                            f"move it out of the run directory") from e
+    raise err
 
 
 def dedupe_units(table: pa.Table) -> pa.Table:

@@ -298,3 +298,14 @@ def test_units_cache_follows_new_and_compacted_shards(tmp_path):
     assert len(rs.shards()) == 1
     assert rs.units() == {("a", i): "ok" for i in range(6)}
     assert RunStore(rs.path).units() == rs.units()  # a fresh reader agrees with the cached one
+
+
+def test_a_corrupt_shard_is_named(tmp_path):
+    rs = RunStore(tmp_path / "r")
+    rs.write([rec("a", 0)])
+    bad = rs.path / "part-99999999T000000000000Z-x-1-dead.parquet"
+    bad.write_bytes(b"not parquet at all")
+    with pytest.raises(UserError, match="dead.parquet is not a readable parquet file"):
+        rs.read()
+    with pytest.raises(UserError, match="dead.parquet is not a readable parquet file"):
+        rs.units()
