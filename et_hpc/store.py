@@ -32,6 +32,7 @@ import logging
 import os
 import secrets
 import socket
+import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -128,6 +129,8 @@ class RunStore:
     def __init__(self, path: Path | str) -> None:
         self.path = Path(path)
         self.name = self.path.name
+        self._keys_cache: dict[str, pa.Table] = {}  # shard name -> its unit keys (shards never change)
+        self._keys_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"RunStore({str(self.path)!r})"
@@ -213,7 +216,11 @@ class RunStore:
         process polling ``units()`` only reads new shards. Tiny per-shard reads run in a thread
         pool (on a shared filesystem they wait on I/O, not CPU).
         """
-        cache: dict[str, pa.Table] = self.__dict__.setdefault("_keys_cache", {})
+        with self._keys_lock:
+            return self._unit_keys_locked()
+
+    def _unit_keys_locked(self) -> pa.Table:
+        cache = self._keys_cache
         for attempt in range(20):
             files = self.shards()
             names = {f.name for f in files}
@@ -224,7 +231,8 @@ class RunStore:
 
             def one(f: Path) -> tuple[str, pa.Table | None]:
                 try:
-                    return f.name, pq.ParquetFile(f).read(columns=_UNIT_COLS, use_threads=False)
+                    with pq.ParquetFile(f) as pf:
+                        return f.name, pf.read(columns=_UNIT_COLS, use_threads=False)
                 except FileNotFoundError:
                     return f.name, None
                 except (OSError, pa.ArrowException) as e:

@@ -309,3 +309,18 @@ def test_a_corrupt_shard_is_named(tmp_path):
         rs.read()
     with pytest.raises(UserError, match="dead.parquet is not a readable parquet file"):
         rs.units()
+
+
+def test_one_run_store_shared_by_threads(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    rs = RunStore(tmp_path / "r")
+
+    def work(i: int) -> int:
+        rs.write([rec(f"t{i}", 0)])
+        return len(rs.units())
+
+    with ThreadPoolExecutor(8) as ex:
+        seen = list(ex.map(work, range(64)))
+    assert min(seen) >= 1 and max(seen) == 64
+    assert len(rs.units()) == 64
