@@ -6,7 +6,9 @@ through its own dynamic loader, so nothing the agent changed in the writable lay
 pytest, libc, sitecustomize, is used) kills every process left in the instance, writes the test
 file (sent over stdin) into a fresh private directory, and runs
 ``python -I -m pytest -p no:cacheprovider --rootdir=D -c /dev/null --noconftest --junitxml=...``
-with a clean environment, cwd ``/home/user`` and a timeout. The JUnit XML comes back in the
+with a clean environment, cwd ``/home/user`` and a timeout. Python runs with ``-I -S``: the
+``site`` hooks (sitecustomize, usercustomize, .pth files outside the image's own site dirs) are
+never consulted, because some of them resolve into the agent-writable tree. The JUnit XML comes back in the
 driver's output and is parsed here.
 
 Reward is 1.0 iff every test passed (and there was at least one). Anything that stops us from
@@ -118,7 +120,20 @@ if d is None:
     finish()
 res["error"] = None
 junit = os.path.join(d, "junit.xml")
-argv = cfg["python"] + ["-I", "-B", "-m", "pytest", "-p", "no:cacheprovider", "--rootdir", d,
+# No `site` (-S): its sitecustomize/usercustomize hooks are agent-writable (Debian's
+# sitecustomize.py is a symlink into /etc). Only the interpreter's own site dirs are added.
+ver = "python%d.%d" % sys.version_info[:2]
+pre = sys.prefix
+sitedirs = [pre + "/local/lib/" + ver + "/dist-packages", pre + "/lib/python3/dist-packages",
+            pre + "/lib/" + ver + "/dist-packages", pre + "/local/lib/" + ver + "/site-packages",
+            pre + "/lib/" + ver + "/site-packages"]
+boot = ("import os, site, sys\n"
+        "for d in %r:\n"
+        "    if os.path.isdir(d) and not os.path.islink(d):\n"
+        "        site.addsitedir(d)\n"
+        "import pytest\n"
+        "sys.exit(pytest.main())\n") % (sitedirs,)
+argv = cfg["python"] + ["-I", "-S", "-B", "-c", boot, "-p", "no:cacheprovider", "--rootdir", d,
                         "-c", "/dev/null", "--noconftest", "--junitxml", junit, "-q", path]
 env = {"PATH": cfg["path"], "HOME": cfg["home"], "LANG": "C.UTF-8",
        "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
@@ -193,7 +208,7 @@ def run_tests(
     last_err = ""
     for label, py in attempts:
         cfg["python"] = py
-        argv = [*py, "-I", "-B", "-c", DRIVER]
+        argv = [*py, "-I", "-S", "-B", "-c", DRIVER]
         try:
             cp = sandbox.exec(argv, timeout=timeout_s + 60, input=json.dumps(cfg).encode(), pwd="/")
         except subprocess.TimeoutExpired:
