@@ -1,0 +1,140 @@
+"""Scoring: JUnit parsing, error statuses, and real Endless Terminals fixtures built rootless."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from conftest import need
+from et_hpc import scoring
+from et_hpc.sandbox.sandbox import Sandbox
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" errors="0"
+failures="1" skipped="1" tests="4"><testcase classname="test_final_state" name="test_a" time="0.001"/>
+<testcase classname="test_final_state" name="test_b"><failure message="assert 1 == 2">x</failure></testcase>
+<testcase classname="test_final_state" name="test_c"><skipped message="later"/></testcase>
+<testcase classname="test_final_state" name="test_d"><error message="fixture broke"/></testcase>
+</testsuite></testsuites>"""
+
+
+def test_parse_junit_outcomes() -> None:
+    tests = scoring.parse_junit(JUNIT)
+    assert [(t.name, t.outcome) for t in tests] == [
+        ("test_final_state::test_a", "passed"),
+        ("test_final_state::test_b", "failed"),
+        ("test_final_state::test_c", "skipped"),
+        ("test_final_state::test_d", "error"),
+    ]
+    assert tests[1].message == "assert 1 == 2"
+
+
+def test_result_rules() -> None:
+    ok = scoring._result({"rc": 0, "junit": JUNIT.replace("<failure", "<x").replace("</failure>", "</x>")
+                          .replace('<error message="fixture broke"/>', ""), "out": ""}, 0.0, "pristine")
+    assert ok.status == "ok" and ok.reward == 1.0 and (ok.passed, ok.total) == (3, 3)
+    bad = scoring._result({"rc": 1, "junit": JUNIT, "out": ""}, 0.0, "pristine")
+    assert bad.reward == 0.0 and (bad.passed, bad.total) == (1, 3)
+    empty = scoring._result({"rc": 5, "junit": "<testsuites><testsuite/></testsuites>", "out": ""}, 0.0, "p")
+    assert empty.reward == 0.0 and empty.total == 0
+    for res in ({"rc": None, "timed_out": True, "junit": None, "out": ""},
+                {"rc": 2, "junit": None, "out": "boom"},
+                {"rc": None, "error": "cannot write the test file: ENOSPC", "out": ""}):
+        r = scoring._result(res, 0.0, "pristine")
+        assert r.status == "error" and r.reward is None and r.error
+
+
+def test_missing_test_file_is_error(tmp_path: Path) -> None:
+    class _Nope:
+        pass
+
+    r = scoring.run_tests(_Nope(), tmp_path / "absent.py")  # type: ignore[arg-type]
+    assert r.status == "error" and r.reward is None and "cannot read" in (r.error or "")
+
+
+def test_verifier_timeout_is_error_not_zero(base_sif: Path, tmp_path: Path) -> None:
+    need("apptainer")
+    t = tmp_path / "test_slow.py"
+    t.write_text("import time\ndef test_slow():\n    time.sleep(600)\n")
+    with Sandbox(base_sif, run_prefix="t-score", scratch=tmp_path) as sb:
+        r = scoring.score(sb, t, timeout_s=2)
+        assert r.status == "error" and r.reward is None and "timeout" in (r.error or "")
+        left = sb.exec(["sh", "-c", "cat /proc/[0-9]*/cmdline | tr '\\0' ' '"]).stdout.decode()
+        assert "test_slow" not in left
+
+
+def test_tests_run_in_home_with_clean_env(base_sif: Path, tmp_path: Path) -> None:
+    need("apptainer")
+    t = tmp_path / "test_env.py"
+    t.write_text(textwrap.dedent("""\
+        import os, sys
+        def test_env():
+            assert os.getcwd() == "/home/user"
+            assert os.environ["HOME"] == "/home/user"
+            assert "FOO" not in os.environ and "PYTHONPATH" not in os.environ
+            assert sys.flags.isolated == 1
+        """))
+    with Sandbox(base_sif, run_prefix="t-score", scratch=tmp_path) as sb:
+        sb.shell().run("export FOO=1 PYTHONPATH=/tmp; cd /tmp")
+        r = scoring.score(sb, t)
+        assert r.status == "ok" and r.reward == 1.0, r.output_tail
+        # the scoring directory is removed afterwards
+        assert b"et-score-" not in sb.exec(["ls", "-a", "/tmp"]).stdout
+
+
+def test_image_without_python_is_error(tmp_path: Path, base_sif: Path) -> None:
+    need("apptainer")
+    d = tmp_path / "img"
+    d.mkdir()
+    (d / "t.def").write_text(f"Bootstrap: localimage\nFrom: {base_sif}\n%post\n"
+                             "    rm -f /usr/bin/python3*\n")
+    sif = d / "t.sif"
+    cp = subprocess.run(["apptainer", "-s", "build", "--fakeroot", str(sif), str(d / "t.def")],
+                        capture_output=True, text=True, cwd=d)
+    assert cp.returncode == 0, cp.stderr[-2000:]
+    t = tmp_path / "test_x.py"
+    t.write_text("def test_x():\n    pass\n")
+    with Sandbox(sif, run_prefix="t-score", scratch=tmp_path) as sb:
+        r = scoring.score(sb, t)
+    assert r.status == "error" and r.reward is None and "python3" in (r.error or "")
+
+
+# -- real fixtures --------------------------------------------------------------------------
+
+FIXTURE_TASKS = ["task_000000_3bb4337a", "task_000000_c79e7c5d"]
+
+
+@pytest.fixture(scope="session")
+def fixture_sifs(fixtures_dir: Path, base_sif: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    need("apptainer")
+    out = {}
+    for task in FIXTURE_TASKS:
+        d = tmp_path_factory.mktemp(task)
+        src = d / "src"
+        shutil.copytree(fixtures_dir / "native" / task, src)
+        src.chmod(0o755)
+        df = src / "container.def"
+        df.chmod(0o644)
+        lines = [f"From: {base_sif}" if ln.startswith("From:") else ln for ln in df.read_text().splitlines()]
+        df.write_text("\n".join(lines) + "\n")
+        sif = d / "task.sif"
+        cp = subprocess.run(["apptainer", "-s", "build", "--fakeroot", str(sif), str(df)],
+                            capture_output=True, text=True, cwd=src, timeout=900)
+        assert cp.returncode == 0, f"{task}: {cp.stderr[-2000:]}"
+        out[task] = sif
+    return out
+
+
+@pytest.mark.parametrize("task", FIXTURE_TASKS)
+def test_fixture_initial_pass_final_fail(task: str, fixture_sifs: dict[str, Path], fixtures_dir: Path,
+                                         tmp_path: Path) -> None:
+    tdir = fixtures_dir / "native" / task
+    with Sandbox(fixture_sifs[task], run_prefix="t-fix", scratch=tmp_path) as sb:
+        init = scoring.run_initial_tests(sb, tdir / "test_initial_state.py")
+        assert init.status == "ok" and init.reward == 1.0 and init.total > 0, init.output_tail
+        final = scoring.score(sb, tdir / "test_final_state.py")
+        assert final.status == "ok" and final.reward == 0.0, final.output_tail
+        assert final.interpreter == "pristine"
