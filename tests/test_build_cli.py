@@ -7,10 +7,12 @@ unreachable host) plus one tiny def through Slurm.
 
 from __future__ import annotations
 
+import getpass
 import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -118,3 +120,44 @@ def test_build_as_slurm_array(tmp_path: Path, base_sif: Path) -> None:
     assert r.returncode == 0
     assert "submitted" not in r.stderr, "nothing to build: no array is submitted"
     assert {v["status"] for v in by_task(r.stdout).values()} == {"cached"}
+
+
+@pytest.mark.slurm
+def test_slurm_killed_build_is_reported_not_waited_for(tmp_path: Path, base_sif: Path) -> None:
+    need("slurm")
+    from test_imagestore import build_processes
+
+    cache = cache_with_base(tmp_path, base_sif)
+    d = tmp_path / "tasks" / "slow_task"
+    d.mkdir(parents=True)
+    started = tmp_path / "started"
+    (d / "task.json").write_text(json.dumps({"description": "slow", "truth": "x"}))
+    (d / "container.def").write_text("Bootstrap: localimage\nFrom: ./ubuntu_22.04.sif\n\n"
+                                     f"%setup\n    touch {started}\n    sleep 600\n")
+    proc = subprocess.Popen([sys.executable, "-m", "et_hpc.cli", "build", str(d.parent), "--cache", str(cache),
+                             "--slurm", "--time", "30", "--cpus", "1", "--deadline", "20", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not started.exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the build never started in Slurm"
+            time.sleep(1)
+        jobs = subprocess.run(["squeue", "-h", "-u", getpass.getuser(), "-n", "et-hpc-build", "-o", "%i"],
+                              capture_output=True, text=True).stdout.split()
+        assert jobs, "the build array is in the queue"
+        subprocess.run(["scancel", *jobs], check=True)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err
+    r = by_task(out)["slow_task"]
+    assert r["status"] == "failed" and "ended CANCELLED" in r["reason"], r
+    key = r["key"]
+    assert not (cache / "failed" / f"{key}.json").exists(), "a cancelled build is not a recorded failure"
+    end = time.monotonic() + 120
+    while build_processes(key):
+        assert time.monotonic() < end, f"build processes outlived the cancelled job: {build_processes(key)}"
+        time.sleep(1)
+    assert not list((cache / "images").rglob("*.sif")), "no image, whole or partial"

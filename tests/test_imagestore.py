@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from et_hpc.images.store import ImageStore, failure_reason, retarget_files
+from et_hpc.images.store import ImageStore, failure_reason, interrupted, retarget_files
 from et_hpc.tasks.model import Recipe, Task
 
 HERE = Path(__file__).resolve().parent
@@ -97,6 +97,13 @@ def test_failure_reason_picks_the_telling_line() -> None:
     assert failure_reason(["Reading package lists...", "E: Unable to locate package nosuch",
                            "FATAL:   While performing build: exit status 100"]) == "E: Unable to locate package nosuch"
     assert failure_reason(["INFO: x", "FATAL:   oops"]) == "FATAL: oops"
+
+
+def test_signal_deaths_are_interruptions_not_failures() -> None:
+    assert interrupted(-9, []) and interrupted(143, [])
+    assert interrupted(255, ["FATAL:   While performing build: failed to run %setup script: exit status 143"])
+    assert not interrupted(255, ["E: Unable to locate package x", "FATAL:   ... exit status 100"])
+    assert not interrupted(None, [])
 
 
 def test_retarget_files_points_at_staged_copies(tmp_path: Path) -> None:

@@ -254,7 +254,10 @@ def build_on_slurm(store: ImageStore, tasks: list[Any], args: argparse.Namespace
                 log.info("array task %s: %s", job.job_id, str(e).strip().splitlines()[-1:] or e)
         if got:
             for d in got:
-                by_id[d["task_id"]] = ImageResult(**d)
+                r = ImageResult(**d)
+                if r.status == "failed" and st not in watch.DONE:
+                    r.reason = f"{r.reason} (Slurm array task {job.job_id} ended {st})"
+                by_id[r.task_id] = r
             continue
         for t in chunk:
             r = store.lookup(t)

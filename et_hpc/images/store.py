@@ -512,6 +512,12 @@ class ImageStore:
                 self.failed_path(key).unlink(missing_ok=True)
                 return ImageResult(task_id=tid, key=key, status="built", path=sif, digest=digest, log_path=logf)
             tail = _tail(logf, s.keep_failed_logs_lines)
+            if reason is None and interrupted(rc, tail):
+                # Killed from outside (scancel, preemption, OOM, Ctrl-C): not the recipe's fault, so no
+                # failure record; the next ensure builds again.
+                log.warning("%s: build of %s was interrupted (exit %s); not recorded as failed", tid, key[:12], rc)
+                return ImageResult(task_id=tid, key=key, status="failed", log_path=logf,
+                                   reason=f"build interrupted by a signal (exit {rc}); not recorded, will be retried")
             if reason is None:
                 reason = failure_reason(_tail(logf, 300)) or f"apptainer build exited with status {rc}"
             rec = {"key": key, "task_id": tid, "reason": reason, "exit_code": rc, "failed_at": _now(),
@@ -612,6 +618,18 @@ _REASONS = [re.compile(p) for p in (
     r"^(FATAL|ERROR): .*",
 )]
 _NOISE = re.compile(r"^(INFO|WARNING|VERBOSE|DEBUG):|^#|^\$ ")
+
+
+_SIGNALLED = re.compile(r"exit status (130|137|143)\b|signal: (killed|terminated|interrupt)", re.I)
+
+
+def interrupted(rc: int | None, tail: list[str]) -> bool:
+    """Did the build die of a signal (ours or a step's: SIGINT, SIGKILL, SIGTERM) rather than fail?"""
+    if rc is None:
+        return False
+    if rc < 0 or rc in (130, 137, 143):
+        return True
+    return any(_SIGNALLED.search(ln) for ln in tail[-5:])
 
 
 def failure_reason(lines: list[str]) -> str | None:
