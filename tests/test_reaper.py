@@ -1,0 +1,92 @@
+"""Reaper: workers SIGKILLed mid-episode leave instances and overlays; reap() removes them all."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from conftest import need
+from et_hpc.sandbox import apptainer
+from et_hpc.sandbox.reaper import reap
+
+WORKER = textwrap.dedent("""\
+    import sys
+    from pathlib import Path
+    from et_hpc.sandbox.sandbox import Sandbox
+    sif, scratch, n = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+    for i in range(n):
+        with Sandbox(sif, run_prefix="t-reap", scratch=scratch) as sb:
+            sb.shell().run("echo hi > /home/user/f")
+        print("done", flush=True)
+    """)
+
+
+def _ours() -> set[str]:
+    return {i.name for i in apptainer.instance_list() if i.name.startswith("t-reap-")}
+
+
+def test_reap_after_random_sigkills(base_sif: Path, tmp_path: Path) -> None:
+    need("apptainer")
+    scratch = tmp_path / "scratch"
+    rng = random.Random(1234)
+    done = kills = 0
+    before = _ours()
+    while done < 50:
+        p = subprocess.Popen([sys.executable, "-c", WORKER, str(base_sif), str(scratch), str(50 - done)],
+                             stdout=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + rng.uniform(0.3, 4.0)
+        os.set_blocking(p.stdout.fileno(), False)
+        while time.monotonic() < deadline and p.poll() is None:
+            time.sleep(0.05)
+        if p.poll() is None:
+            p.send_signal(signal.SIGKILL)
+            kills += 1
+        p.wait()
+        done += (p.stdout.read() or "").count("done")
+    assert kills >= 5
+    leftovers = list((scratch / "overlays").glob("*.img")) + list((scratch / "live").glob("*.json"))
+    dry = reap(scratch=scratch, dry_run=True)
+    assert dry.dry_run and not dry.errors
+    rep = reap(scratch=scratch)
+    assert not rep.errors, rep.errors
+    assert set(rep.stopped) == set(dry.stopped)
+    assert _ours() - before == set(), "instances left after reaping"
+    assert not list((scratch / "overlays").glob("*.img"))
+    assert not list((scratch / "live").glob("*.json"))
+    assert len(rep.deleted) >= len(leftovers)
+    again = reap(scratch=scratch)
+    assert not again.stopped and not again.deleted
+
+
+def test_reap_keeps_live_owners(base_sif: Path, tmp_path: Path) -> None:
+    need("apptainer")
+    from et_hpc.sandbox.sandbox import Sandbox
+
+    with Sandbox(base_sif, run_prefix="t-reap", scratch=tmp_path) as sb:
+        rep = reap(scratch=tmp_path)
+        assert sb.name in rep.kept and sb.name not in rep.stopped
+        assert sb.overlay is not None and sb.overlay.exists()
+
+
+def test_reap_cli_json(tmp_path: Path) -> None:
+    need("apptainer")
+    live = tmp_path / "live"
+    live.mkdir(parents=True)
+    # a registry file from a dead worker whose instance never started
+    ov = tmp_path / "overlays" / "t-reap-x-999999-deadbeef.img"
+    ov.parent.mkdir()
+    ov.write_bytes(b"x")
+    (live / "t-reap-x-999999-deadbeef.json").write_text(json.dumps(
+        {"name": "t-reap-x-999999-deadbeef", "pid": 2**22 + 7, "host": os.uname().nodename, "overlay": str(ov)}))
+    cp = subprocess.run([sys.executable, "-m", "et_hpc.cli", "reap", "--json", "--scratch", str(tmp_path)],
+                        capture_output=True, text=True)
+    assert cp.returncode == 0, cp.stderr
+    rep = json.loads(cp.stdout)
+    assert str(ov) in rep["deleted"] and not ov.exists()
