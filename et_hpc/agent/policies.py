@@ -200,7 +200,9 @@ class PolicyConfig(BaseModel):
     kind: Literal["openai", "oracle", "replay", "null"] = "openai"
     # openai
     base_url: str | None = None
-    api_key: str | None = None  # default: $OPENAI_API_KEY, else "EMPTY"
+    endpoint_file: Path | None = None  # written by slurm/vllm.sbatch; gives base_url and model
+    endpoint_wait_s: float = 600.0  # how long to wait for the endpoint file and /v1/models
+    system_prompt: str | None = None  # default: Endless Terminals' prompt for the mode: str | None = None  # default: $OPENAI_API_KEY, else "EMPTY"
     model: str | None = None  # default: the first model the server lists
     mode: Mode = "tools"
     temperature: float = 0.7

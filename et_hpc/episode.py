@@ -1,0 +1,211 @@
+"""One episode end to end: sandbox up, agent loop, scoring in the same instance, sandbox down.
+
+``run_episode(task, sample, cfg, image)`` never raises for infrastructure trouble: a sandbox that
+will not start, a policy server that keeps failing, or scoring that breaks all become an
+``EpisodeRecord`` with an error status and ``reward=None`` (never reward 0). Only a reward that
+came out of the task's final tests is recorded as a reward.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import platform
+import socket
+import threading
+import time
+from typing import Any
+
+from et_hpc import __version__
+from et_hpc.agent.loop import AgentResult, Budgets, run_agent
+from et_hpc.agent.policies import PolicyConfig, make_policy
+from et_hpc.errors import InfraError, UserError
+from et_hpc.record import EpisodeRecord, TestResult, Timings
+from et_hpc.sandbox.sandbox import Sandbox
+from et_hpc.scoring import score
+from et_hpc.tasks.model import Task
+
+log = logging.getLogger(__name__)
+
+
+class Interrupted(InfraError):
+    """The run was asked to stop (Ctrl-C, SIGTERM, preemption) while this episode ran."""
+
+
+class _StopAware:
+    """Wraps a policy so that a set ``stop`` event ends the agent loop at the next turn."""
+
+    def __init__(self, policy: Any, stop: threading.Event):
+        self._policy, self._stop = policy, stop
+        self.mode = getattr(policy, "mode", "text")
+
+    def act(self, messages):
+        if self._stop.is_set():
+            raise Interrupted("stopped by the run (signal or preemption)")
+        return self._policy.act(messages)
+
+
+@functools.lru_cache(maxsize=1)
+def _versions() -> dict[str, str]:
+    from et_hpc.platform.doctor import apptainer_version
+
+    v = apptainer_version()
+    return {
+        "et_hpc": __version__,
+        "apptainer": ".".join(map(str, v)) if v else "",
+        "python": platform.python_version(),
+    }
+
+
+_ENDPOINTS: dict[tuple, PolicyConfig] = {}
+_ENDPOINT_LOCK = threading.Lock()
+
+
+def resolve_policy_config(cfg: PolicyConfig) -> PolicyConfig:
+    """Fill ``base_url``/``model`` of an openai policy from the endpoint file (once per process)."""
+    if cfg.kind != "openai" or (cfg.base_url and not cfg.endpoint_file):
+        return cfg
+    key = (cfg.base_url, str(cfg.endpoint_file))
+    with _ENDPOINT_LOCK:
+        if key not in _ENDPOINTS:
+            from et_hpc.agent.endpoint import resolve_endpoint
+
+            ep = resolve_endpoint(cfg.base_url, cfg.endpoint_file, wait_s=cfg.endpoint_wait_s)
+            _ENDPOINTS[key] = cfg.model_copy(update={"base_url": ep.base_url, "model": cfg.model or ep.model})
+        return _ENDPOINTS[key]
+
+
+def episode_budgets(budgets: Budgets, task: Task) -> Budgets:
+    """The run's budgets, with the task's own limits (task.toml) where it sets them."""
+    upd: dict[str, Any] = {}
+    if task.limits.max_turns:
+        upd["max_turns"] = task.limits.max_turns
+    if task.limits.wall_time_s:
+        upd["wall_time_s"] = task.limits.wall_time_s
+    return budgets.model_copy(update=upd) if upd else budgets
+
+
+def _slurm_ids() -> tuple[str | None, int | None]:
+    job = os.environ.get("SLURM_ARRAY_JOB_ID") or os.environ.get("SLURM_JOB_ID")
+    task = os.environ.get("SLURM_ARRAY_TASK_ID")
+    return job, int(task) if task and task.isdigit() else None
+
+
+def _token_lists(result: AgentResult | None) -> tuple[list[list[int]] | None, list[list[float]] | None]:
+    if result is None:
+        return None, None
+    ids = [t.token_ids for t in result.turns if t.token_ids is not None]
+    lps = [t.logprobs for t in result.turns if t.logprobs is not None]
+    return (ids or None), (lps or None)
+
+
+def run_episode(task: Task, sample: int, cfg: Any, image: Any, *, stop: threading.Event | None = None) -> EpisodeRecord:
+    """Run one (task, sample) unit of a run and return its record (see the module docstring)."""
+    t_start = time.time()
+    t0 = time.monotonic()
+    stop = stop or threading.Event()
+    pcfg: PolicyConfig = cfg.policy
+    if pcfg.kind == "replay":
+        # Sample i of a replay run replays recorded run (replay_index + i).
+        pcfg = pcfg.model_copy(update={"replay_index": pcfg.replay_index + sample})
+    budgets = episode_budgets(cfg.budgets, task)
+    job, array_task = _slurm_ids()
+    base: dict[str, Any] = dict(
+        run_name=cfg.run_name(),
+        task_id=task.id,
+        sample=sample,
+        split=task.split,
+        policy_kind=pcfg.kind if pcfg.kind != "openai" else f"openai-{pcfg.mode}",
+        model=pcfg.model,
+        sampling_params={k: getattr(pcfg, k) for k in ("temperature", "top_p", "max_tokens", "seed")}
+        if pcfg.kind == "openai" else {},
+        image_digest=getattr(image, "digest", None),
+        image_path=str(getattr(image, "path", "") or "") or None,
+        host=socket.gethostname(),
+        slurm_job_id=job,
+        slurm_array_task_id=array_task,
+        versions=_versions(),
+    )
+    timings: dict[str, float] = {"start_s": t_start}
+
+    def record(status: str, *, error: str | None = None, result: AgentResult | None = None, sc=None) -> EpisodeRecord:
+        timings["stop_s"] = time.time()
+        timings["total_s"] = time.monotonic() - t0
+        ids, lps = _token_lists(result)
+        return EpisodeRecord(
+            **base,
+            messages=result.messages if result else [],
+            turns=len(result.turns) if result else 0,
+            stop_reason=result.stop_reason if result else None,
+            status=status,
+            reward=sc.reward if sc is not None and status == "ok" else None,
+            passed=sc.passed if sc is not None else None,
+            total=sc.total if sc is not None else None,
+            tests=[TestResult(name=t.name, outcome=t.outcome) for t in (sc.tests if sc else [])],
+            prompt_tokens=result.usage.prompt_tokens if result else None,
+            completion_tokens=result.usage.completion_tokens if result else None,
+            token_ids=ids,
+            logprobs=lps,
+            timings=Timings(**timings),
+            error=error,
+        )
+
+    if image is None or getattr(image, "path", None) is None:
+        return record("infra_error", error=f"no image for task {task.id}: run 'et-hpc build'")
+    if task.final_tests is None:
+        return record("infra_error", error=f"task {task.id} has no test_final_state.py")
+    try:
+        policy = make_policy(resolve_policy_config(pcfg), task, max_tokens=budgets.max_tokens_per_turn)
+        base["model"] = getattr(policy, "model", None) or base["model"]
+    except (UserError, InfraError) as e:
+        return record("policy_error", error=str(e))
+    storage = task.limits.storage_mb or cfg.sandbox.overlay_mb
+    sandbox = Sandbox(
+        image.path,
+        run_prefix=f"et-{cfg.run_name()}"[:24],
+        overlay_mb=None if cfg.sandbox.writable_tmpfs else max(storage, 64),
+        writable_tmpfs=cfg.sandbox.writable_tmpfs,
+        network_none=cfg.sandbox.network == "none",
+    )
+    outcome = _drive(task, sandbox, policy, pcfg, budgets, cfg, stop, timings)
+    t = time.monotonic()
+    sandbox.stop()
+    timings["teardown_s"] = time.monotonic() - t
+    close = getattr(policy, "close", None)
+    if close:
+        close()
+    status, kw = outcome
+    return record(status, **kw)
+
+
+def _drive(task, sandbox, policy, pcfg, budgets, cfg, stop, timings) -> tuple[str, dict[str, Any]]:
+    """Start the sandbox, run the agent, score. Returns (status, record fields); never raises."""
+    result: AgentResult | None = None
+    try:
+        try:
+            t = time.monotonic()
+            sandbox.start()
+            shell = sandbox.shell(output_limit=budgets.output_limit_chars)
+            timings["setup_s"] = time.monotonic() - t
+        except (InfraError, OSError) as e:
+            return "infra_error", {"error": f"sandbox: {e}"}
+        t = time.monotonic()
+        result = run_agent(task.prompt, shell, _StopAware(policy, stop), budgets, system_prompt=pcfg.system_prompt)
+        timings["agent_s"] = time.monotonic() - t
+        if stop.is_set():
+            return "infra_error", {"error": "interrupted by the run", "result": result}
+        if result.status != "ok":
+            return result.status, {"error": result.error, "result": result}
+        t = time.monotonic()
+        timeout = cfg.scoring_timeout_s
+        if task.limits.verifier_timeout_s:
+            timeout = max(timeout, task.limits.verifier_timeout_s)
+        sc = score(sandbox, task.final_tests, timeout_s=timeout)
+        timings["score_s"] = time.monotonic() - t
+        if sc.status != "ok":
+            return "score_error", {"error": sc.error, "result": result, "sc": sc}
+        return "ok", {"result": result, "sc": sc}
+    except Exception as e:  # noqa: BLE001 - an episode must end in a record, whatever broke
+        log.exception("episode %s/%s failed", task.id, getattr(sandbox, "name", "?"))
+        return "infra_error", {"error": f"{type(e).__name__}: {e}", "result": result}
