@@ -202,7 +202,8 @@ class PolicyConfig(BaseModel):
     base_url: str | None = None
     endpoint_file: Path | None = None  # written by slurm/vllm.sbatch; gives base_url and model
     endpoint_wait_s: float = 600.0  # how long to wait for the endpoint file and /v1/models
-    system_prompt: str | None = None  # default: Endless Terminals' prompt for the mode: str | None = None  # default: $OPENAI_API_KEY, else "EMPTY"
+    system_prompt: str | None = None  # default: Endless Terminals' prompt for the mode
+    api_key: str | None = None  # default: $OPENAI_API_KEY, else "EMPTY"
     model: str | None = None  # default: the first model the server lists
     mode: Mode = "tools"
     temperature: float = 0.7
