@@ -23,6 +23,7 @@ _AREAS = [
     "et_hpc.sandbox.cli",
     "et_hpc.runner.cli",
     "et_hpc.store_cli",
+    "et_hpc.demo",
 ]
 
 EPILOG = """\

@@ -1,0 +1,29 @@
+"""The README's demo command, end to end: images, local and Slurm episodes, store, summary."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from conftest import need
+
+
+def test_demo_end_to_end(base_sif, tmp_path):
+    need("apptainer", "slurm")
+    store = tmp_path / "store"
+    r = subprocess.run([sys.executable, "-m", "et_hpc.cli", "demo", "--store", str(store), "--samples", "1",
+                        "--base-source", "debian"], capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    table = r.stdout.split("==> summary", 1)[1]
+    rows = [ln.split() for ln in table.splitlines() if ln.startswith("demo-")]
+    assert {(row[1], row[2]) for row in rows} == {("local", "oracle"), ("local", "null"), ("slurm", "oracle")}
+    for row in rows:
+        assert row[-2:] == ["as", "expected"], row
+    from et_hpc.store import RunStore
+
+    runs = sorted(p for p in store.iterdir() if p.is_dir())
+    assert len(runs) == 3
+    for run in runs:
+        s = RunStore(run).summary()
+        assert s.units == 4 and s.ok == 4
+        assert s.solved == (4 if "-oracle-" in run.name else 0)
