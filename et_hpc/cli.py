@@ -24,6 +24,7 @@ _AREAS = [
     "et_hpc.runner.cli",
     "et_hpc.store_cli",
     "et_hpc.demo",
+    "et_hpc.report",
 ]
 
 EPILOG = """\
