@@ -10,30 +10,12 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from et_hpc.agent.loop import Budgets
+from et_hpc.agent.policies import PolicyConfig
 from et_hpc.errors import UserError
 from et_hpc.paths import store_dir
 
-try:  # the agent area owns these; keep plain dicts until it is present
-    from et_hpc.agent.policies import PolicyConfig  # type: ignore[attr-defined]
-except ImportError:  # pragma: no cover - depends on what is installed
-    PolicyConfig = None  # type: ignore[assignment,misc]
-try:
-    from et_hpc.agent.loop import Budgets  # type: ignore[attr-defined]
-except ImportError:  # pragma: no cover
-    Budgets = None  # type: ignore[assignment,misc]
-
-PolicyType: Any = PolicyConfig if PolicyConfig is not None else dict[str, Any]
-BudgetsType: Any = Budgets if Budgets is not None else dict[str, Any]
-
 _NAME_RE = re.compile(r"^[A-Za-z0-9._-]+$")
-
-
-def _policy_default() -> Any:
-    return PolicyConfig() if PolicyConfig is not None else {"kind": "oracle"}
-
-
-def _budgets_default() -> Any:
-    return Budgets() if Budgets is not None else {}
 
 
 class TaskSelection(BaseModel):
@@ -81,14 +63,14 @@ class SlurmOptions(BaseModel):
 
 
 class RunConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+    model_config = ConfigDict(extra="forbid")
 
     name: str | None = None
     store: Path | None = None
     tasks: TaskSelection = Field(default_factory=TaskSelection)
     samples: int = Field(default=1, ge=1)  # episodes per task (group size)
-    policy: PolicyType = Field(default_factory=_policy_default)
-    budgets: BudgetsType = Field(default_factory=_budgets_default)
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    budgets: Budgets = Field(default_factory=Budgets)
     sandbox: SandboxOptions = Field(default_factory=SandboxOptions)
     scoring_timeout_s: float = Field(default=120.0, gt=0)
     executor: Literal["local", "slurm"] = "local"
@@ -109,8 +91,7 @@ class RunConfig(BaseModel):
             return self.name
         src = self.tasks.source or (str(self.tasks.tasks_dir) if self.tasks.tasks_dir else "tasks")
         base = Path(src.rstrip("/")).name or "tasks"
-        kind = self.policy.get("kind", "policy") if isinstance(self.policy, dict) else getattr(self.policy, "kind", "policy")
-        return re.sub(r"[^A-Za-z0-9._-]+", "-", f"{base}-{kind}")
+        return re.sub(r"[^A-Za-z0-9._-]+", "-", f"{base}-{self.policy.kind}")
 
     def run_dir(self) -> Path:
         return Path(self.store or store_dir()).expanduser() / self.run_name()

@@ -1,23 +1,21 @@
 """Planning a run: load tasks, check their images, list the (task, sample) units the store lacks.
 
-Also home of the small adapter between executors and the run's record store (``open_store``) and
-of ``run.json``, the run's description (config + plan summary) in the run directory.
+Also home of ``open_store`` (the run's :class:`~et_hpc.store.RunStore`) and of ``run.json``,
+the run's description (config + plan summary) in the run directory.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
 import logging
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 from et_hpc.errors import UserError
 from et_hpc.runner.config import RunConfig
+from et_hpc.store import RunStore
 from et_hpc.util import atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -27,16 +25,6 @@ OK = "ok"
 
 
 # ---------------------------------------------------------------- records and stores
-def record_dict(rec: Any) -> dict[str, Any]:
-    if isinstance(rec, dict):
-        return dict(rec)
-    if hasattr(rec, "model_dump"):
-        return rec.model_dump(mode="json")
-    if dataclasses.is_dataclass(rec):
-        return dataclasses.asdict(rec)
-    return dict(vars(rec))
-
-
 def rec_get(rec: Any, key: str, default: Any = None) -> Any:
     if isinstance(rec, dict):
         return rec.get(key, default)
@@ -51,61 +39,14 @@ def rec_passed(rec: Any) -> bool:
     return reward is not None and float(reward) >= 1.0 - 1e-9
 
 
-class UnitFileStore:
-    """A minimal record store: one JSON file per finished episode, written atomically.
-
-    Used only when ``et_hpc.store`` is not installed; it offers the same three calls the
-    executors need (``write``, ``units``, ``records``).
-    """
-
-    def __init__(self, root: Path):
-        self.root = Path(root)
-
-    def write(self, records: Iterable[Any]) -> None:
-        for rec in records:
-            d = record_dict(rec)
-            h = hashlib.sha1(str(d.get("task_id")).encode()).hexdigest()[:12]
-            name = f"{h}-s{d.get('sample')}-{uuid.uuid4().hex[:8]}.json"
-            atomic_write_text(self.root / name, json.dumps(d, default=str))
-
-    def records(self) -> list[dict[str, Any]]:
-        out = []
-        if not self.root.is_dir():
-            return out
-        for p in sorted(self.root.glob("[!.]*.json")):
-            try:
-                out.append(json.loads(p.read_text()))
-            except (OSError, ValueError):
-                log.warning("unreadable record %s", p)
-        return out
-
-    def units(self) -> dict[Unit, str]:
-        out: dict[Unit, str] = {}
-        for d in self.records():
-            key = (str(d.get("task_id")), int(d.get("sample", 0)))
-            if out.get(key) != OK:
-                out[key] = str(d.get("status"))
-        return out
-
-
-def open_store(run_dir: Path) -> Any:
-    """The record store of a run: ``et_hpc.store.RunStore(run_dir)`` when present, else JSON files."""
-    try:
-        from et_hpc.store import RunStore  # type: ignore[attr-defined]
-    except ImportError:
-        return UnitFileStore(Path(run_dir) / "units")
+def open_store(run_dir: Path) -> RunStore:
+    """The record store of a run (its directory)."""
     return RunStore(Path(run_dir))
 
 
-def store_records(store: Any) -> list[Any]:
-    for name in ("records", "read"):
-        fn = getattr(store, name, None)
-        if callable(fn):
-            got = fn()
-            if hasattr(got, "to_pylist"):
-                got = got.to_pylist()
-            return list(got)
-    return []
+def store_records(store: RunStore) -> list[dict[str, Any]]:
+    """Every unit's record (one per unit, deduped) as plain dicts."""
+    return store.read().to_pylist()
 
 
 # ---------------------------------------------------------------- plan
