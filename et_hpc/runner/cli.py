@@ -14,27 +14,45 @@ from et_hpc.errors import UserError
 from et_hpc.paths import store_dir
 from et_hpc.runner import watch
 from et_hpc.runner.config import RunConfig, load_config, parse_set
-from et_hpc.runner.plan import OK, Plan, make_plan, open_store, read_run_json, rec_get, rec_passed, store_records
+from et_hpc.runner.plan import OK, Plan, make_plan, open_store, read_run_json
+from et_hpc.store import RunStore
 from et_hpc.util import format_table
 
 RUN_HELP = """\
-Run agent episodes for every selected task, SAMPLES times each, locally or as Slurm arrays.
-Finished episodes go to the run's store (<store>/<run name>/) as they finish; rerunning the
-same command resumes: units already ok (and errors, unless --retry-errors) are skipped.
-Settings come from a YAML run config, then --set KEY=VALUE, then the dedicated flags.
+Run agent episodes for every selected task, SAMPLES times each (a unit is one task and sample),
+on this machine or as Slurm array jobs. Task images must be built first ('et-hpc build SOURCE').
 
-run config keys: name, store, tasks.{source,tasks_dir,ids,glob,split,sample,seed}, samples,
+Each finished episode is written to the run's store (<store>/<run name>/part-*.parquet) as soon
+as it ends, so an interrupted run loses only the episodes that were running. Rerunning the same
+command resumes: units already ok (and units with an error, unless --retry-errors) are skipped.
+With --executor slurm the units go in chunks of slurm.units_per_task to array tasks that run
+slurm.array_parallelism at a time; the command waits for them (or returns with --detach) and
+reports array tasks that were cancelled or failed; rerun it to do what they left undone.
+When no episode of the run is running any more, the store's small shards are merged into a few
+large ones (skip with --no-compact; 'et-hpc store compact RUN_DIR' does it later).
+
+Settings come from a YAML run config, then --set KEY=VALUE, then the dedicated flags.
+Run config keys: name, store, tasks.{source,tasks_dir,ids,glob,split,sample,seed}, samples,
   policy.*, budgets.*, sandbox.{overlay_mb,writable_tmpfs,network}, scoring_timeout_s,
   executor (local|slurm), concurrency, retry_errors, unit_runner (module:function),
   slurm.{partition,account,qos,time_min,cpus_per_task,mem_gb,array_parallelism,
   units_per_task,setup,additional_parameters,max_array_size,max_num_timeout,python,
   wait_timeout_min,poll_s}
+
+Exit status: 0 every unit is done, 1 units are still missing (rerun), 2 bad input,
+3 stopped watching Slurm jobs that keep running (slurm.wait_timeout_min), 130 interrupted.
 """
 RUN_EPILOG = """\
 examples:
-  et-hpc run tasks/ --policy oracle --samples 2 --concurrency 4
-  et-hpc run --config run.yaml --executor slurm --set slurm.partition=cpu --detach
-  et-hpc status oracle-smoke
+  # the 4 demo tasks, 2 oracle episodes each, 4 at a time on this machine
+  et-hpc build defs/demo
+  et-hpc run defs/demo --policy oracle --samples 2 --concurrency 4 --run-name demo
+  # the same as Slurm arrays of 8 units per task, at most 16 tasks at once
+  et-hpc run defs/demo --policy oracle --samples 50 --executor slurm \\
+      --set slurm.units_per_task=8 --set slurm.array_parallelism=16 --set slurm.partition=cpu
+  # everything from a run config; submit and return, then follow it
+  et-hpc run --config run.yaml --executor slurm --detach
+  et-hpc status demo
 """
 
 
@@ -55,6 +73,8 @@ def register(sub: Any) -> None:
     p.add_argument("--retry-errors", action="store_true", help="run again units recorded with an error")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set slurm.units_per_task=4 (repeatable)")
+    p.add_argument("--no-compact", action="store_true",
+                   help="do not merge the store's shards when the run ends")
     p.add_argument("--json", action="store_true", help="print the final summary as JSON")
     p.set_defaults(func=cmd_run)
 
@@ -96,12 +116,8 @@ def unit_counts(plan: Plan, store: Any) -> dict[str, Any]:
 
 def pass_stats(store: Any) -> tuple[int, int]:
     """(episodes with full reward, ok episodes) over the run, one record per unit."""
-    summary = getattr(store, "summary", None)
-    if callable(summary):
-        s = summary()
-        return int(s.solved), int(s.ok)
-    recs = store_records(store)
-    return sum(1 for r in recs if rec_passed(r)), sum(1 for r in recs if rec_get(r, "status") == OK)
+    s = store.summary()
+    return int(s.solved), int(s.ok)
 
 
 def _print_summary(title: str, info: dict[str, Any], as_json: bool) -> None:
@@ -124,6 +140,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"et-hpc: warning: task skipped: {e}", file=sys.stderr)
     store = open_store(plan.run_dir)
     rc = 0
+    settled = True  # no episode of this run is running any more
     if not plan.units:
         print("nothing to do: every unit is in the store (use --retry-errors to redo errors)", file=sys.stderr)
     elif cfg.executor == "local":
@@ -134,10 +151,14 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"stopped: {res.ok + res.errors} episodes kept, rerun the same command to resume",
                   file=sys.stderr)
             rc = 130
+            settled = False
     else:
         rc = _run_slurm(plan, store, args.detach)
         if args.detach:
             return rc
+        settled = rc == 0
+    if settled and not args.no_compact:
+        _compact(store)
     info = unit_counts(plan, store)
     info["run_dir"] = str(plan.run_dir)
     if info["missing"] and rc == 0:
@@ -146,6 +167,18 @@ def cmd_run(args: argparse.Namespace) -> int:
               file=sys.stderr)
     _print_summary(f"run {cfg.run_name()}", info, args.json)
     return rc
+
+
+def _compact(store: RunStore) -> None:
+    """Merge the run's small shards (once, from this process: never from many array tasks)."""
+    try:
+        res = store.compact()
+    except UserError as e:  # another compaction of this run is going on: it does the same work
+        print(f"et-hpc: warning: store not compacted: {e}", file=sys.stderr)
+        return
+    if res.inputs:
+        print(f"store compacted: {res.inputs} shards merged into {res.outputs}, "
+              f"{res.shards_after} shards now", file=sys.stderr)
 
 
 def _run_slurm(plan: Plan, store: Any, detach: bool) -> int:
