@@ -169,6 +169,7 @@ def run_episode(task: Task, sample: int, cfg: Any, image: Any, *, stop: threadin
         network_none=cfg.sandbox.network == "none",
     )
     outcome = _drive(task, sandbox, policy, pcfg, budgets, cfg, stop, timings)
+    base["model"] = getattr(policy, "model", None) or base["model"]  # a served model is named on first use
     t = time.monotonic()
     sandbox.stop()
     timings["teardown_s"] = time.monotonic() - t
