@@ -1,0 +1,365 @@
+"""``et-hpc report``: the trend of pass rate over a series of runs (e.g. nightly checkpoint scores).
+
+For every run in a store whose name matches a glob, ordered by time, one row: episodes, ok,
+errors, pass rate with a 95% Wilson interval, mean reward, mean passed/total, and the change in
+pass rate against the previous run with a 95% Newcombe interval (so noise can be told from a real
+change). Between the last two runs it lists the tasks newly solved and newly failed. Output is a
+plain table, JSON (``--json``) or one self-contained HTML file (``-o``) with an inline SVG chart.
+
+Counting follows the store: one record per unit ``(task_id, sample)``; only ``ok`` episodes are
+scored (errors are counted apart, never as failures); an episode passes when its reward is 1.
+A task is *solved* in a run when at least one of its ok samples passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import html
+import json
+import math
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from et_hpc.errors import UserError
+from et_hpc.store import RUN_CONFIG, RunStore, Store
+from et_hpc.util import atomic_write_text, format_table
+
+Z95 = 1.959963984540054
+_COLUMNS = ["task_id", "sample", "status", "reward", "passed", "total", "split", "model", "created_at",
+            "episode_id"]
+
+
+class RunRow(BaseModel):
+    """One run of the trend."""
+
+    run: str
+    path: str
+    time: str | None  # ISO time the row is ordered by
+    time_source: str  # "planned_at" | "created_at" | "none"
+    model: str | None
+    episodes: int  # units after dedupe (and split filter)
+    ok: int
+    errors: int
+    solved: int  # ok episodes with reward 1
+    pass_rate: float | None  # solved / ok
+    pass_rate_ci: tuple[float, float] | None  # 95% Wilson interval
+    mean_reward: float | None
+    mean_test_fraction: float | None  # mean passed/total over ok episodes with tests
+    delta: float | None = None  # pass_rate - previous run's pass_rate
+    delta_ci: tuple[float, float] | None = None  # 95% Newcombe interval of the difference
+    significant: bool | None = None  # delta_ci excludes 0
+    task_rates: dict[str, float] = {}  # per task: solved / ok samples (tasks with an ok sample)
+
+
+class TaskChanges(BaseModel):
+    """Per-task changes between the last two runs (tasks scored in both)."""
+
+    previous: str
+    last: str
+    newly_solved: list[str]
+    newly_failed: list[str]
+    still_solved: int
+    still_failed: int
+    only_previous: list[str]  # scored only in the previous run
+    only_last: list[str]  # scored only in the last run
+
+
+class Report(BaseModel):
+    store: str
+    glob: str
+    split: str | None
+    runs: list[RunRow]
+    changes: TaskChanges | None
+
+
+# --- statistics ------------------------------------------------------------------------------
+def wilson(k: int, n: int, z: float = Z95) -> tuple[float, float] | None:
+    """Wilson score interval of a binomial proportion ``k/n``; ``None`` for ``n == 0``."""
+    if n <= 0:
+        return None
+    p = k / n
+    den = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / den
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def newcombe(k1: int, n1: int, k2: int, n2: int, z: float = Z95) -> tuple[float, float] | None:
+    """95% interval of ``k2/n2 - k1/n1`` (Newcombe's hybrid score method, from two Wilson intervals)."""
+    a, b = wilson(k1, n1, z), wilson(k2, n2, z)
+    if a is None or b is None:
+        return None
+    p1, p2 = k1 / n1, k2 / n2
+    d = p2 - p1
+    lo = d - math.sqrt((p2 - b[0]) ** 2 + (a[1] - p1) ** 2)
+    hi = d + math.sqrt((b[1] - p2) ** 2 + (p1 - a[0]) ** 2)
+    return max(-1.0, lo), min(1.0, hi)
+
+
+# --- reading runs ----------------------------------------------------------------------------
+def _parse_time(s: Any) -> datetime | None:
+    if not isinstance(s, str) or not s:
+        return None
+    for parse in (datetime.fromisoformat, lambda v: datetime.strptime(v, "%Y-%m-%dT%H:%M:%S%z")):
+        try:
+            t = parse(s)
+        except ValueError:
+            continue
+        return t.replace(tzinfo=timezone.utc) if t.tzinfo is None else t.astimezone(timezone.utc)
+    return None
+
+
+def run_row(rs: RunStore, split: str | None = None) -> RunRow:
+    """Score one run (optionally only the episodes of ``split``)."""
+    cfg = rs.config() or {}
+    rows = rs.read(columns=_COLUMNS).to_pylist()
+    if split is not None:
+        rows = [r for r in rows if r["split"] == split]
+    when = _parse_time(cfg.get("planned_at"))
+    source = "planned_at"
+    if when is None:
+        stamps = [r["created_at"] for r in rows if r["created_at"] is not None]
+        when = min(stamps).astimezone(timezone.utc) if stamps else None
+        source = "created_at" if when else "none"
+    ok = [r for r in rows if r["status"] == "ok"]
+    solved = sum(1 for r in ok if r["reward"] is not None and r["reward"] >= 1.0 - 1e-9)
+    rewards = [r["reward"] for r in ok if r["reward"] is not None]
+    fracs = [r["passed"] / r["total"] for r in ok if r["passed"] is not None and r["total"]]
+    per_task: dict[str, list[int]] = {}
+    for r in ok:
+        c = per_task.setdefault(r["task_id"], [0, 0])
+        c[0] += r["reward"] is not None and r["reward"] >= 1.0 - 1e-9
+        c[1] += 1
+    policy = cfg.get("config", {}).get("policy", {}) if isinstance(cfg.get("config"), dict) else {}
+    models = sorted({r["model"] for r in rows if r["model"]})
+    model = (policy.get("model") if isinstance(policy, dict) else None) or (", ".join(models) or None)
+    return RunRow(
+        run=rs.name, path=str(rs.path), time=when.isoformat() if when else None, time_source=source,
+        model=model, episodes=len(rows), ok=len(ok), errors=len(rows) - len(ok), solved=solved,
+        pass_rate=solved / len(ok) if ok else None, pass_rate_ci=wilson(solved, len(ok)),
+        mean_reward=sum(rewards) / len(rewards) if rewards else None,
+        mean_test_fraction=sum(fracs) / len(fracs) if fracs else None,
+        task_rates={t: c[0] / c[1] for t, c in sorted(per_task.items())},
+    )
+
+
+def task_changes(prev: RunRow, last: RunRow) -> TaskChanges:
+    """Tasks that went from unsolved to solved and back between two runs (solved = any sample passed)."""
+    both = sorted(set(prev.task_rates) & set(last.task_rates))
+    was = {t: prev.task_rates[t] > 0 for t in both}
+    now = {t: last.task_rates[t] > 0 for t in both}
+    return TaskChanges(
+        previous=prev.run, last=last.run,
+        newly_solved=[t for t in both if now[t] and not was[t]],
+        newly_failed=[t for t in both if was[t] and not now[t]],
+        still_solved=sum(1 for t in both if now[t] and was[t]),
+        still_failed=sum(1 for t in both if not now[t] and not was[t]),
+        only_previous=sorted(set(prev.task_rates) - set(last.task_rates)),
+        only_last=sorted(set(last.task_rates) - set(prev.task_rates)),
+    )
+
+
+def build_report(store: Path | str, glob: str = "*", split: str | None = None) -> Report:
+    """Score every run of ``store`` matching ``glob`` and compare each with the one before."""
+    root = Path(store).expanduser()
+    if not root.exists():
+        raise UserError(f"store {root} does not exist; pass the store folder that holds the runs "
+                        f"(e.g. $ET_HPC_STORE)")
+    if not root.is_dir():
+        raise UserError(f"store {root} is not a directory; pass the store folder that holds the runs")
+    if (root / RUN_CONFIG).exists() or any(root.glob("part-*.parquet")):
+        raise UserError(f"{root} is one run, not a store; pass its parent folder {root.parent} "
+                        f"(with --glob '{root.name}' to report only this run)")
+    names = Store(root).runs()
+    chosen = [n for n in names if fnmatch.fnmatchcase(n, glob)]
+    if not chosen:
+        shown = ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
+        raise UserError(f"no run in {root} matches --glob {glob!r}"
+                        + (f" (runs there: {shown})" if names else " (the store holds no runs)"))
+    rows = [run_row(RunStore(root / n), split) for n in _progress(chosen)]
+    rows.sort(key=lambda r: (r.time is None, r.time or "", r.run))
+    prev: RunRow | None = None
+    for r in rows:
+        if prev is not None and r.pass_rate is not None and prev.pass_rate is not None:
+            r.delta = r.pass_rate - prev.pass_rate
+            r.delta_ci = newcombe(prev.solved, prev.ok, r.solved, r.ok)
+            r.significant = r.delta_ci is not None and (r.delta_ci[0] > 0 or r.delta_ci[1] < 0)
+        if r.pass_rate is not None:
+            prev = r
+    scored = [r for r in rows if r.ok]
+    changes = task_changes(scored[-2], scored[-1]) if len(scored) >= 2 else None
+    return Report(store=str(root), glob=glob, split=split, runs=rows, changes=changes)
+
+
+def _progress(items: list[str]):
+    from tqdm import tqdm
+
+    return tqdm(items, desc="report", unit="run", file=sys.stderr, disable=None if len(items) > 3 else True)
+
+
+# --- output ----------------------------------------------------------------------------------
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _delta(r: RunRow) -> str:
+    if r.delta is None:
+        return "-"
+    ci = f" [{100 * r.delta_ci[0]:+.1f}, {100 * r.delta_ci[1]:+.1f}]" if r.delta_ci else ""
+    return f"{100 * r.delta:+.1f}pp{ci}{' *' if r.significant else ''}"
+
+
+HEADERS = ["run", "date", "model", "episodes", "ok", "errors", "pass rate [95% CI]", "mean reward",
+           "mean passed/total", "change vs previous [95% CI]"]
+
+
+def table_rows(rep: Report) -> list[list[str]]:
+    out = []
+    for r in rep.runs:
+        ci = f" [{_pct(r.pass_rate_ci[0])}, {_pct(r.pass_rate_ci[1])}]" if r.pass_rate_ci else ""
+        out.append([r.run, (r.time or "-")[:16].replace("T", " "), r.model or "-", str(r.episodes), str(r.ok),
+                    str(r.errors), _pct(r.pass_rate) + ci, _num(r.mean_reward), _num(r.mean_test_fraction),
+                    _delta(r)])
+    return out
+
+
+def format_text(rep: Report) -> str:
+    lines = [format_table(HEADERS, table_rows(rep)),
+             "* the 95% interval of the change excludes 0 (pp = percentage points)"]
+    c = rep.changes
+    if c is not None:
+        lines.append(f"\n{c.previous} -> {c.last}: {len(c.newly_solved)} newly solved, "
+                     f"{len(c.newly_failed)} newly failed, {c.still_solved} still solved, "
+                     f"{c.still_failed} still failed")
+        for label, tasks in (("newly solved", c.newly_solved), ("newly failed", c.newly_failed)):
+            if tasks:
+                lines.append(f"  {label}: {', '.join(tasks[:20])}" + (" ..." if len(tasks) > 20 else ""))
+    return "\n".join(lines)
+
+
+def svg_chart(runs: list[RunRow], width: int = 760, height: int = 300) -> str:
+    """An inline SVG line chart of pass rate per run with the 95% intervals as error bars."""
+    pts = [(i, r) for i, r in enumerate(runs) if r.pass_rate is not None]
+    labels = [r.run if len(r.run) <= 32 else r.run[:14] + "…" + r.run[-17:] for r in runs]
+    longest = max((len(s) for s in labels), default=0)
+    left, right, top, bottom = max(50, int(5.3 * longest)), 20, 20, 25 + int(3.3 * longest)
+    width, height = width + left - 50, height + bottom - 60
+    w, h = width - left - right, height - top - bottom
+    n = max(len(runs) - 1, 1)
+
+    def x(i: int) -> float:
+        return left + (w * i / n if len(runs) > 1 else w / 2)
+
+    def y(v: float) -> float:
+        return top + h * (1 - v)
+
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           f'viewBox="0 0 {width} {height}" role="img" aria-label="pass rate per run">']
+    for v in (0, 0.25, 0.5, 0.75, 1.0):
+        out.append(f'<line x1="{left}" y1="{y(v):.1f}" x2="{left + w}" y2="{y(v):.1f}" stroke="#ddd"/>'
+                   f'<text x="{left - 6}" y="{y(v) + 4:.1f}" font-size="11" text-anchor="end">{int(v * 100)}%</text>')
+    if pts:
+        path = " ".join(f"{'M' if k == 0 else 'L'}{x(i):.1f},{y(r.pass_rate):.1f}" for k, (i, r) in enumerate(pts))
+        out.append(f'<path d="{path}" fill="none" stroke="#1f77b4" stroke-width="2"/>')
+    for i, r in pts:
+        cx, cy = x(i), y(r.pass_rate)
+        if r.pass_rate_ci:
+            lo, hi = y(r.pass_rate_ci[0]), y(r.pass_rate_ci[1])
+            out.append(f'<line x1="{cx:.1f}" y1="{lo:.1f}" x2="{cx:.1f}" y2="{hi:.1f}" stroke="#555"/>'
+                       f'<line x1="{cx - 4:.1f}" y1="{lo:.1f}" x2="{cx + 4:.1f}" y2="{lo:.1f}" stroke="#555"/>'
+                       f'<line x1="{cx - 4:.1f}" y1="{hi:.1f}" x2="{cx + 4:.1f}" y2="{hi:.1f}" stroke="#555"/>')
+        out.append(f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="4" fill="#1f77b4">'
+                   f'<title>{html.escape(r.run)}: {_pct(r.pass_rate)} of {r.ok}</title></circle>')
+    for i, (r, label) in enumerate(zip(runs, labels)):
+        out.append(f'<text x="{x(i):.1f}" y="{top + h + 14}" font-size="10" text-anchor="end" '
+                   f'transform="rotate(-30 {x(i):.1f} {top + h + 14})"><title>{html.escape(r.run)}</title>'
+                   f'{html.escape(label)}</text>')
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def format_html(rep: Report) -> str:
+    """One self-contained HTML page: chart, table and the task changes between the last two runs."""
+    e = html.escape
+    head = "".join(f"<th>{e(h)}</th>" for h in HEADERS)
+    body = "\n".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>" for row in table_rows(rep))
+    parts = [
+        "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>et-hpc report: {e(rep.glob)}</title>",
+        "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
+        "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}td:first-child,th{text-align:left}"
+        "h2{margin-top:1.5em}</style></head><body>",
+        f"<h1>Pass rate over runs</h1><p>store <code>{e(rep.store)}</code>, runs <code>{e(rep.glob)}</code>"
+        + (f", split <code>{e(rep.split)}</code>" if rep.split else "")
+        + ". Error bars and intervals: 95% (Wilson for a rate, Newcombe for a change); "
+        "* marks a change whose interval excludes 0. Errors are not counted as failures.</p>",
+        svg_chart(rep.runs),
+        f"<h2>Runs</h2><table><thead><tr>{head}</tr></thead><tbody>\n{body}\n</tbody></table>",
+    ]
+    c = rep.changes
+    if c is not None:
+        parts.append(f"<h2>Tasks changed: {e(c.previous)} &rarr; {e(c.last)}</h2>"
+                     f"<p>{c.still_solved} still solved, {c.still_failed} still failed.</p>")
+        for label, tasks in (("Newly solved", c.newly_solved), ("Newly failed", c.newly_failed),
+                             ("Scored only in the previous run", c.only_previous),
+                             ("Scored only in the last run", c.only_last)):
+            items = "".join(f"<li><code>{e(t)}</code></li>" for t in tasks) or "<li>none</li>"
+            parts.append(f"<h3>{label} ({len(tasks)})</h3><ul>{items}</ul>")
+    parts.append("</body></html>\n")
+    return "\n".join(parts)
+
+
+# --- command line ----------------------------------------------------------------------------
+DESCRIPTION = """\
+Trend of pass rate over the runs of a store, e.g. one run per nightly checkpoint. Runs matching
+--glob are ordered by time (run.json planned_at, else their earliest episode). Per run: episodes,
+ok, errors (never counted as failures), pass rate with a 95% Wilson interval, mean reward, mean
+passed/total, and the change in pass rate against the previous run with a 95% interval: a change
+marked * has an interval that excludes 0, anything else may be noise. Between the last two runs
+the tasks newly solved and newly failed are listed (a task is solved when any sample passed).
+"""
+EPILOG = """\
+examples:
+  et-hpc report $ET_HPC_STORE --glob 'nightly-*'
+  et-hpc report $ET_HPC_STORE --glob 'nightly-*' --split validation -o $ET_HPC_STORE/nightly.html
+  et-hpc report $ET_HPC_STORE --json | jq '.runs[-1].pass_rate'
+"""
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("report", help="pass-rate trend over runs (table, JSON or an HTML page)",
+                       description=DESCRIPTION, epilog=EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("store", type=Path, help="store folder holding one folder per run")
+    p.add_argument("--glob", default="*", help="run names to include (shell pattern, default '*')")
+    p.add_argument("--split", help="count only episodes of this task split, e.g. validation")
+    p.add_argument("-o", "--output", type=Path, help="also write a self-contained HTML report here")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=cmd_report)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    rep = build_report(args.store, args.glob, args.split)
+    if args.output:
+        out = Path(args.output).expanduser()
+        if out.is_dir():
+            raise UserError(f"-o {out} is a directory; give a file name, e.g. {out / 'report.html'}")
+        try:
+            atomic_write_text(out, format_html(rep))
+        except OSError as e:
+            raise UserError(f"cannot write {out} ({e.strerror}); choose a writable path for -o") from e
+        print(f"wrote {out}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(rep.model_dump(mode="json"), indent=2))
+    else:
+        print(format_text(rep))
+    return 0
