@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
+import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -148,3 +150,58 @@ def test_bad_store_one_line_exit_2(store: Path, tmp_path: Path, case: str) -> No
     assert str(arg) in err[0]
     if case == "no_match":
         assert "nightly-a" in err[0]  # names what is there
+
+
+def test_nightly_script_end_to_end(base_sif: Path, tmp_path: Path) -> None:
+    """slurm/nightly.sbatch on two 'checkpoints': the real vllm.sbatch goes through real Slurm with the
+    scripted server standing in for 'vllm serve' (same flags, same API); episodes run in real apptainer."""
+    from conftest import need
+
+    need("slurm")
+    repo = Path(__file__).resolve().parent.parent
+    tasks = tmp_path / "val"
+    tasks.mkdir()
+    subprocess.run(["cp", "-r", str(repo / "defs" / "demo" / "demo_hello_file"), str(tasks)], check=True)
+    et_hpc = str(Path(sys.executable).parent / "et-hpc")
+    b = subprocess.run([et_hpc, "build", "--tasks-dir", str(tasks)], capture_output=True, text=True, timeout=900)
+    assert b.returncode == 0, b.stdout + b.stderr
+    # checkpoint "weak" writes the wrong greeting, "strong" the right one
+    scripts = {"weak": "printf 'hello\\n' > /home/user/greeting.txt",
+               "strong": "printf 'Hello, et-hpc!\\n' > /home/user/greeting.txt"}
+    for name, cmd in scripts.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps({"greeting.txt": [{"command": cmd}]}))
+    shim = tmp_path / "vllm"
+    shim.write_text(f"""#!/bin/bash
+model=$2; port=""
+while [ $# -gt 0 ]; do [ "$1" = --port ] && port=$2; shift; done
+exec {sys.executable} -m et_hpc.scripted_server --script "{tmp_path}/$(basename "$model").json" --port "$port" --model "$model"
+""")
+    shim.chmod(0o755)
+    store = tmp_path / "store"
+    jobs = []
+    for day, name in (("20250301", "weak"), ("20250302", "strong")):
+        env = dict(os.environ, CKPT=str(tmp_path / "ckpts" / name), TASKS=str(tasks), ET_HPC_STORE=str(store),
+                   ET_HPC=et_hpc, VLLM=str(shim), NIGHTLY_DATE=day, ENDPOINT_WAIT_S="600",
+                   VLLM_SBATCH_ARGS=f"--gres=none --mem=500M -c 1 --time=15 --output={tmp_path}/vllm-%j.log",
+                   ET_HPC_RUN_ARGS="--executor local --concurrency 1")
+        r = subprocess.run(["bash", str(repo / "slurm" / "nightly.sbatch")], env=env, capture_output=True,
+                           text=True, timeout=900, cwd=tmp_path)
+        assert r.returncode == 0, r.stdout + r.stderr
+        job = r.stdout.split("vLLM job ")[1].split()[0]
+        jobs.append(job)
+        assert f"cancelling vLLM job {job}" in r.stdout
+        assert not (store / ".nightly" / f"endpoint-nightly-{day}-{name}.json").exists()
+    rep = build_report(store, "nightly-*")
+    assert [r.run for r in rep.runs] == ["nightly-20250301-weak", "nightly-20250302-strong"]
+    assert [(r.ok, r.solved) for r in rep.runs] == [(1, 0), (1, 1)]
+    assert rep.runs[1].model == str(tmp_path / "ckpts" / "strong")
+    assert rep.changes.newly_solved == ["demo_hello_file"]
+    page = (store / "nightly-report.html").read_text()
+    assert "<svg" in page and "nightly-20250301-weak" in page and "nightly-20250302-strong" in page
+    for job in jobs:  # the vLLM jobs did not outlive the script
+        for _ in range(30):
+            q = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True)
+            if not q.stdout.strip():
+                break
+            time.sleep(1)
+        assert not q.stdout.strip(), f"vLLM job {job} still {q.stdout.strip()}"
