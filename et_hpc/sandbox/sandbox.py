@@ -50,7 +50,8 @@ _installed = False
 # Run once in a new instance (as part of the first shell's startup, or as its own exec).
 # 1. Task images are built with --fakeroot and `useradd user` + `chown user:user`; the agent runs
 #    as the invoking uid, which apptainer names after the host account. Where the image has a
-#    `user` account, our uid and gid are given that name in the instance's /etc/passwd and
+#    `user` account (else, the account with uid 1000: the first `useradd`, which upstream's
+#    agent ran as), our uid and gid are given that name in the instance's /etc/passwd and
 #    /etc/group (apptainer writes both per instance, owned by us), so tests that check
 #    "owned by user" see the agent's files as `user`'s. The image's own files are already ours:
 #    rootless FUSE mounts show every file as owned by the mounting user.
@@ -58,12 +59,14 @@ _installed = False
 #    $HOME is copied up into the writable layer as ours (content, modes and times kept).
 PREPARE_SCRIPT = r"""
 me=$(id -u); mg=$(id -g)
-if grep -q '^user:' /etc/passwd 2>/dev/null; then
-  p=$(sed -e "/^[^:]*:[^:]*:$me:/{/^user:/!d;}" \
-          -e "s/^user:\([^:]*\):[0-9]*:[0-9]*:/user:\1:$me:$mg:/" /etc/passwd) \
+n=user
+grep -q '^user:' /etc/passwd 2>/dev/null || n=$(grep -m 1 '^[a-z_][a-z0-9_-]*:[^:]*:1000:' /etc/passwd | cut -d: -f1)
+if [ -n "$n" ] && grep -q "^$n:" /etc/passwd 2>/dev/null; then
+  p=$(sed -e "/^[^:]*:[^:]*:$me:/{/^$n:/!d;}" \
+          -e "s/^$n:\([^:]*\):[0-9]*:[0-9]*:/$n:\1:$me:$mg:/" /etc/passwd) \
     && printf '%s\n' "$p" > /etc/passwd 2>/dev/null
-  if grep -q '^user:' /etc/group 2>/dev/null; then
-    g=$(sed -e "/^[^:]*:[^:]*:$mg:/{/^user:/!d;}" -e "s/^user:\([^:]*\):[0-9]*:/user:\1:$mg:/" /etc/group) \
+  if grep -q "^$n:" /etc/group 2>/dev/null; then
+    g=$(sed -e "/^[^:]*:[^:]*:$mg:/{/^$n:/!d;}" -e "s/^$n:\([^:]*\):[0-9]*:/$n:\1:$mg:/" /etc/group) \
       && printf '%s\n' "$g" > /etc/group 2>/dev/null
   fi
 fi
