@@ -58,6 +58,10 @@ def _versions() -> dict[str, str]:
     }
 
 
+# Endless Terminals' recorded agents created files group-writable (0664): their shells ran with
+# umask 002, and generated final tests check modes against that. The agent's shell does the same.
+AGENT_UMASK = "0002"
+
 _ENDPOINTS: dict[tuple, PolicyConfig] = {}
 _ENDPOINT_LOCK = threading.Lock()
 
@@ -188,6 +192,7 @@ def _drive(task, sandbox, policy, pcfg, budgets, cfg, stop, timings) -> tuple[st
             t = time.monotonic()
             sandbox.start()
             shell = sandbox.shell(output_limit=budgets.output_limit_chars)
+            shell.run(f"umask {AGENT_UMASK}", timeout=30)
             timings["setup_s"] = time.monotonic() - t
         except (InfraError, OSError) as e:
             return "infra_error", {"error": f"sandbox: {e}"}
