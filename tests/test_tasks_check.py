@@ -74,7 +74,7 @@ def _demo_copy(dest: Path, name: str) -> Path:
 
 @pytest.fixture(scope="module")
 def broken(tmp_path_factory: pytest.TempPathFactory, base_sif: Path) -> tuple[int, dict[str, dict], str]:
-    """One check over four broken copies of demo_hello_file (three reuse its cached image)."""
+    """One check over five broken copies of demo_hello_file (three reuse its cached image)."""
     need("apptainer")
     root = tmp_path_factory.mktemp("broken")
     d = _demo_copy(root, "b_trivial")  # the final test checks a file the image already has
@@ -88,13 +88,17 @@ def broken(tmp_path_factory: pytest.TempPathFactory, base_sif: Path) -> tuple[in
     d = _demo_copy(root, "b_no_bootstrap")
     text = (d / "container.def").read_text()
     (d / "container.def").write_text("\n".join(ln for ln in text.splitlines() if not ln.startswith("Bootstrap:")) + "\n")
+    d = _demo_copy(root, "b_build_fails")  # a new image whose %post fails (the failure is cached)
+    text = (d / "container.def").read_text()
+    (d / "container.def").write_text(text.replace(
+        "mkdir -p /home/user", "echo 'cannot frobnicate' >&2; exit 3\n    mkdir -p /home/user", 1))
     return check_json(str(root))
 
 
 def test_broken_copies_fail_the_run(broken) -> None:
     rc, rows, _ = broken
     assert rc == 1
-    assert sorted(rows) == ["b_initial_fails", "b_no_bootstrap", "b_trivial", "b_wrong_solution"]
+    assert sorted(rows) == ["b_build_fails", "b_initial_fails", "b_no_bootstrap", "b_trivial", "b_wrong_solution"]
     assert not any(r["ok"] for r in rows.values())
 
 
@@ -122,6 +126,12 @@ def test_def_without_bootstrap_fails_at_load_naming_the_file(broken) -> None:
     assert row["stage"] == "load" and row["stages"]["build"] == "not_run", row
     assert "b_no_bootstrap/container.def" in row["detail"] and "Bootstrap:" in row["detail"], row
     assert "\n" not in row["detail"]
+
+
+def test_failed_build_fails_at_build_with_the_log_tail(broken) -> None:
+    row = broken[1]["b_build_fails"]
+    assert row["stage"] == "build" and row["stages"]["start"] == "not_run", row
+    assert "exit status 3" in row["detail"] and any("cannot frobnicate" in ln for ln in row["tail"]), row
 
 
 def test_table_and_count_line(tmp_path: Path, base_sif: Path) -> None:

@@ -22,6 +22,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -40,6 +41,8 @@ STAGES = ("load", "build", "start", "initial", "untouched", "solution")
 StageStatus = Literal["ok", "failed", "skipped", "not_run"]
 TAIL_LINES = 6
 TRIVIAL = "trivially solved"
+# pytest lines that say nothing about why: progress dots, section rules, the JUnit file notice
+_PYTEST_NOISE = re.compile(r"^([.FEsxX]+\s*(\[\s*\d+%\])?|[-=_]{3,}(?!.* in [\d.]+s\b).*|.*generated xml file.*)$")
 
 
 class CheckSettings(BaseModel):
@@ -85,10 +88,11 @@ def _tail(text: str | None, n: int = TAIL_LINES) -> list[str]:
 
 def _pytest_tail(text: str | None, n: int = TAIL_LINES) -> list[str]:
     """The assertion lines (``E   ...``) of a pytest run and its closing line, else its last lines."""
-    lines = [ln.rstrip() for ln in (text or "").splitlines() if ln.strip()]
+    lines = [ln.rstrip() for ln in (text or "").splitlines()
+             if ln.strip() and not _PYTEST_NOISE.match(ln.strip())]
     errs = [ln for ln in lines if ln.startswith("E ")]
     if not errs:
-        return _tail(text, n)
+        return [ln[:200] for ln in lines[-n:]]
     return [ln[:200] for ln in errs[: n - 1] + lines[-1:]]
 
 
@@ -99,6 +103,14 @@ def _file_tail(path: Path | None, n: int = TAIL_LINES) -> list[str]:
         return _tail(Path(path).read_text(errors="replace"), n)
     except OSError:
         return []
+
+
+def _failed_at(record: Path) -> float:
+    """When the failure record of a build was written (infinity when there is none)."""
+    try:
+        return float(json.loads(record.read_text()).get("failed_at_epoch", 0))
+    except (OSError, ValueError, AttributeError):
+        return float("inf")
 
 
 def _failing_tests(sc: Any) -> str:
@@ -157,6 +169,7 @@ class _Checker:
         return "ok"
 
     def build(self) -> StageStatus:
+        started = time.time()
         with self.build_gate:
             r = self.store.ensure(self.task, retry_failed=self.s.retry_failed, build=self.s.build)
         if r.status in ("built", "cached") and r.path is not None:
@@ -164,7 +177,8 @@ class _Checker:
             return "ok"
         if r.status == "missing":
             raise _Failed("image not built (--no-build); run 'et-hpc build' first or drop --no-build")
-        again = "" if self.s.retry_failed else " (failed before; --retry-failed builds it again)"
+        before = r.key is not None and _failed_at(self.store.failed_path(r.key)) < started
+        again = " (failed in an earlier build; --retry-failed builds it again)" if before else ""
         log_note = f"; log: {r.log_path}" if r.log_path and Path(r.log_path).exists() else ""
         raise _Failed(f"{r.reason or 'build failed'}{again}{log_note}", _file_tail(r.log_path))
 
