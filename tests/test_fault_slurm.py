@@ -157,3 +157,27 @@ def test_200_episodes_survive_scancel_and_sigkill(base_sif: Path, tmp_path: Path
     print(f"\nfault run: first run {first_s:.0f} s (rc {rc1}, {info1['ok']} ok, {info1['missing']} missing; "
           f"cancelled {cancelled}, SIGKILLed worker of {killed}), rerun {second_s:.0f} s, "
           f"{len(parts)} shard(s), {len(tmp_left)} .tmp file(s) left by the killed writer: {tmp_left}")
+
+
+@pytest.mark.slurm
+def test_rerun_while_arrays_live_is_refused(tmp_path: Path) -> None:
+    """A second 'et-hpc run' while the first one's array tasks still run would do their units twice."""
+    need("slurm")
+    from test_runner_cli import COMMON, _env, _run, _tasks
+
+    src = _tasks(tmp_path, 2)
+    env = _env(tmp_path, sleep_s=30)
+    sl = ["--executor", "slurm", "--set", "slurm.cpus_per_task=1", "--set", "slurm.time_min=5",
+          "--set", "slurm.units_per_task=2", "--run-name", "live", *COMMON]
+    d = _run(["run", str(src), "--detach", *sl], env, timeout=120)
+    assert d.returncode == 0, d.stderr
+    subs = load_jobs(tmp_path / "store" / "live")["submissions"]
+    try:
+        again = _run(["run", str(src), *sl], env, timeout=120)
+        assert again.returncode == 2, again.stderr
+        assert again.stderr.startswith("et-hpc: error:") and len(again.stderr.strip().splitlines()) == 1
+        assert "still queued or running" in again.stderr and subs[0]["array_id"] in again.stderr
+    finally:
+        subprocess.run(["scancel", *(s["array_id"] for s in subs)], timeout=30)
+    states, ended = watch.wait_tasks(task_ids(subs), poll_s=1, timeout_s=120)
+    assert ended, states

@@ -134,6 +134,8 @@ def _print_summary(title: str, info: dict[str, Any], as_json: bool) -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     plan = make_plan(cfg)
+    if plan.units:
+        _refuse_if_jobs_live(plan)
     print(f"run {cfg.run_name()} in {plan.run_dir}: {plan.total} units, {plan.done_ok} ok and "
           f"{plan.done_error} with errors already, {len(plan.units)} to run", file=sys.stderr)
     for e in plan.load_errors[:5]:
@@ -167,6 +169,22 @@ def cmd_run(args: argparse.Namespace) -> int:
               file=sys.stderr)
     _print_summary(f"run {cfg.run_name()}", info, args.json)
     return rc
+
+
+def _refuse_if_jobs_live(plan: Plan) -> None:
+    """Two executors on the same units would run them twice: wait for the earlier arrays first."""
+    from et_hpc.runner.slurm import latest_submissions, task_ids
+
+    subs = latest_submissions(plan.run_dir)
+    if not subs:
+        return
+    live = sorted(t for t, s in watch.task_states(task_ids(subs)).items()
+                  if watch.category(s) in ("queued", "running"))  # unknown (no answer from Slurm): go on
+    if live:
+        ids = ",".join(sorted({t.split("_")[0] for t in live}))
+        raise UserError(f"{len(live)} array task(s) of run {plan.cfg.run_name()} are still queued or running "
+                        f"(job {ids}): wait for them ('et-hpc status {plan.run_dir}') or cancel them "
+                        f"('scancel {ids.replace(',', ' ')}'), then rerun")
 
 
 def _compact(store: RunStore) -> None:

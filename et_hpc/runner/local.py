@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import inspect
 import logging
 import signal
 import sys
@@ -33,13 +32,9 @@ WorkItem = tuple[Any, int, Any]  # (task, sample, image)
 
 def episode_runner(task: Any, sample: int, cfg: RunConfig, image: Any, stop: threading.Event) -> Any:
     """The default unit runner: one real episode via ``et_hpc.episode.run_episode``."""
-    try:
-        from et_hpc.episode import run_episode  # type: ignore[attr-defined]
-    except ImportError:
-        raise UserError("this et-hpc has no episode runner (et_hpc.episode); set unit_runner") from None
-    if "stop" in inspect.signature(run_episode).parameters:
-        return run_episode(task, sample, cfg, image, stop=stop)
-    return run_episode(task, sample, cfg, image)
+    from et_hpc.episode import run_episode  # imported here: it pulls in the sandbox and agent code
+
+    return run_episode(task, sample, cfg, image, stop=stop)
 
 
 def resolve_runner(spec: str) -> UnitRunner:

@@ -31,10 +31,8 @@ CHECKPOINT_GRACE_S = 60.0
 
 
 def _reap() -> None:
-    try:
-        from et_hpc.sandbox.reaper import reap  # type: ignore[attr-defined]
-    except ImportError:
-        return
+    from et_hpc.sandbox.reaper import reap
+
     try:
         reap()
     except Exception:  # a failed sweep must not lose the array task
