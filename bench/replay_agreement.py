@@ -40,7 +40,28 @@ DEFAULT_SOURCE = Path(os.environ.get("ET_HPC_FIXTURES", HERE.parent.parent / "sh
 
 # (task id, recorded run index) -> why our reward differs from the recorded success.
 # Task-wide explanations use index None.
-EXPLAINED: dict[tuple[str, int | None], str] = {}
+_TEST_BROKEN = ("the fixture's final test is broken: test_final_state.py uses `TODAY`, which it never defines, so "
+                "collection fails with NameError and every episode scores 0 (the recorded runs were scored by a "
+                "working version of the test). With the test repaired (see the diagnostic line above) these runs agree.")
+_PTY_STUCK = ("upstream harness artifact: the recorded final-test step shows `Command timed out` and a screen of `> ` "
+              "continuation prompts: upstream's single PTY shell was left inside an unfinished multi-line input by an "
+              "earlier command, so the test never ran and the run was recorded as failed. Our shell runs each command "
+              "to completion (per-command markers, process groups), the final tests run in a separate exec, and the "
+              "state the agent left passes them.")
+EXPLAINED: dict[tuple[str, int | None], str] = {
+    ("task_000000_3bb4337a", None): _TEST_BROKEN,
+    ("task_000000_6eba56f8", 6): _PTY_STUCK,
+    ("task_000000_6eba56f8", 7): _PTY_STUCK,
+    ("task_000000_c79e7c5d", 0): _PTY_STUCK,
+}
+# Why the repaired rerun of 3bb4337a still differs on some runs (shown in the report's diagnostic line).
+REPAIR_NOTES = {
+    "task_000000_3bb4337a": (
+        "Runs 3, 9 and 11 `mv temp CHANGELOG.md`: upstream's shell is a PTY, so mv stopped at an interactive "
+        "`replace ... overriding mode 0664?` prompt (the target was not writable by the upstream agent) and the "
+        "command timed out, leaving CHANGELOG.md unchanged; our shell has no terminal on stdin, so mv does not "
+        "ask and the change lands."),
+}
 
 # Diagnostic reruns, not counted in the agreement: a task whose final test is itself broken is
 # replayed again from a temporary copy with the test repaired (old text -> new text), to show
@@ -131,6 +152,8 @@ def repaired_copy(task: Any, source: Path, dest: Path) -> Path:
     if folder.exists():
         shutil.rmtree(folder)
     shutil.copytree(source / task.id, folder)
+    for p in [folder, *folder.rglob("*")]:  # the fixtures are read-only; the copy need not be
+        p.chmod(p.stat().st_mode | 0o200)
     test = folder / "test_final_state.py"
     text = test.read_text()
     assert old in text, f"{task.id}: repair does not apply"
@@ -172,16 +195,26 @@ def report(results: dict[str, list[RunCompare]], seconds: dict[str, float],
         a = sum(c.agree for c in comps)
         lines.append(f"| {tid} | {n} | {sum(bool(c.recorded) for c in comps)} | "
                      f"{sum(c.ours is True for c in comps)} | {sum(c.status not in ('ok',) for c in comps)} | "
-                     f"{a}/{n} | {a / n:.1%} | {seconds.get(tid, float('nan')):.0f} |")
+                     f"{a}/{n} | {a / n:.1%} | {f"{seconds[tid]:.0f}" if tid in seconds else "-"} |")
     lines += ["", f"**Overall: {agree}/{total} = {agree / total:.1%} agreement** (target >= 90%).", ""]
     for tid, comps in (repaired or {}).items():
         a = sum(c.agree for c in comps)
         old, new = REPAIRS[tid]
         lines += [f"Diagnostic, not counted above: {tid} replayed again with its final test repaired "
-                  f"(`{old.strip()}` -> `{new.strip()}`): **{a}/{len(comps)} agree**"
+                  f"(`{old.strip()!r}` -> `{new.strip()!r}`): **{a}/{len(comps)} agree**"
                   + (f"; still disagreeing: runs {[c.index for c in comps if not c.agree]}" if a < len(comps) else "")
                   + ".", ""]
+        if tid in REPAIR_NOTES and a < len(comps):
+            lines += [REPAIR_NOTES[tid], ""]
     bad = [c for v in results.values() for c in v if not c.agree]
+    lines += ["Runtime fixes this comparison led to: the agent's shell runs with umask 002 as upstream's did "
+              "(task_000000_dfbcff7a went from 5/32 to 32/32: its tests expect the 0664 modes upstream's agents "
+              "produced); in images without a `user` account the uid-1000 account is mapped to the agent's uid, as "
+              "upstream's agent ran as it (task_000000_6eba56f8: `chown artifactmgr` failed with EINVAL before, "
+              "11/16 -> 14/16).", "",
+              "Differences in observations that did not change any reward: a command that is not found exits "
+              "127 here and 1 upstream, bash names itself `/usr/bin/bash: line N:`, and `ls -l` shows other "
+              "dates and no SELinux `.`.", ""]
     lines += ["## Disagreements", ""]
     if not bad:
         lines.append("None.")
