@@ -193,9 +193,10 @@ def report(results: dict[str, list[RunCompare]], seconds: dict[str, float],
     for tid, comps in results.items():
         n = len(comps)
         a = sum(c.agree for c in comps)
+        secs = f"{seconds[tid]:.0f}" if tid in seconds else "-"
         lines.append(f"| {tid} | {n} | {sum(bool(c.recorded) for c in comps)} | "
                      f"{sum(c.ours is True for c in comps)} | {sum(c.status not in ('ok',) for c in comps)} | "
-                     f"{a}/{n} | {a / n:.1%} | {f"{seconds[tid]:.0f}" if tid in seconds else "-"} |")
+                     f"{a}/{n} | {a / n:.1%} | {secs} |")
     lines += ["", f"**Overall: {agree}/{total} = {agree / total:.1%} agreement** (target >= 90%).", ""]
     for tid, comps in (repaired or {}).items():
         a = sum(c.agree for c in comps)
