@@ -62,12 +62,13 @@ def test_sigterm_stops_cleanly_and_keeps_finished(tmp_path: Path) -> None:
                 return
             time.sleep(0.05)
 
+    before = signal.getsignal(signal.SIGTERM)  # another test's sandbox may have installed its own
     threading.Thread(target=kill_when_slow_started, daemon=True).start()
     res = run_local(plan, progress=False)
     assert res.interrupted and res.ok == 2 and res.dropped == 2 and res.not_started == 2
     store = open_store(plan.run_dir)
     assert set(U.record_counts(store)) == {(t.id, 0) for t in quick}
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handler restored
+    assert signal.getsignal(signal.SIGTERM) is before  # handler restored
 
     (tmp_path / "s" / "log" / "fast").touch()
     plan2 = make_plan(cfg, tasks=quick + slow, image_lookup=U.image_lookup)
