@@ -50,7 +50,7 @@ from pydantic import BaseModel
 from et_hpc.errors import UserError
 from et_hpc.paths import store_dir
 from et_hpc.record import EPISODE_SCHEMA, STATUSES, EpisodeRecord, records_to_table
-from et_hpc.util import atomic_write_text, fsync_dir
+from et_hpc.util import atomic_open, atomic_write_text, fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -81,20 +81,8 @@ def write_table_atomic(directory: Path, table: pa.Table, name: str | None = None
     """Write ``table`` as a new shard in ``directory``: hidden temp name, fsync, atomic rename."""
     name = name or _shard_name()
     final = directory / name
-    tmp = directory / f"{TMP_PREFIX}{name}"
-    try:
-        with open(tmp, "wb") as f:
-            pq.write_table(table, f, compression=COMPRESSION, use_dictionary=_DICT_COLS)
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(tmp, final)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    fsync_dir(directory)
+    with atomic_open(final, tmp_name=f"{TMP_PREFIX}{name}") as f:
+        pq.write_table(table, f, compression=COMPRESSION, use_dictionary=_DICT_COLS)
     return final
 
 

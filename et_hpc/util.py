@@ -4,28 +4,36 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
+import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the whole new one, never part."""
+@contextmanager
+def atomic_open(path: Path, *, tmp_name: str | None = None) -> Iterator[BinaryIO]:
+    """Open a hidden temp file beside ``path`` for writing; on success fsync it and rename it over
+    ``path``, so readers see the old file or the whole new one, never part. On error it is removed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = path.parent / (tmp_name or f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
+        with open(tmp, "xb") as f:
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically (see ``atomic_open``)."""
+    with atomic_open(path) as f:
+        f.write(data)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
