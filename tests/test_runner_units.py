@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import subprocess
 import threading
-import time
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace

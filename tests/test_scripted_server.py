@@ -7,10 +7,8 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import openai
 import pytest
