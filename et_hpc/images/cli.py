@@ -103,6 +103,8 @@ def cmd_build(args: argparse.Namespace) -> int:
 
     if args.jobs is not None and args.jobs < 1:
         raise UserError(f"--jobs {args.jobs}: must be 1 or more")
+    if args.slurm:
+        parse_minutes(args.time)  # bad input is reported before any work
     res = _load(args)
     for e in res.errors:
         print(f"et-hpc: error: {e}", file=sys.stderr)
