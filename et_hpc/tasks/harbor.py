@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from et_hpc.errors import TaskError
 from et_hpc.images.recipe import read_text
 from et_hpc.tasks.model import Limits, Recipe, Task
-from et_hpc.tasks.native import read_task_json, recorded_runs
+from et_hpc.tasks.native import read_task_json, task_from_folder
 
 try:  # Python 3.11+
     import tomllib as _toml
@@ -105,19 +105,6 @@ def load_harbor(folder: Path) -> Task:
         if isinstance(data.get("name"), str):
             meta["name"] = data["name"]
     meta["layout"] = "harbor"
-    init, final = env_dir / "test_initial_state.py", folder / "tests" / "test_final_state.py"
-    solve = folder / "solution" / "solve.sh"
-    return Task(
-        id=folder.name,
-        prompt=prompt,
-        truth=truth,
-        recipe=recipe,
-        initial_tests=init if init.is_file() else None,
-        final_tests=final if final.is_file() else None,
-        solution=solve if solve.is_file() else None,
-        recorded_runs=recorded_runs(folder),
-        limits=limits,
-        source=folder,
-        source_kind="harbor",
-        metadata=meta,
-    )
+    return task_from_folder(folder, prompt=prompt, truth=truth, recipe=recipe, kind="harbor", metadata=meta,
+                            initial=env_dir / "test_initial_state.py",
+                            final=folder / "tests" / "test_final_state.py", limits=limits)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from et_hpc.errors import TaskError
 from et_hpc.images.recipe import read_text
-from et_hpc.tasks.model import Recipe, Task
+from et_hpc.tasks.model import Limits, Recipe, Task
 
 MARKERS = ("task.json", "container.def", "container.sif")
 _SMALL = 4096  # summaries at most this big are parsed to see whether they hold any run
@@ -83,17 +83,25 @@ def load_native(folder: Path) -> Task:
     meta: dict = {"layout": "native"}
     if isinstance(data.get("name"), str):
         meta["name"] = data["name"]
-    init, final, solve = folder / "test_initial_state.py", folder / "test_final_state.py", folder / "solution" / "solve.sh"
+    return task_from_folder(folder, prompt=prompt, truth=truth, recipe=recipe, kind="native", metadata=meta,
+                            initial=folder / "test_initial_state.py", final=folder / "test_final_state.py")
+
+
+def task_from_folder(folder: Path, *, prompt: str, truth: str | None, recipe: Recipe, kind: str,
+                     initial: Path, final: Path, metadata: dict, limits: Limits | None = None) -> Task:
+    """The Task of a task folder, with the optional files (tests, solution, recorded runs) that exist."""
+    solve = folder / "solution" / "solve.sh"
     return Task(
         id=folder.name,
         prompt=prompt,
         truth=truth,
         recipe=recipe,
-        initial_tests=init if init.is_file() else None,
+        initial_tests=initial if initial.is_file() else None,
         final_tests=final if final.is_file() else None,
         solution=solve if solve.is_file() else None,
         recorded_runs=recorded_runs(folder),
+        limits=limits or Limits(),
         source=folder,
-        source_kind="native",
-        metadata=meta,
+        source_kind=kind,
+        metadata=metadata,
     )
