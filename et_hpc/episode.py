@@ -15,7 +15,7 @@ import platform
 import socket
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from et_hpc import __version__
 from et_hpc.agent.loop import AgentResult, Budgets, run_agent
@@ -25,6 +25,9 @@ from et_hpc.record import EpisodeRecord, TestResult, Timings
 from et_hpc.sandbox.sandbox import Sandbox
 from et_hpc.scoring import score
 from et_hpc.tasks.model import Task
+
+if TYPE_CHECKING:
+    from et_hpc.runner.config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +107,7 @@ def _token_lists(result: AgentResult | None) -> tuple[list[list[int]] | None, li
     return (ids or None), (lps or None)
 
 
-def run_episode(task: Task, sample: int, cfg: Any, image: Any, *, stop: threading.Event | None = None) -> EpisodeRecord:
+def run_episode(task: Task, sample: int, cfg: RunConfig, image: Any, *, stop: threading.Event | None = None) -> EpisodeRecord:
     """Run one (task, sample) unit of a run and return its record (see the module docstring)."""
     t_start = time.time()
     t0 = time.monotonic()
@@ -161,7 +164,6 @@ def run_episode(task: Task, sample: int, cfg: Any, image: Any, *, stop: threadin
         return record("infra_error", error=f"task {task.id} has no test_final_state.py")
     try:
         policy = make_policy(resolve_policy_config(pcfg), task, max_tokens=budgets.max_tokens_per_turn)
-        base["model"] = getattr(policy, "model", None) or base["model"]
     except (UserError, InfraError) as e:
         return record("policy_error", error=str(e))
     storage = task.limits.storage_mb or cfg.sandbox.overlay_mb
