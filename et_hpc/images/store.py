@@ -48,6 +48,24 @@ FORMAT = 1
 Status = Literal["built", "cached", "failed", "missing"]
 
 
+HOST_CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
+BUILD_CA_PATH = "/tmp/.et-hpc-build-ca.crt"  # where the bundle is bound during %post
+_CA_EXPORTS = (
+    f"if [ -r {BUILD_CA_PATH} ]; then export PIP_CERT={BUILD_CA_PATH} SSL_CERT_FILE={BUILD_CA_PATH} "
+    f"REQUESTS_CA_BUNDLE={BUILD_CA_PATH} CURL_CA_BUNDLE={BUILD_CA_PATH} GIT_SSL_CAINFO={BUILD_CA_PATH}; fi"
+)
+
+
+def with_build_ca(text: str) -> str:
+    """Make the first line of ``%post`` point pip, curl, requests and git at the bound CA bundle."""
+    lines = text.splitlines(keepends=True)
+    for i, ln in enumerate(lines):
+        if ln.lstrip().startswith("%post") and (ln.strip() == "%post" or ln.strip()[5:6].isspace()):
+            lines.insert(i + 1, f"    {_CA_EXPORTS}\n")
+            return "".join(lines)
+    return text
+
+
 class StoreSettings(BaseModel):
     """What a user can tune about building (all in seconds)."""
 
@@ -58,6 +76,10 @@ class StoreSettings(BaseModel):
     wait_timeout_s: float | None = None  # waiting for another builder; default build timeout + 2 * stale
     apptainer: str = "apptainer"
     keep_failed_logs_lines: int = 40
+    # CA bundle that %post's pip/curl/git trust during builds (sites whose TLS proxy re-signs traffic):
+    # default the host's system bundle; "none" turns it off. It is bound read-only for the build only
+    # and does not change the image key.
+    ca_bundle: str | None = HOST_CA_BUNDLE
 
     @classmethod
     def from_env(cls, **overrides: Any) -> "StoreSettings":
@@ -65,9 +87,17 @@ class StoreSettings(BaseModel):
             "build_timeout_s": os.environ.get("ET_HPC_BUILD_TIMEOUT"),
             "stale_after_s": os.environ.get("ET_HPC_LOCK_STALE"),
         }
-        vals = {k: float(v) for k, v in env.items() if v}
+        vals: dict[str, Any] = {k: float(v) for k, v in env.items() if v}
+        if os.environ.get("ET_HPC_BUILD_CA_BUNDLE"):
+            vals["ca_bundle"] = os.environ["ET_HPC_BUILD_CA_BUNDLE"]
         vals.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**vals)
+
+    def build_ca(self) -> Path | None:
+        if not self.ca_bundle or self.ca_bundle == "none":
+            return None
+        p = Path(self.ca_bundle)
+        return p if p.is_file() else None
 
 
 class ImageResult(BaseModel):
@@ -485,6 +515,10 @@ class ImageStore:
         t0 = time.monotonic()
         header = [f"# et-hpc build of {tid} key {key}", f"# host {host} pid {os.getpid()} at {_now()}"]
         header += [f"# rewrite: {r}" for r in (getattr(recipe, "rewrites", None) or [])]
+        if self.settings.build_ca() is not None:
+            header.append(f"# build only: {self.settings.build_ca()} bound at {BUILD_CA_PATH}; %post exports "
+                          "PIP_CERT/SSL_CERT_FILE/REQUESTS_CA_BUNDLE/CURL_CA_BUNDLE/GIT_SSL_CAINFO to it "
+                          "(ET_HPC_BUILD_CA_BUNDLE=none turns this off)")
         work = Path(tempfile.mkdtemp(prefix=f"build-{key[:12]}-", dir=self.scratch))
         rc: int | None = None
         reason: str | None = None
@@ -541,7 +575,10 @@ class ImageStore:
             else:
                 shutil.copy2(src, staged, follow_symlinks=False)
             mapping[str(src)] = staged
-        (work / "container.def").write_text(retarget_files(recipe.text, mapping))
+        text = retarget_files(recipe.text, mapping)
+        if self.settings.build_ca() is not None:
+            text = with_build_ca(text)
+        (work / "container.def").write_text(text)
 
     def _run_build(self, work: Path, out: Path, lf: Any) -> tuple[int | None, str | None]:
         s = self.settings
@@ -553,6 +590,9 @@ class ImageStore:
         env["APPTAINER_TMPDIR"] = str(tmpdir)
         env.setdefault("APPTAINER_CACHEDIR", str(self.scratch / "apptainer-cache"))
         cmd = [s.apptainer, "build", "--fakeroot", "--force", str(out), "container.def"]
+        ca = s.build_ca()
+        if ca is not None:
+            cmd[2:2] = ["--bind", f"{ca}:{BUILD_CA_PATH}:ro"]
         lf.write(f"$ cd {work} && {' '.join(cmd)}\n")
         lf.flush()
         proc = subprocess.Popen(cmd, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=lf,
