@@ -26,21 +26,25 @@ def _hold_and_count(lock_path: str, log_path: str, hold: float) -> None:
             f.write(f"out {os.getpid()}\n")
 
 
-def test_processes_take_turns(tmp_path: Path) -> None:
-    lock = tmp_path / "locks" / "k.lock"
-    log = tmp_path / "log"
+def _holders_take_turns(lock: Path, log: Path, *, n: int, hold_s: float) -> None:
+    """Start n processes that each take the lock once; never two holders at once."""
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_hold_and_count, args=(str(lock), str(log), 0.2)) for _ in range(6)]
+    procs = [ctx.Process(target=_hold_and_count, args=(str(lock), str(log), hold_s)) for _ in range(n)]
     for p in procs:
         p.start()
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
     lines = [ln.split() for ln in log.read_text().splitlines()]
-    assert len(lines) == 12
-    # Never two holders at once: every "in" is followed by the same process's "out".
+    assert len(lines) == 2 * n
+    # Every "in" is followed by the same process's "out".
     for enter, leave in zip(lines[0::2], lines[1::2]):
         assert enter[0] == "in" and leave[0] == "out" and enter[1] == leave[1]
+
+
+def test_processes_take_turns(tmp_path: Path) -> None:
+    lock = tmp_path / "locks" / "k.lock"
+    _holders_take_turns(lock, tmp_path / "log", n=6, hold_s=0.2)
     assert not lock.exists()
     assert not [p for p in lock.parent.iterdir()], "no lock or temp files left behind"
 
@@ -95,15 +99,4 @@ def test_takeover_race_has_one_winner(tmp_path: Path) -> None:
     lock = tmp_path / "k.lock"
     lock.write_text(json.dumps({"host": socket.gethostname(), "pid": 2**22 + 12345, "pid_start": None,
                                 "token": "dead", "taken_at": time.time()}))
-    log = tmp_path / "log"
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_hold_and_count, args=(str(lock), str(log), 0.3)) for _ in range(5)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
-    lines = [ln.split() for ln in log.read_text().splitlines()]
-    assert len(lines) == 10
-    for enter, leave in zip(lines[0::2], lines[1::2]):
-        assert enter[0] == "in" and leave[0] == "out" and enter[1] == leave[1]
+    _holders_take_turns(lock, tmp_path / "log", n=5, hold_s=0.3)
