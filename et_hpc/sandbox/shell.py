@@ -441,21 +441,7 @@ class Shell:
         if cap.found is not None:
             return self._finish(cap, t0, notes, restarted, timed_out=False)
         if cap.eof:
-            out, trunc = cap.output()
-            self._terminate()
-            self.restarts += 1
-            try:
-                self._spawn()
-                note = _DIED_NOTE
-            except ShellDied as e:
-                note = f"[the shell exited and could not be restarted: {e}]"
-            return CommandResult(
-                output=_join(out, notes + [note]),
-                exit_code=None,
-                truncated=trunc,
-                duration_s=time.monotonic() - t0,
-                shell_restarted=True,
-            )
+            return self._restart(cap, t0, notes, _DIED_NOTE, "the shell exited", timed_out=False)
         # Timed out: kill the command's process groups, give the shell a moment to report.
         self._kill_foreground()
         self._wait(cap, _KILL_GRACE_S)
@@ -465,18 +451,24 @@ class Shell:
         timeout_note = f"[command timed out after {timeout:g} s and was killed]"
         if cap.found is not None:
             return self._finish(cap, t0, notes + [timeout_note], restarted, timed_out=True)
+        return self._restart(cap, t0, notes + [timeout_note], _WEDGED_NOTE, "the shell did not respond",
+                             timed_out=True)
+
+    def _restart(
+        self, cap: _Capture, t0: float, notes: list[str], note: str, what: str, *, timed_out: bool
+    ) -> CommandResult:
+        """The shell is dead or wedged: start a new one and say so in the command's result."""
         out, trunc = cap.output()
         self._terminate()
         self.restarts += 1
         try:
             self._spawn()
-            note = _WEDGED_NOTE
         except ShellDied as e:
-            note = f"[the shell did not respond and could not be restarted: {e}]"
+            note = f"[{what} and could not be restarted: {e}]"
         return CommandResult(
-            output=_join(out, notes + [timeout_note, note]),
+            output=_join(out, notes + [note]),
             exit_code=None,
-            timed_out=True,
+            timed_out=timed_out,
             truncated=trunc,
             duration_s=time.monotonic() - t0,
             shell_restarted=True,
