@@ -40,6 +40,7 @@ from pydantic import BaseModel, ConfigDict
 from et_hpc import paths
 from et_hpc.errors import UserError
 from et_hpc.images.lock import BuildLock, LockInfo, LockTimeout
+from et_hpc.runner import watch
 from et_hpc.util import atomic_write_text, fsync_dir, sha256_file
 
 log = logging.getLogger(__name__)
@@ -546,7 +547,7 @@ class ImageStore:
                 self.failed_path(key).unlink(missing_ok=True)
                 return ImageResult(task_id=tid, key=key, status="built", path=sif, digest=digest, log_path=logf)
             tail = _tail(logf, s.keep_failed_logs_lines)
-            if reason is None and (interrupted(rc, tail) or slurm_job_ending()):
+            if reason is None and (interrupted(rc, tail) or watch.slurm_job_ending()):
                 # Killed from outside (scancel, preemption, OOM, Ctrl-C): not the recipe's fault, so no
                 # failure record; the next ensure builds again.
                 log.warning("%s: build of %s was interrupted (exit %s); not recorded as failed", tid, key[:12], rc)
@@ -670,20 +671,6 @@ def interrupted(rc: int | None, tail: list[str]) -> bool:
     if rc < 0 or rc in (130, 137, 143):
         return True
     return any(_SIGNALLED.search(ln) for ln in tail[-5:])
-
-
-def slurm_job_ending() -> bool:
-    """Inside a Slurm job that is being cancelled, preempted or timed out? (Then a failed build was
-    killed from outside: apptainer reports its killed children as a plain exit 1.)"""
-    job = os.environ.get("SLURM_JOB_ID")
-    if not job:
-        return False
-    try:
-        out = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, timeout=20).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    m = re.search(r"JobState=(\S+)", out)
-    return bool(m) and m.group(1) not in ("RUNNING", "COMPLETED", "FAILED")
 
 
 def failure_reason(lines: list[str]) -> str | None:

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator
 from tqdm import tqdm
 
 from et_hpc.errors import UserError
+from et_hpc.runner import watch
 from et_hpc.runner.config import RunConfig
 from et_hpc.runner.plan import OK, Plan, Unit, open_store, rec_get, rec_passed
 
@@ -132,7 +133,8 @@ class UnitPool:
                 self._tick()
                 continue
             status = rec_get(rec, "status")
-            if self.stop.is_set() and status != OK:
+            # Interrupted episodes (stop, or the Slurm job being cancelled under us) are redone on resume.
+            if status != OK and (self.stop.is_set() or watch.slurm_job_ending()):
                 with self._lock:
                     self.result.dropped += 1
                 continue

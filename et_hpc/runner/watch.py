@@ -8,6 +8,7 @@ Slurm killed is therefore always seen as ended, result file or not. Every comman
 from __future__ import annotations
 
 import logging
+import os
 import re
 import subprocess
 import time
@@ -133,3 +134,17 @@ def wait_tasks(expected: list[str], *, poll_s: float = 10.0, timeout_s: float | 
         if end is not None and time.monotonic() >= end:
             return states, False
         time.sleep(poll_s if end is None else max(0.0, min(poll_s, end - time.monotonic())))
+
+
+def slurm_job_ending() -> bool:
+    """Inside a Slurm job that is being cancelled, preempted or timed out? (Then a failed build was
+    killed from outside: apptainer reports its killed children as a plain exit 1.)"""
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job:
+        return False
+    try:
+        out = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    m = re.search(r"JobState=(\S+)", out)
+    return bool(m) and m.group(1) not in ("RUNNING", "COMPLETED", "FAILED")
