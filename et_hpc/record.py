@@ -18,17 +18,35 @@ from __future__ import annotations
 import json
 import uuid
 from datetime import datetime, timezone
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
-Status = Literal["ok", "policy_error", "shell_error", "infra_error", "score_error", "timeout"]
-STATUSES: tuple[str, ...] = ("ok", "policy_error", "shell_error", "infra_error", "score_error", "timeout")
+# Who is to blame decides the status (SECURITY.md has the table of cases):
+# - ok:           scored. Failures the agent caused through the state it left (tests that hang,
+#                 a home it made unreadable, pytest dying, a shell it broke) are ok with reward 0.0
+#                 and ``score_note`` saying what happened.
+# - no_image:     the task has no image (its build failed); visible, and re-planned once it builds.
+# - policy_error, shell_error, infra_error, score_error, timeout: outside the agent's reach
+#                 (server, host, our bugs); reward None, masked and retried.
+Status = Literal["ok", "policy_error", "shell_error", "infra_error", "score_error", "timeout", "no_image"]
+STATUSES: tuple[str, ...] = get_args(Status)
+ERROR_STATUSES: tuple[str, ...] = tuple(s for s in STATUSES if s != "ok")
 
-TIMING_FIELDS = ("start_s", "stop_s", "queue_s", "setup_s", "agent_s", "score_s", "teardown_s", "total_s")
+# tokens_source: how the episode's token ids were obtained
+#   server-exact  every turn's ids came from the server (return_token_ids) and they concatenate to
+#                 the server's own tokenization of the final conversation;
+#   re-tokenized  some ids came from the server's /tokenize endpoint after the fact;
+#   absent        no token ids (a policy without a model: oracle, replay, null; or a plain server).
+TokensSource = Literal["server-exact", "re-tokenized", "absent"]
+
+TIMING_FIELDS = (
+    "start_s", "stop_s", "queue_s", "setup_s", "agent_s", "model_s", "exec_s", "score_s", "teardown_s",
+    "total_s",
+)
 
 _TEST_TYPE = pa.struct([("name", pa.string()), ("outcome", pa.string())])
 _TIMINGS_TYPE = pa.struct([(f, pa.float64()) for f in TIMING_FIELDS])
@@ -67,6 +85,15 @@ EPISODE_SCHEMA = pa.schema(
         ("versions", pa.string()),  # JSON object: et-hpc, apptainer, python, ...
         ("error", pa.string()),
         ("created_at", pa.timestamp("us", tz="UTC"), False),
+        # version 2
+        ("score_note", pa.string()),
+        ("interpreter", pa.string()),
+        ("policy_version", pa.string()),
+        ("policy_versions", pa.list_(pa.string())),
+        ("crossed_version", pa.bool_()),
+        ("tokens_source", pa.string()),
+        ("token_drift", pa.string()),
+        ("events", pa.list_(pa.string())),
     ],
     metadata={b"et_hpc.schema_version": str(SCHEMA_VERSION).encode()},
 )
@@ -94,6 +121,8 @@ class Timings(BaseModel):
     queue_s: float | None = None  # waiting for a slot/node before setup
     setup_s: float | None = None  # instance start, initial tests
     agent_s: float | None = None  # the agent loop
+    model_s: float | None = None  # of agent_s: waiting for the policy (model time)
+    exec_s: float | None = None  # of agent_s: the agent's commands in the shell
     score_s: float | None = None  # final tests
     teardown_s: float | None = None  # instance stop, overlay removal
     total_s: float | None = None
@@ -140,6 +169,15 @@ class EpisodeRecord(BaseModel):
     versions: dict[str, str] = Field(default_factory=dict)
     error: str | None = None
     created_at: datetime = Field(default_factory=_now)
+    # version 2
+    score_note: str | None = None  # status ok, reward 0 by the agent's doing: what happened
+    interpreter: str | None = None  # which interpreter ran the final tests
+    policy_version: str | None = None  # the model version the episode started under
+    policy_versions: list[str] | None = None  # every version its turns saw, in order
+    crossed_version: bool | None = None  # True when its turns span a checkpoint switch
+    tokens_source: TokensSource | None = None
+    token_drift: str | None = None  # None: ids concatenate exactly; else where they differ
+    events: list[str] = Field(default_factory=list)  # limits hit, shell restarts, ...
 
     @field_validator("created_at")
     @classmethod
