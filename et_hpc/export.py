@@ -1,42 +1,59 @@
-"""Exports of a run's ``ok`` episodes into the formats trainers read: Atropos JSONL, SkyRL/verl parquet.
+"""Exports of a run into the formats trainers read: Atropos JSONL, SkyRL/verl parquet.
 
-Only episodes with ``status == "ok"`` are exported (errors carry no reward), after the store's
-dedupe (one record per ``(task_id, sample)``).
+What is exported: the ``ok`` episodes of the groups ``RunStore.select`` keeps (see
+``et_hpc.store``: a group is one task under one run and one policy version). By default a group
+with any member that ended in an error status (outside the agent's reach) is left out whole
+(``on_error="mask"``); ``on_error="keep-ok"`` keeps its ok members; ``drop_zero_variance`` leaves
+out groups whose scores are all equal. Error episodes are never exported: they carry no reward.
+Every export returns an ``ExportResult`` with the counts (the CLI prints them).
 
-**Atropos** (``export_atropos``): one ``ScoredDataGroup`` per line, one group per task (``group_id``)
-holding that task's samples in sample order. Keys:
+**Atropos** (``export_atropos``): one ``ScoredDataGroup`` per line (``atroposlib.envs.base``, a
+TypedDict; the API server's own pydantic model is ``atroposlib.api.server.ScoredData``). Every key
+of the TypedDict is present (``None`` where not applicable), so the line validates against
+atroposlib's type as-is (``validate_atropos_group``). Keys:
 
-- ``tokens`` / ``masks``: the whole episode as one sequence per sample, masks ``-100`` on prompt
-  positions (system/user prompt, tool output, template tokens) and the token id on completion
-  positions, when every sample of the group recorded ``prompt_token_ids`` and ``token_ids``.
-  Otherwise both are lists of empty lists (one per sample, so ``len(tokens)`` still equals the
-  group size) and the consumer tokenizes ``messages`` itself, as Atropos' OpenAI-server path does.
-- ``scores``: the rewards; ``messages``: each sample's chat transcript.
+- ``tokens`` / ``masks``: the whole episode as one sequence per sample, ``masks`` ``-100`` on
+  prompt positions (system/user prompt, tool output, template tokens) and the token id on
+  completion positions, when every sample of the group recorded ``prompt_token_ids`` and
+  ``token_ids``. Otherwise both are lists of empty lists (one per sample, so ``len(tokens)``
+  still equals the group size) and the consumer tokenizes ``messages`` itself.
 - ``inference_logprobs``: when every sample has logprobs, aligned with ``tokens`` (``1.0`` on
-  prompt positions, which trainers ignore).
-- ``group_overrides``: ``{"group_size": n}`` so a group shortened by failed episodes still passes
+  prompt positions, which Atropos trainers ignore); else ``None``.
+- ``scores``: the rewards from the final tests.
+- ``messages``: each sample's transcript as Atropos ``Message`` dicts (``role``, ``content`` as a
+  string, ``reward`` None; ``tool_calls``/``tool_call_id`` kept).
+- ``group_overrides``: ``{"group_size": n}`` so a group shortened by ``keep-ok`` still passes
   Atropos' group-size check.
+- ``generation_params``: the sampling parameters of the group's first sample.
+- ``et_hpc``: not part of Atropos (consumers ignore it): the group key and the episode ids.
 
-Groups whose scores are all equal carry no learning signal and are dropped, as Atropos does with
-``ensure_scores_are_not_same`` (``keep_equal_scores=True`` keeps them).
+Atropos drops groups whose scores are all equal (``ensure_scores_are_not_same``); the Atropos
+export does the same by default (``drop_zero_variance=True``; the CLI's ``--keep-equal-scores``).
 
-**SkyRL / verl** (``export_skyrl``): one row per episode, columns
+**SkyRL / verl** (``export_skyrl``): one row per episode. The token columns are those of SkyRL's
+``GeneratorOutput`` (NovaSky-AI/SkyRL ``skyrl/train/generators/base.py`` at 73251e1;
+``skyrl-train/skyrl_train/generators/base.py`` in older trees), one row being one index of its
+batch lists, so ``pandas.read_parquet(f)[cols].to_dict("list")`` is a ``GeneratorOutput``:
 
 ========================  =================================================================
-``data_source``           ``"endless"`` (as upstream ``prepare_endless.py``)
-``prompt``                list<struct{role, content}>: the messages before the first assistant turn
-``messages``              list<struct{role, content}>: the whole trajectory (multi-turn SFT style)
-``env_class``             ``"endless"`` (SkyRL)
-``ability``               ``"terminal"`` (verl)
-``reward``                float: the episode's reward
-``reward_spec``           struct{method="rule", ground_truth=task_id} (SkyRL)
-``reward_model``          struct{style="rule", ground_truth=task_id} (verl)
-``extra_info``            struct{task_id, sample, group_id, episode_id, run_name, split, turns,
-                          stop_reason, passed, total, model, policy_kind}
+``prompt_token_ids``      list<int32>: the first prompt's tokens (chat template included)
+``response_ids``          list<int32>: everything after it, completions and tool-output tokens
+``loss_masks``            list<int8>: 1 on completion tokens, 0 on tool-output/template tokens
+                          (as SkyRL's ``TurnOutput.get_turn_loss_mask``)
+``rollout_logprobs``      list<float32>: completion logprobs, 0.0 on tool-output tokens (as
+                          ``TurnOutput.get_turn_rollout_logprobs``); null without logprobs
+``rewards``               float64: the episode reward (``GeneratorOutput.rewards``' scalar form)
+``trajectory_ids``        struct{instance_id, repetition_id} (``TrajectoryID``): the group
+                          (``task_id``, or ``task_id@policy_version``) and the sample
+``stop_reasons``          string: why the agent stopped
 ========================  =================================================================
 
-Message ``content`` that is not a string (content parts, ``None`` with tool calls) is stored as
-its JSON text (``None`` stays null); other message keys are dropped.
+The token columns are null for episodes without recorded token ids. The dataset-style columns
+stay: ``data_source`` ("endless", as upstream ``prepare_endless.py``), ``prompt``/``messages``
+(list<struct{role, content}>), ``env_class``, ``ability``, ``reward``, ``reward_spec``,
+``reward_model``, ``extra_info`` (task_id, sample, group_id, episode_id, run_name, split, turns,
+stop_reason, passed, total, model, policy_kind, policy_version). Message ``content`` that is not a
+string is stored as its JSON text (``None`` stays null); other message keys are dropped.
 """
 
 from __future__ import annotations
@@ -48,17 +65,23 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from pydantic import BaseModel
 from tqdm import tqdm
 
 from et_hpc.errors import UserError
 from et_hpc.record import EpisodeRecord
-from et_hpc.store import RunStore
+from et_hpc.store import Group, GroupCounts, RunStore
 from et_hpc.util import atomic_write_bytes
 
 log = logging.getLogger(__name__)
+
+# The keys of atroposlib.envs.base.ScoredDataGroup (0.4.0), all present in every exported group.
+ATROPOS_KEYS = (
+    "tokens", "masks", "scores", "advantages", "ref_logprobs", "messages", "generation_params",
+    "inference_logprobs", "group_overrides", "overrides", "images", "distill_token_ids", "distill_logprobs",
+)
+_ATROPOS_ROLES = ("system", "user", "assistant", "tool")
 
 _MSG_TYPE = pa.struct([("role", pa.string()), ("content", pa.string())])
 SKYRL_SCHEMA = pa.schema(
@@ -87,43 +110,85 @@ SKYRL_SCHEMA = pa.schema(
                     ("total", pa.int32()),
                     ("model", pa.string()),
                     ("policy_kind", pa.string()),
+                    ("policy_version", pa.string()),
                 ]
             ),
         ),
+        # SkyRL GeneratorOutput fields (one batch index per row)
+        ("prompt_token_ids", pa.list_(pa.int32())),
+        ("response_ids", pa.list_(pa.int32())),
+        ("loss_masks", pa.list_(pa.int8())),
+        ("rollout_logprobs", pa.list_(pa.float32())),
+        ("rewards", pa.float64()),
+        ("trajectory_ids", pa.struct([("instance_id", pa.string()), ("repetition_id", pa.int32())])),
+        ("stop_reasons", pa.string()),
     ]
+)
+GENERATOR_OUTPUT_COLUMNS = (
+    "prompt_token_ids", "response_ids", "rewards", "loss_masks", "stop_reasons", "rollout_logprobs", "trajectory_ids",
 )
 
 
 class ExportResult(BaseModel):
+    """What an export wrote and what it left out (group counts from ``RunStore.select``)."""
+
     path: str
-    episodes: int  # ok episodes read
-    groups: int = 0  # groups written (Atropos)
-    dropped_equal: int = 0  # groups dropped because all scores were equal
-    with_tokens: int = 0  # groups exported with tokens/masks
-    rows: int = 0  # rows written (SkyRL)
+    format: str
+    on_error: str
+    drop_zero_variance: bool
+    episodes: int  # ok episodes written
+    groups: int  # groups written
+    with_tokens: int = 0  # Atropos: groups with tokens/masks; SkyRL: rows with token columns
+    rows: int = 0  # lines (Atropos) or rows (SkyRL) written
+    counts: GroupCounts  # total/complete/masked/zero_variance and what was dropped
+
+    @property
+    def dropped_equal(self) -> int:
+        return self.counts.dropped_zero_variance
+
+    def line(self) -> str:
+        c = self.counts
+        what = "groups" if self.format == "atropos" else "episodes"
+        n = self.groups if self.format == "atropos" else self.rows
+        kept_err = f", {c.dropped_error_episodes} error episodes left out of kept groups" if c.dropped_error_episodes else ""
+        return (f"wrote {n} {what} ({self.episodes} ok episodes in {self.groups} groups, {self.with_tokens} "
+                f"{'groups' if self.format == 'atropos' else 'rows'} with tokens) to {self.path}; of {c.total} groups "
+                f"({c.complete} complete, {c.masked} with an error member, {c.zero_variance} zero-variance): "
+                f"dropped {c.dropped_masked} masked ({self.on_error}), {c.dropped_zero_variance} zero-variance{kept_err}")
 
 
-def ok_records(run: RunStore, progress: bool = False) -> list[EpisodeRecord]:
-    """The run's deduped ``ok`` episodes as records, in (task_id, sample) order."""
-    table = run.read()
-    table = table.filter(pc.equal(table.column("status"), "ok"))
+def selected_groups(run: RunStore, on_error: str = "mask", drop_zero_variance: bool = False,
+                    progress: bool = False) -> tuple[list[list[EpisodeRecord]], GroupCounts]:
+    """The selected groups as lists of ``EpisodeRecord`` (sample order), and the counts."""
+    table, groups, counts = run.select(on_error, drop_zero_variance)
     rows = table.to_pylist()
-    return [EpisodeRecord.from_row(r) for r in tqdm(rows, desc="load", unit="ep", disable=None if progress else True)]
+    recs = [EpisodeRecord.from_row(r) for r in tqdm(rows, desc="load", unit="ep", disable=None if progress else True)]
+    return [[recs[i] for i in g.rows] for g in groups], counts
 
 
-def _groups(records: list[EpisodeRecord]) -> dict[str, list[EpisodeRecord]]:
-    groups: dict[str, list[EpisodeRecord]] = {}
-    for r in records:
-        groups.setdefault(r.group_id, []).append(r)
-    for g in groups.values():
-        g.sort(key=lambda r: r.sample)
-    return groups
+def atropos_message(m: dict[str, Any]) -> dict[str, Any]:
+    """A chat message as an Atropos ``Message`` (role, string content, reward), tool fields kept."""
+    content = m.get("content")
+    if content is None:
+        content = ""
+    elif not isinstance(content, (str, list)):
+        content = json.dumps(content, ensure_ascii=False)
+    out: dict[str, Any] = {"role": m.get("role") if m.get("role") in _ATROPOS_ROLES else "user",
+                           "content": content, "reward": m.get("reward")}
+    for k in ("tool_calls", "tool_call_id", "name"):
+        if m.get(k) is not None:
+            out[k] = m[k]
+    return out
 
 
 def atropos_group(records: list[EpisodeRecord]) -> dict[str, Any]:
-    """One Atropos ``ScoredDataGroup`` (a JSON-ready dict) from the ok samples of one task."""
+    """One Atropos ``ScoredDataGroup`` (a JSON-ready dict, every key present) from ok episodes."""
+    if not records or any(r.status != "ok" or r.reward is None for r in records):
+        raise ValueError("an Atropos group holds ok episodes only")
     n = len(records)
-    group: dict[str, Any] = {"tokens": [[] for _ in range(n)], "masks": [[] for _ in range(n)]}
+    group: dict[str, Any] = dict.fromkeys(ATROPOS_KEYS)
+    group["tokens"] = [[] for _ in range(n)]
+    group["masks"] = [[] for _ in range(n)]
     if all(r.has_tokens for r in records):
         seqs = [r.token_sequence() for r in records]
         group["tokens"] = [s[0] for s in seqs]
@@ -131,43 +196,73 @@ def atropos_group(records: list[EpisodeRecord]) -> dict[str, Any]:
         if all(s[2] is not None for s in seqs):
             group["inference_logprobs"] = [s[2] for s in seqs]
     group["scores"] = [float(r.reward) for r in records]  # type: ignore[arg-type]
-    group["messages"] = [r.messages for r in records]
+    group["messages"] = [[atropos_message(m) for m in r.messages] for r in records]
     group["group_overrides"] = {"group_size": n}
+    group["generation_params"] = records[0].sampling_params or None
+    r0 = records[0]
+    group["et_hpc"] = {"run_name": r0.run_name, "task_id": r0.task_id, "policy_version": r0.policy_version,
+                       "samples": [r.sample for r in records], "episode_ids": [r.episode_id for r in records]}
     return group
 
 
-def iter_atropos_groups(
-    records: list[EpisodeRecord], keep_equal_scores: bool = False, stats: ExportResult | None = None
-) -> Iterator[dict[str, Any]]:
-    for gid, recs in _groups(records).items():
+def validate_atropos_group(group: dict[str, Any]) -> None:
+    """Check ``group`` against atroposlib's own types; raises ``ValueError`` saying what is wrong.
+
+    Checks the ``ScoredDataGroup`` TypedDict (pydantic validation of atroposlib's definition) and
+    the API server's ``ScoredData`` model (what ``POST /scored_data`` accepts), then the lengths
+    Atropos assumes: one token list, mask list and score per sample; masks as long as tokens;
+    logprobs (when present) as long as tokens; masks are ``-100`` or equal to the token.
+    """
+    from atroposlib.api.server import ScoredData
+    from atroposlib.envs.base import ScoredDataGroup
+    from pydantic import TypeAdapter, ValidationError
+
+    try:
+        TypeAdapter(ScoredDataGroup).validate_python({k: v for k, v in group.items() if k in ATROPOS_KEYS})
+        ScoredData.model_validate(group)
+    except ValidationError as e:
+        raise ValueError(f"not an Atropos ScoredDataGroup: {e}") from None
+    n = len(group["tokens"])
+    if not (len(group["masks"]) == len(group["scores"]) == n):
+        raise ValueError(f"tokens/masks/scores lengths differ: {n}, {len(group['masks'])}, {len(group['scores'])}")
+    size = (group.get("group_overrides") or {}).get("group_size", n)
+    if size != n:
+        raise ValueError(f"group_overrides.group_size {size} but {n} samples")
+    for i, (toks, masks) in enumerate(zip(group["tokens"], group["masks"])):
+        if len(toks) != len(masks):
+            raise ValueError(f"sample {i}: {len(toks)} tokens but {len(masks)} masks")
+        bad = [j for j, (t, m) in enumerate(zip(toks, masks)) if m != -100 and m != t]
+        if bad:
+            raise ValueError(f"sample {i}: mask at position {bad[0]} is neither -100 nor the token")
+    lps = group.get("inference_logprobs")
+    if lps is not None:
+        if len(lps) != n or any(len(lp) != len(t) for lp, t in zip(lps, group["tokens"])):
+            raise ValueError("inference_logprobs are not aligned with tokens")
+
+
+def iter_atropos_groups(groups: list[list[EpisodeRecord]], stats: dict[str, int] | None = None) -> Iterator[dict[str, Any]]:
+    for recs in groups:
         group = atropos_group(recs)
-        if not keep_equal_scores and len(set(group["scores"])) <= 1:
-            log.debug("group %s: scores all equal, skipped", gid)
-            if stats is not None:
-                stats.dropped_equal += 1
-            continue
         if stats is not None:
-            stats.groups += 1
-            stats.with_tokens += bool(group["tokens"] and group["tokens"][0])
+            stats["with_tokens"] = stats.get("with_tokens", 0) + bool(group["tokens"] and group["tokens"][0])
         yield group
 
 
-def export_atropos(run: RunStore, out: Path, keep_equal_scores: bool = False, progress: bool = False) -> ExportResult:
-    """Write the run as Atropos ScoredDataGroup JSONL (atomically) and say what was written."""
+def export_atropos(run: RunStore, out: Path | str, *, on_error: str = "mask", drop_zero_variance: bool = True,
+                   progress: bool = False) -> ExportResult:
+    """Write the selected groups as Atropos ScoredDataGroup JSONL (atomically); returns the counts."""
     out = _check_out(out)
-    records = ok_records(run, progress)
-    stats = ExportResult(path=str(out), episodes=len(records))
+    groups, counts = selected_groups(run, on_error, drop_zero_variance, progress)
+    stats: dict[str, int] = {}
     lines = [
         json.dumps(g, ensure_ascii=False, separators=(",", ":"))
-        for g in tqdm(
-            iter_atropos_groups(records, keep_equal_scores, stats),
-            desc="atropos",
-            unit="group",
-            disable=None if progress else True,
-        )
+        for g in tqdm(iter_atropos_groups(groups, stats), total=len(groups), desc="atropos", unit="group",
+                      disable=None if progress else True)
     ]
     atomic_write_bytes(out, ("\n".join(lines) + ("\n" if lines else "")).encode("utf-8"))
-    return stats
+    return ExportResult(path=str(out), format="atropos", on_error=on_error, drop_zero_variance=drop_zero_variance,
+                        episodes=counts.episodes, groups=len(groups), with_tokens=stats.get("with_tokens", 0),
+                        rows=len(lines), counts=counts)
 
 
 def _msg(m: dict[str, Any]) -> dict[str, str | None]:
@@ -177,10 +272,38 @@ def _msg(m: dict[str, Any]) -> dict[str, str | None]:
     return {"role": str(m.get("role", "")), "content": content}
 
 
+def skyrl_tokens(r: EpisodeRecord) -> dict[str, Any]:
+    """The GeneratorOutput token fields of one episode (all None without token ids)."""
+    none = {"prompt_token_ids": None, "response_ids": None, "loss_masks": None, "rollout_logprobs": None}
+    if not r.has_tokens:
+        return none
+    assert r.prompt_token_ids is not None and r.token_ids is not None
+    lps = r.logprobs if r.logprobs is not None and len(r.logprobs) == len(r.token_ids) else None
+    response: list[int] = []
+    masks: list[int] = []
+    rollout_lps: list[float] | None = [] if lps is not None else None
+    for i, completion in enumerate(r.token_ids):
+        obs = r.prompt_token_ids[i + 1] if i + 1 < len(r.prompt_token_ids) else []
+        response += completion + obs
+        masks += [1] * len(completion) + [0] * len(obs)
+        if rollout_lps is not None:
+            if len(lps[i]) != len(completion):  # type: ignore[index]
+                rollout_lps = None
+            else:
+                rollout_lps += list(lps[i]) + [0.0] * len(obs)  # type: ignore[index]
+    return {"prompt_token_ids": list(r.prompt_token_ids[0]), "response_ids": response, "loss_masks": masks,
+            "rollout_logprobs": rollout_lps}
+
+
+def instance_id(r: EpisodeRecord) -> str:
+    """SkyRL's ``TrajectoryID.instance_id`` of an episode: its group within the run."""
+    return f"{r.task_id}@{r.policy_version}" if r.policy_version else r.task_id
+
+
 def skyrl_row(r: EpisodeRecord) -> dict[str, Any]:
     msgs = [_msg(m) for m in r.messages]
     first_assistant = next((i for i, m in enumerate(msgs) if m["role"] == "assistant"), len(msgs))
-    return {
+    row = {
         "data_source": "endless",
         "prompt": msgs[:first_assistant],
         "messages": msgs,
@@ -202,20 +325,37 @@ def skyrl_row(r: EpisodeRecord) -> dict[str, Any]:
             "total": r.total,
             "model": r.model,
             "policy_kind": r.policy_kind,
+            "policy_version": r.policy_version,
         },
+        "rewards": r.reward,
+        "trajectory_ids": {"instance_id": instance_id(r), "repetition_id": r.sample},
+        "stop_reasons": r.stop_reason,
     }
+    row.update(skyrl_tokens(r))
+    return row
 
 
-def export_skyrl(run: RunStore, out: Path, progress: bool = False) -> ExportResult:
-    """Write the run's ok episodes as a SkyRL/verl-style parquet file (atomically)."""
+def export_skyrl(run: RunStore, out: Path | str, *, on_error: str = "mask", drop_zero_variance: bool = False,
+                 progress: bool = False) -> ExportResult:
+    """Write the selected groups' ok episodes as SkyRL/verl parquet (atomically); returns the counts."""
     out = _check_out(out)
-    records = ok_records(run, progress)
+    groups, counts = selected_groups(run, on_error, drop_zero_variance, progress)
+    records = [r for g in groups for r in g]
     rows = [skyrl_row(r) for r in tqdm(records, desc="skyrl", unit="ep", disable=None if progress else True)]
     table = pa.Table.from_pylist(rows, schema=SKYRL_SCHEMA)
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink, compression="zstd")
     atomic_write_bytes(out, sink.getvalue().to_pybytes())
-    return ExportResult(path=str(out), episodes=len(records), rows=table.num_rows)
+    return ExportResult(path=str(out), format="skyrl", on_error=on_error, drop_zero_variance=drop_zero_variance,
+                        episodes=len(records), groups=len(groups),
+                        with_tokens=sum(r["response_ids"] is not None for r in rows), rows=table.num_rows,
+                        counts=counts)
+
+
+def generator_output(path: Path | str) -> dict[str, list]:
+    """Read a SkyRL export back as a ``GeneratorOutput``-shaped dict (one list per field)."""
+    t = pq.read_table(path, columns=list(GENERATOR_OUTPUT_COLUMNS))
+    return {c: t.column(c).to_pylist() for c in GENERATOR_OUTPUT_COLUMNS}
 
 
 def _check_out(out: Path | str) -> Path:
@@ -225,3 +365,10 @@ def _check_out(out: Path | str) -> Path:
     if not out.parent.is_dir():
         raise UserError(f"output folder {out.parent} does not exist; create it or choose another -o path")
     return out
+
+
+__all__ = [
+    "ATROPOS_KEYS", "ExportResult", "GENERATOR_OUTPUT_COLUMNS", "Group", "SKYRL_SCHEMA", "atropos_group",
+    "atropos_message", "export_atropos", "export_skyrl", "generator_output", "iter_atropos_groups",
+    "selected_groups", "skyrl_row", "skyrl_tokens", "validate_atropos_group",
+]

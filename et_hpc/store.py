@@ -23,6 +23,19 @@ Duplicates are expected and handled by readers, not prevented by writers:
 
 ``RunStore.read()`` therefore returns one row per unit by default: an ``ok`` record beats an error
 record, and among equals the newest ``created_at`` wins (which also collapses exact duplicates).
+
+Groups (the one place they are defined; exports and ``store summary`` use it): a group is the
+samples of one task under one run and one policy version, key ``(run_name, task_id,
+policy_version)`` (``policy_version`` None when the server names none). GRPO-style trainers
+normalise rewards within a group, so a member that failed for reasons outside the agent's reach
+(any non-``ok`` status) biases the rest. ``select_groups`` decides what a trainer gets:
+
+- ``on_error="mask"`` (default): a group with any error member is left out whole;
+- ``on_error="keep-ok"``: its ``ok`` members are kept (the group is shorter);
+- ``drop_zero_variance=True``: groups whose kept scores are all equal (no signal) are left out.
+
+Counts (``GroupCounts``): ``complete`` groups have only ``ok`` members, ``masked`` groups have at
+least one error member, ``zero_variance`` groups are complete with all scores equal.
 """
 
 from __future__ import annotations
@@ -38,7 +51,7 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import filelock
 import pyarrow as pa
@@ -86,6 +99,129 @@ def write_table_atomic(directory: Path, table: pa.Table, name: str | None = None
     return final
 
 
+OnError = Literal["mask", "keep-ok"]
+ON_ERROR: tuple[str, ...] = get_args(OnError)
+GROUP_COLS = ["run_name", "task_id", "policy_version"]
+_GROUP_READ_COLS = GROUP_COLS + ["sample", "status", "reward"]
+
+
+class GroupCounts(BaseModel):
+    """How many groups a run (or a selection) has, and what a trainer gets of them."""
+
+    total: int = 0
+    complete: int = 0  # every member ok
+    masked: int = 0  # at least one member with an error status
+    zero_variance: int = 0  # complete, all scores equal
+    selected: int = 0  # groups kept by the selection
+    episodes: int = 0  # ok episodes in the kept groups
+    dropped_masked: int = 0  # groups left out because of an error member (on_error="mask")
+    dropped_zero_variance: int = 0  # groups left out for equal scores (drop_zero_variance)
+    dropped_error_episodes: int = 0  # error members of kept groups (on_error="keep-ok"): never exported
+
+
+class Group(BaseModel):
+    """One group: its key, and the deduped members' row indices (sample order) and statuses."""
+
+    run_name: str
+    task_id: str
+    policy_version: str | None
+    rows: list[int]  # indices into the table the group was computed from, by sample
+    samples: list[int]
+    statuses: list[str]
+    rewards: list[float | None]
+
+    @property
+    def key(self) -> tuple[str, str, str | None]:
+        return (self.run_name, self.task_id, self.policy_version)
+
+    @property
+    def masked(self) -> bool:
+        return any(s != "ok" for s in self.statuses)
+
+    def ok_rows(self) -> list[int]:
+        return [r for r, s in zip(self.rows, self.statuses) if s == "ok"]
+
+    def ok_scores(self) -> list[float]:
+        return [float(w) for w, s in zip(self.rewards, self.statuses) if s == "ok" and w is not None]
+
+
+def group_key(run_name: str, task_id: str, policy_version: str | None) -> tuple[str, str, str | None]:
+    """The key of the group an episode belongs to (``policy_version`` None when unknown)."""
+    return (run_name, task_id, policy_version or None)
+
+
+def groups_of(table: pa.Table) -> list[Group]:
+    """Groups of a deduped table (needs ``run_name, task_id, policy_version, sample, status, reward``).
+
+    Order: by first appearance of the key in the table; members in sample order.
+    """
+    missing = [c for c in _GROUP_READ_COLS if c not in table.column_names]
+    if missing:
+        raise ValueError(f"groups_of needs columns {missing}")
+    cols = {c: table.column(c).to_pylist() for c in _GROUP_READ_COLS}
+    by_key: dict[tuple, list[int]] = {}
+    for i, key in enumerate(zip(cols["run_name"], cols["task_id"], cols["policy_version"])):
+        by_key.setdefault(group_key(*key), []).append(i)
+    out = []
+    for (run_name, task_id, version), idx in by_key.items():
+        idx.sort(key=lambda i: cols["sample"][i])
+        out.append(Group(
+            run_name=run_name, task_id=task_id, policy_version=version, rows=idx,
+            samples=[cols["sample"][i] for i in idx],
+            statuses=[cols["status"][i] for i in idx],
+            rewards=[cols["reward"][i] for i in idx],
+        ))
+    return out
+
+
+def count_groups(groups: list[Group]) -> GroupCounts:
+    """``total``, ``complete``, ``masked``, ``zero_variance`` of a list of groups."""
+    c = GroupCounts(total=len(groups))
+    for g in groups:
+        if g.masked:
+            c.masked += 1
+        else:
+            c.complete += 1
+            if len(set(g.ok_scores())) <= 1:
+                c.zero_variance += 1
+    return c
+
+
+def select_groups(groups: list[Group], on_error: str = "mask",
+                  drop_zero_variance: bool = False) -> tuple[list[Group], GroupCounts]:
+    """The groups a trainer may get, each reduced to its ``ok`` members, and the counts.
+
+    ``on_error``: ``"mask"`` leaves out every group with an error member; ``"keep-ok"`` keeps its
+    ok members. ``drop_zero_variance`` leaves out groups whose kept scores are all equal.
+    Error members are never selected (they carry no reward).
+    """
+    if on_error not in ON_ERROR:
+        raise UserError(f"on_error {on_error!r}: use one of {', '.join(ON_ERROR)}")
+    counts = count_groups(groups)
+    kept: list[Group] = []
+    for g in groups:
+        if g.masked and on_error == "mask":
+            counts.dropped_masked += 1
+            continue
+        okg = g.model_copy(update={
+            "rows": g.ok_rows(),
+            "samples": [s for s, st in zip(g.samples, g.statuses) if st == "ok"],
+            "rewards": [w for w, st in zip(g.rewards, g.statuses) if st == "ok"],
+            "statuses": [st for st in g.statuses if st == "ok"],
+        })
+        if not okg.rows:
+            counts.dropped_masked += 1
+            continue
+        if drop_zero_variance and len(set(okg.ok_scores())) <= 1:
+            counts.dropped_zero_variance += 1
+            continue
+        counts.dropped_error_episodes += len(g.rows) - len(okg.rows)
+        counts.selected += 1
+        counts.episodes += len(okg.rows)
+        kept.append(okg)
+    return kept, counts
+
+
 class RunSummary(BaseModel):
     """Counts of one run after dedupe (one row per unit)."""
 
@@ -101,6 +237,7 @@ class RunSummary(BaseModel):
     mean_reward: float | None  # over ok units
     mean_test_fraction: float | None  # mean passed/total over ok units with tests
     planned_units: int | None = None  # ``plan.units_total`` of run.json, when present
+    groups: GroupCounts | None = None  # (run, task, policy version) groups; see the module doc
 
 
 class CompactResult(BaseModel):
@@ -255,8 +392,33 @@ class RunStore:
                 out[key] = status
         return out
 
+    def groups(self) -> tuple[pa.Table, list[Group]]:
+        """The deduped table (all columns) and its groups (``Group.rows`` index into it)."""
+        table = self.read()
+        return table, groups_of(table)
+
+    def select(self, on_error: str = "mask", drop_zero_variance: bool = False,
+               columns: list[str] | None = None) -> tuple[pa.Table, list[Group], GroupCounts]:
+        """What a trainer may train on: ok episodes of the selected groups (see ``select_groups``).
+
+        Returns the table of those episodes (grouped, groups in first-seen order, members by
+        sample), the selected groups (``rows`` index into the returned table) and the counts.
+        """
+        want = list(columns) if columns is not None else list(EPISODE_SCHEMA.names)
+        table = self.read(list(dict.fromkeys(want + _GROUP_READ_COLS)))
+        kept, counts = select_groups(groups_of(table), on_error, drop_zero_variance)
+        order = [r for g in kept for r in g.rows]
+        out = table.take(pa.array(order, type=pa.int64())).select(want)
+        pos = 0
+        renumbered = []
+        for g in kept:
+            n = len(g.rows)
+            renumbered.append(g.model_copy(update={"rows": list(range(pos, pos + n))}))
+            pos += n
+        return out, renumbered, counts
+
     def summary(self) -> RunSummary:
-        raw = self._read_raw(list(_DEDUPE_COLS) + ["reward", "passed", "total"])
+        raw = self._read_raw(list(dict.fromkeys(list(_DEDUPE_COLS) + _GROUP_READ_COLS + ["passed", "total"])))
         t = dedupe_units(raw)
         statuses = t.column("status").to_pylist()
         by_status = {s: 0 for s in STATUSES}
@@ -286,6 +448,7 @@ class RunStore:
             mean_reward=(sum(rewards) / len(rewards)) if rewards else None,
             mean_test_fraction=(sum(fracs) / len(fracs)) if fracs else None,
             planned_units=planned,
+            groups=count_groups(groups_of(t)),
         )
 
     def compact(self, target_rows: int = DEFAULT_TARGET_ROWS, progress: bool = False) -> CompactResult:

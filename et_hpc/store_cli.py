@@ -59,7 +59,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     exp = subparsers.add_parser(
         "export",
         help="write a run's ok episodes for a trainer (Atropos JSONL, SkyRL/verl parquet)",
-        description=_wrap("Export the ok episodes of a run (deduped, errors left out) in a trainer's format."),
+        description=_wrap("Export the ok episodes of a run (deduped) in a trainer's format, group by "
+        "group (a task under one run and one policy version). A group with an episode that "
+        "ended in an error is left out whole by default. The counts are printed."),
         formatter_class=_RAW,
         epilog="examples:\n  et-hpc export atropos et-hpc-runs/my-run -o groups.jsonl\n"
         "  et-hpc export skyrl et-hpc-runs/my-run -o episodes.parquet",
@@ -70,15 +72,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = esub.add_parser(
         "atropos",
         help="Atropos ScoredDataGroup JSONL, one group per task",
-        description=_wrap("One ScoredDataGroup per line: the samples of one task with tokens, masks "
-        "(-100 on prompt and tool-output positions), scores and messages. Without recorded token "
-        "ids, tokens/masks are empty lists and the trainer tokenizes 'messages'. Groups whose "
-        "scores are all equal are dropped (as Atropos does) unless --keep-equal-scores."),
+        description=_wrap("One ScoredDataGroup per line: the ok samples of one group (a task under "
+        "one run and one policy version) with tokens, masks (-100 on prompt and tool-output "
+        "positions), scores, inference_logprobs and messages. Without recorded token ids, "
+        "tokens/masks are empty lists and the trainer tokenizes 'messages'. A group with an "
+        "episode that ended in an error is left out whole (--on-error keep-ok keeps its ok "
+        "episodes). Groups whose scores are all equal are dropped (as Atropos does) unless "
+        "--keep-equal-scores. The counts are printed."),
         formatter_class=_RAW,
-        epilog="example:\n  et-hpc export atropos et-hpc-runs/my-run -o data/endless.jsonl",
+        epilog="examples:\n  et-hpc export atropos et-hpc-runs/my-run -o data/endless.jsonl\n"
+        "  et-hpc export atropos et-hpc-runs/my-run -o all.jsonl --keep-equal-scores --on-error keep-ok",
     )
     p.add_argument("run_dir", metavar="RUN_DIR", help="the run's folder")
     p.add_argument("-o", "--output", required=True, help="the JSONL file to write")
+    _group_args(p)
     p.add_argument("--keep-equal-scores", action="store_true", help="also write groups whose scores are all equal")
     p.add_argument("--json", action="store_true", help="print what was written as JSON")
     p.set_defaults(func=_export_atropos)
@@ -86,16 +93,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = esub.add_parser(
         "skyrl",
         help="SkyRL/verl-style parquet, one row per ok episode",
-        description=_wrap("Columns: data_source ('endless'), prompt and messages (lists of {role, "
-        "content}), env_class, ability, reward, reward_spec, reward_model, extra_info (task_id, "
-        "sample, turns, ...)."),
+        description=_wrap("One row per ok episode of the kept groups. SkyRL GeneratorOutput columns: "
+        "prompt_token_ids, response_ids, loss_masks (1 on completion tokens, 0 on tool output), "
+        "rollout_logprobs, rewards, trajectory_ids {instance_id, repetition_id}, stop_reasons "
+        "(token columns null without recorded token ids); and the dataset columns data_source "
+        "('endless'), prompt and messages (lists of {role, content}), env_class, ability, reward, "
+        "reward_spec, reward_model, extra_info (task_id, sample, turns, ...). A group with an "
+        "episode that ended in an error is left out whole unless --on-error keep-ok."),
         formatter_class=_RAW,
-        epilog="example:\n  et-hpc export skyrl et-hpc-runs/my-run -o episodes.parquet",
+        epilog="examples:\n  et-hpc export skyrl et-hpc-runs/my-run -o episodes.parquet\n"
+        "  et-hpc export skyrl et-hpc-runs/my-run -o grpo.parquet --drop-zero-variance",
     )
     p.add_argument("run_dir", metavar="RUN_DIR", help="the run's folder")
     p.add_argument("-o", "--output", required=True, help="the parquet file to write")
+    _group_args(p)
+    p.add_argument("--drop-zero-variance", action="store_true", help="leave out groups whose scores are all equal")
     p.add_argument("--json", action="store_true", help="print what was written as JSON")
     p.set_defaults(func=_export_skyrl)
+
+
+def _group_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--on-error", choices=["mask", "keep-ok"], default="mask",
+                   help="a group with an episode that ended in an error: leave it out whole (mask, "
+                   "the default) or keep its ok episodes (keep-ok)")
 
 
 def _fmt(x: float | None, pct: bool = False) -> str:
@@ -118,6 +138,10 @@ def _summary(args: argparse.Namespace) -> int:
     print(format_table(["status", "episodes"], rows))
     print(f"pass rate {_fmt(s.pass_rate, True)}  mean reward {_fmt(s.mean_reward)}  "
           f"mean test fraction {_fmt(s.mean_test_fraction)}")
+    if s.groups is not None:
+        g = s.groups
+        print(f"groups {g.total}: {g.complete} complete, {g.masked} masked (an episode ended in an error), "
+              f"{g.zero_variance} zero-variance (complete, all scores equal)")
     return 0
 
 
@@ -137,11 +161,11 @@ def _compact(args: argparse.Namespace) -> int:
     return 0
 
 
-def _report_export(res, args: argparse.Namespace, what: str) -> int:
+def _report_export(res, args: argparse.Namespace) -> int:
     if args.json:
         print(res.model_dump_json(indent=2))
     else:
-        print(what, file=sys.stdout)
+        print(res.line(), file=sys.stdout)
     return 0
 
 
@@ -149,16 +173,15 @@ def _export_atropos(args: argparse.Namespace) -> int:
     from et_hpc.export import export_atropos
     from et_hpc.store import open_run
 
-    res = export_atropos(open_run(args.run_dir), args.output, keep_equal_scores=args.keep_equal_scores, progress=True)
-    msg = (f"wrote {res.groups} groups ({res.with_tokens} with tokens) from {res.episodes} ok episodes to "
-           f"{res.path}; dropped {res.dropped_equal} groups with equal scores")
-    return _report_export(res, args, msg)
+    res = export_atropos(open_run(args.run_dir), args.output, on_error=args.on_error,
+                         drop_zero_variance=not args.keep_equal_scores, progress=True)
+    return _report_export(res, args)
 
 
 def _export_skyrl(args: argparse.Namespace) -> int:
     from et_hpc.export import export_skyrl
     from et_hpc.store import open_run
 
-    res = export_skyrl(open_run(args.run_dir), args.output, progress=True)
-    return _report_export(res, args, f"wrote {res.rows} episodes to {res.path}")
-
+    res = export_skyrl(open_run(args.run_dir), args.output, on_error=args.on_error,
+                       drop_zero_variance=args.drop_zero_variance, progress=True)
+    return _report_export(res, args)
