@@ -48,6 +48,11 @@ class _StopAware:
             raise Interrupted("stopped by the run (signal or preemption)")
         return self._policy.act(messages)
 
+    def __getattr__(self, name: str) -> Any:  # capture_tokens and the like
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._policy, name)
+
 
 @functools.lru_cache(maxsize=1)
 def _versions() -> dict[str, str]:
@@ -99,14 +104,6 @@ def _slurm_ids() -> tuple[str | None, int | None]:
     return job, int(task) if task and task.isdigit() else None
 
 
-def _token_lists(result: AgentResult | None) -> tuple[list[list[int]] | None, list[list[float]] | None]:
-    if result is None:
-        return None, None
-    ids = [t.token_ids for t in result.turns if t.token_ids is not None]
-    lps = [t.logprobs for t in result.turns if t.logprobs is not None]
-    return (ids or None), (lps or None)
-
-
 def run_episode(task: Task, sample: int, cfg: RunConfig, image: Any, *, stop: threading.Event | None = None) -> EpisodeRecord:
     """Run one (task, sample) unit of a run and return its record (see the module docstring)."""
     t_start = time.time()
@@ -139,7 +136,7 @@ def run_episode(task: Task, sample: int, cfg: RunConfig, image: Any, *, stop: th
     def record(status: str, *, error: str | None = None, result: AgentResult | None = None, sc=None) -> EpisodeRecord:
         timings["stop_s"] = time.time()
         timings["total_s"] = time.monotonic() - t0
-        ids, lps = _token_lists(result)
+        tok = result.tokens if result else None
         return EpisodeRecord(
             **base,
             messages=result.messages if result else [],
@@ -152,8 +149,11 @@ def run_episode(task: Task, sample: int, cfg: RunConfig, image: Any, *, stop: th
             tests=[TestResult(name=t.name, outcome=t.outcome) for t in (sc.tests if sc else [])],
             prompt_tokens=result.usage.prompt_tokens if result else None,
             completion_tokens=result.usage.completion_tokens if result else None,
-            token_ids=ids,
-            logprobs=lps,
+            prompt_token_ids=tok.prompt_token_ids if tok else None,
+            token_ids=tok.token_ids if tok else None,
+            logprobs=tok.logprobs if tok else None,
+            tokens_source=tok.tokens_source if tok else None,
+            token_drift=tok.token_drift if tok else None,
             timings=Timings(**timings),
             error=error,
         )

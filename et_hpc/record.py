@@ -36,11 +36,14 @@ Status = Literal["ok", "policy_error", "shell_error", "infra_error", "score_erro
 STATUSES: tuple[str, ...] = get_args(Status)
 ERROR_STATUSES: tuple[str, ...] = tuple(s for s in STATUSES if s != "ok")
 
-# tokens_source: how the episode's token ids were obtained
-#   server-exact  every turn's ids came from the server (return_token_ids) and they concatenate to
-#                 the server's own tokenization of the final conversation;
-#   re-tokenized  some ids came from the server's /tokenize endpoint after the fact;
-#   absent        no token ids (a policy without a model: oracle, replay, null; or a plain server).
+# tokens_source: how the episode's token ids were obtained (token_drift says whether they agree)
+#   server-exact  every turn's prompt and completion ids came with the server's answer
+#                 (vLLM return_token_ids: prompt_token_ids, choices[].token_ids);
+#   re-tokenized  some came from the server's /tokenize (older vLLM): prompts re-rendered from the
+#                 messages, completions from logprobs' token_id:N or re-rendered too;
+#   absent        no complete token ids (oracle, replay, null; a server with neither).
+# token_drift: None when the concatenation of all turns' prompt deltas and completions equals the
+# server's own tokenization of the final conversation; else where it differs (``check_tokens``).
 TokensSource = Literal["server-exact", "re-tokenized", "absent"]
 
 TIMING_FIELDS = (
@@ -277,3 +280,49 @@ def prompt_deltas(prompts: list[list[int]], completions: list[list[int]]) -> lis
         out.append(list(p[len(seq) :]))
         seq = list(p) + list(c)
     return out
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def check_tokens(
+    prompts: list[list[int]], completions: list[list[int]], final: list[int] | None = None
+) -> tuple[list[list[int]], str | None]:
+    """Per-turn prompt deltas, and where the sequence drifts from the server's tokenization.
+
+    ``prompts[i]`` is the full prompt of request ``i`` as the server tokenized it,
+    ``completions[i]`` the tokens it sampled, ``final`` (optional) the server's tokenization of the
+    whole conversation including the last completion (``/tokenize`` with
+    ``add_generation_prompt=false``): it must start with the concatenation (the template may add
+    closing tokens after the last end-of-turn token). Returns ``(deltas, drift)``: ``drift`` is None
+    when prompt ``i`` always extends prompt ``i-1`` + completion ``i-1`` and ``final`` extends the
+    whole sequence; else it names the first turn, the token position and the lengths, and the delta
+    of a drifting turn is the part of its prompt after the common prefix (so ``token_sequence()`` is
+    then not the server's sequence: do not train on it as one sequence).
+    """
+    if len(prompts) != len(completions):
+        raise ValueError("one prompt per completion expected")
+    seq: list[int] = []
+    out: list[list[int]] = []
+    drifts: list[str] = []
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        k = _common_prefix(p, seq)
+        if k < len(seq):
+            drifts.append(f"turn {i}: the server's prompt ({len(p)} tokens) differs from the tokens of the "
+                          f"earlier turns ({len(seq)}) at position {k}")
+        out.append(list(p[k:]))
+        seq = list(p) + list(c)
+    if final is not None:
+        k = _common_prefix(final, seq)
+        if k < len(seq):
+            drifts.append(f"end: the server's tokenization of the conversation ({len(final)} tokens) differs "
+                          f"from the recorded sequence ({len(seq)}) at position {k}")
+    if not drifts:
+        return out, None
+    more = f" (+{len(drifts) - 1} more)" if len(drifts) > 1 else ""
+    return out, drifts[0] + more

@@ -6,7 +6,23 @@ assistant messages in the request, so parallel conversations do not interfere). 
 (``"<command>ls</command>"``), a tool call (``{"command": "ls", "timeout": 5}``), or a fault:
 ``{"fault": 500|429|"timeout"|"empty_choices"|"context_length"}`` (tried once per attempt, before
 the turn's next reply; a fault with no reply after it repeats) or ``{"fault": "malformed_tool_json"}``
-(a reply whose tool-call arguments are not JSON). Usage:
+(a reply whose tool-call arguments are not JSON). A dict reply may carry ``reasoning`` (the model
+thinks first) and ``finish_reason``; ``{"tool_calls": [{"name", "arguments"}]}`` gives arguments as
+written (e.g. compact JSON the chat template re-renders differently).
+
+Tokens behave like vLLM's (field names and placement from vllm-project/vllm at commit 002032ee,
+``vllm/entrypoints/openai/chat_completion/protocol.py`` and ``.../serve/tokenize/protocol.py``):
+prompts are rendered with the ChatML template of ``et_hpc.scripted_tokenizer`` and tokenized
+byte-level; ``usage`` counts those tokens; a request with ``return_token_ids`` gets the prompt's ids
+at the top level (``prompt_token_ids``) and the completion's on each choice (``choices[].token_ids``,
+ending with ``<|im_end|>`` unless cut by length); ``logprobs`` gives
+``choices[].logprobs.content[j] = {token, logprob, bytes, top_logprobs}`` (deterministic values;
+``token_id:N`` strings with ``return_tokens_as_token_ids``); ``POST /tokenize`` takes
+``{model, messages, add_generation_prompt, continue_final_message, tools}`` or ``{model, prompt}``
+and answers ``{count, max_model_len, tokens, token_strs}``; ``POST /detokenize`` the reverse.
+``return_token_ids=False`` (``--old-vllm``) behaves like vLLM before 0.10.2: the field is ignored
+and the token-id fields are absent; ``tokenize_endpoint=False`` (``--no-tokenize``) like a server
+without ``/tokenize``. Usage:
 
     with ScriptedServer({"create": [{"command": "echo hi > f"}, "all done"]}) as srv:
         OpenAI(base_url=srv.base_url, api_key="x")...
@@ -21,16 +37,16 @@ import hashlib
 import json
 import logging
 import os
-import re
 import signal
 import sys
 import threading
 import time
 import uuid
-import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+
+from et_hpc import scripted_tokenizer as tk
 
 log = logging.getLogger(__name__)
 
@@ -38,16 +54,11 @@ HOST = "127.0.0.1"
 DONE_REPLY = "<action>done</action>"
 ATTEMPT_FAULTS = {500, 429, "timeout", "empty_choices", "context_length"}
 REPLY_FAULTS = {"malformed_tool_json"}
-_TOKEN_RE = re.compile(r"\w+|[^\w\s]")
 
 
-def tokenize(text: str) -> list[str]:
-    """A crude deterministic tokenizer: words and punctuation."""
-    return _TOKEN_RE.findall(text or "")
-
-
-def token_id(tok: str) -> int:
-    return zlib.crc32(tok.encode("utf-8")) % 151_000
+def logprob_of(token: int, position: int) -> float:
+    """The deterministic sampling logprob the scripted model reports for a token."""
+    return -(((token * 7919 + position * 104729) % 1000) / 1000.0)
 
 
 def load_script(source: dict | str | Path) -> dict[str, list]:
@@ -152,6 +163,9 @@ class _Handler(BaseHTTPRequestHandler):
         except (ValueError, OSError):
             self._error(400, "request body is not JSON", "BadRequestError")
             return
+        if path in ("/tokenize", "/v1/tokenize", "/detokenize", "/v1/detokenize") and srv.tokenize_endpoint:
+            srv._tokenize(self, req, path.endswith("/detokenize"))
+            return
         if path not in ("/v1/chat/completions", "/chat/completions"):
             self._error(404, f"no route POST {self.path}", "NotFoundError")
             return
@@ -175,11 +189,15 @@ class ScriptedServer:
         model: str = "scripted",
         max_model_len: int = 32768,
         timeout_sleep_s: float = 30.0,
+        return_token_ids: bool = True,
+        tokenize_endpoint: bool = True,
     ):
         self.script = {k: _split_turns(v) for k, v in load_script(script).items()}
         self.model = model
         self.max_model_len = max_model_len
         self.timeout_sleep_s = timeout_sleep_s
+        self.return_token_ids = return_token_ids  # False: like vLLM < 0.10.2 (fields absent)
+        self.tokenize_endpoint = tokenize_endpoint  # False: no /tokenize, /detokenize
         self.started = time.time()
         self.requests: dict[str, int] = {}  # "POST /v1/chat/completions" -> count
         self.log: list[dict[str, Any]] = []  # one entry per chat request: key, turn, attempt, served
@@ -250,7 +268,14 @@ class ScriptedServer:
             entry["served"] = "no_match"
             h._error(400, "scripted server: no script entry matches the first user message", "BadRequestError")
             return
-        prompt_tokens = sum(len(tokenize(json.dumps(m.get("content")))) + 4 for m in messages)
+        try:
+            prompt_ids = tk.encode_chat(messages, req.get("tools") or None,
+                                        add_generation_prompt=bool(req.get("add_generation_prompt", True)))
+        except (AttributeError, TypeError) as e:
+            entry["served"] = "bad_messages"
+            h._error(400, f"scripted server: cannot render the messages: {e}", "BadRequestError")
+            return
+        prompt_tokens = len(prompt_ids)
         if prompt_tokens >= self.max_model_len:
             entry["served"] = "context_length"
             self._context_error(h, prompt_tokens, req)
@@ -263,7 +288,7 @@ class ScriptedServer:
             self._fault(h, fault, prompt_tokens, req)
             return
         entry["served"] = "reply"
-        h._send(200, self._completion(reply, req, prompt_tokens))
+        h._send(200, self._completion(reply, req, prompt_ids))
 
     def _context_error(self, h: _Handler, prompt_tokens: int, req: dict) -> None:
         want = prompt_tokens + int(req.get("max_tokens") or req.get("max_completion_tokens") or 0)
@@ -283,13 +308,13 @@ class ScriptedServer:
             self._stop.wait(float(fault.get("sleep_s", self.timeout_sleep_s)))
             h._error(504, "scripted fault: answered after the client's timeout", "GatewayTimeout")
         elif kind == "empty_choices":
-            body = self._completion("", req, prompt_tokens)
+            body = self._completion("", req, [0] * prompt_tokens)
             body["choices"] = []
             h._send(200, body)
         elif kind == "context_length":
             self._context_error(h, max(prompt_tokens, self.max_model_len + 1), req)
 
-    def _completion(self, reply: Any, req: dict, prompt_tokens: int) -> dict:
+    def _completion(self, reply: Any, req: dict, prompt_ids: list[int]) -> dict:
         content: str | None
         tool_calls: list[dict] = []
         extra: dict = reply if isinstance(reply, dict) else {}
@@ -302,33 +327,51 @@ class ScriptedServer:
             content = reply.get("content")
             calls = reply.get("tool_calls") or ([reply] if "command" in reply else [])
             tool_calls = [_tool_call(c) for c in calls]
-        gen_text = (content or "") + "".join(c["function"]["arguments"] for c in tool_calls)
-        toks = tokenize(gen_text) or [""]
-        completion_tokens = len(toks)
+        reasoning = extra.get("reasoning")
+        finish = extra.get("finish_reason") or ("tool_calls" if tool_calls else "stop")
+        gen = tk.generation_text(content, [(c["function"]["name"], c["function"]["arguments"]) for c in tool_calls],
+                                 reasoning)
+        ids = tk.encode(gen) + ([] if finish == "length" else [tk.EOS_ID])
+        prompt_tokens, completion_tokens = len(prompt_ids), len(ids)
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                  "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": None}
         usage.update(extra.get("usage") or {})
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         as_ids = bool(req.get("return_tokens_as_token_ids"))
+        top_n = int(req.get("top_logprobs") or 0)
+
+        def entry(t: int, j: int) -> dict:
+            text = tk.token_text(t)
+            return {"token": f"token_id:{t}" if as_ids else text, "logprob": logprob_of(t, j),
+                    "bytes": list(text.encode("utf-8"))}
+
         logprobs = None
         if req.get("logprobs"):
-            logprobs = {"content": [{
-                "token": f"token_id:{token_id(t)}" if as_ids else t,
-                "logprob": -((token_id(t) % 1000) / 1000.0),
-                "bytes": list(t.encode("utf-8")),
-                "top_logprobs": [],
-            } for t in toks]}
+            content_lp = []
+            for j, t in enumerate(ids):
+                e = entry(t, j)
+                alts = [entry((t + k) % tk.VOCAB_SIZE, j) for k in range(1, top_n)]
+                for a in alts:
+                    a["logprob"] = min(a["logprob"], e["logprob"]) - 1.0
+                e["top_logprobs"] = [dict(e)] + alts if top_n else []
+                content_lp.append(e)
+            logprobs = {"content": content_lp}
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if self.return_token_ids:  # newer vLLM: `reasoning`, tool_calls left out when empty
+            message["reasoning"] = reasoning
+            if tool_calls:
+                message["tool_calls"] = tool_calls
+        else:
+            message["tool_calls"] = tool_calls
+            message["reasoning_content"] = reasoning
         choice: dict[str, Any] = {
             "index": 0,
-            "message": {"role": "assistant", "content": content, "tool_calls": tool_calls,
-                        "reasoning_content": None},
+            "message": message,
             "logprobs": logprobs,
-            "finish_reason": extra.get("finish_reason") or ("tool_calls" if tool_calls else "stop"),
+            "finish_reason": finish,
             "stop_reason": None,
         }
-        if req.get("return_token_ids"):
-            choice["token_ids"] = [token_id(t) for t in toks]
-        return {
+        body: dict[str, Any] = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",
             "created": int(time.time()),
@@ -337,6 +380,37 @@ class ScriptedServer:
             "usage": usage,
             "prompt_logprobs": None,
         }
+        if self.return_token_ids:
+            want = bool(req.get("return_token_ids"))
+            choice["token_ids"] = ids if want else None
+            body["prompt_token_ids"] = list(prompt_ids) if want else None
+        return body
+
+    def _tokenize(self, h: _Handler, req: dict, detokenize: bool) -> None:
+        """vLLM's ``/tokenize`` (chat or prompt form) and ``/detokenize``."""
+        try:
+            if detokenize:
+                h._send(200, {"prompt": tk.decode([int(t) for t in req.get("tokens") or []])})
+                return
+            if "messages" in req:
+                agp = bool(req.get("add_generation_prompt", True))
+                cont = bool(req.get("continue_final_message", False))
+                if agp and cont:
+                    h._error(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                             "BadRequestError")
+                    return
+                ids = tk.encode_chat(req["messages"] or [], req.get("tools") or None,
+                                     add_generation_prompt=agp, continue_final_message=cont)
+            elif "prompt" in req:
+                ids = tk.encode(str(req["prompt"]))
+            else:
+                h._error(400, "tokenize needs `messages` or `prompt`", "BadRequestError")
+                return
+        except (AttributeError, TypeError, ValueError) as e:
+            h._error(400, f"scripted server: cannot tokenize: {e}", "BadRequestError")
+            return
+        h._send(200, {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
+                      "token_strs": [tk.token_text(t) for t in ids] if req.get("return_token_strs") else None})
 
 
 def _tool_call(c: dict) -> dict:
@@ -347,7 +421,7 @@ def _tool_call(c: dict) -> dict:
         body = {"command": c["command"]}
         if c.get("timeout") is not None:
             body["timeout"] = c["timeout"]
-        name, args = "terminal", json.dumps(body)
+        name, args = "terminal", json.dumps(body, ensure_ascii=False)  # the template's own spelling
     return {"id": f"chatcmpl-tool-{uuid.uuid4().hex[:16]}", "type": "function",
             "function": {"name": name, "arguments": args}}
 
@@ -367,11 +441,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="scripted", help="model name to report (default: scripted)")
     p.add_argument("--max-model-len", type=int, default=32768, help="context length to enforce")
     p.add_argument("--endpoint-file", type=Path, help="write the endpoint JSON here (as slurm/vllm.sbatch does)")
+    p.add_argument("--old-vllm", action="store_true",
+                   help="behave like vLLM before 0.10.2: ignore return_token_ids (no token-id fields)")
+    p.add_argument("--no-tokenize", action="store_true", help="serve no /tokenize (like servers other than vLLM)")
     args = p.parse_args(argv)
     from et_hpc.errors import UserError
 
     try:
-        srv = ScriptedServer(args.script, port=args.port, model=args.model, max_model_len=args.max_model_len)
+        srv = ScriptedServer(args.script, port=args.port, model=args.model, max_model_len=args.max_model_len,
+                             return_token_ids=not args.old_vllm, tokenize_endpoint=not args.no_tokenize)
     except UserError as e:
         print(f"scripted_server: error: {e}", file=sys.stderr)
         return 2

@@ -118,22 +118,31 @@ def test_faults_end_in_status_never_raise(shell, fault, stop, status):
     assert srv.chat_requests == expected_requests
 
 
+def _first_turn_usage(srv, shell) -> dict:
+    """What the server reports for the first turn (the budgets below are set from it)."""
+    return run_agent("t", shell, _policy(srv), Budgets(max_turns=1)).turns[0].usage
+
+
 def test_context_budget_from_reported_prompt_tokens(shell):
     script = {"t": [{"command": "echo a"}, {"command": "echo b"}, {"command": "echo c"}]}
     with ScriptedServer(script) as srv:
-        r = run_agent("t", shell, _policy(srv), Budgets(context_tokens=200))
+        first = _first_turn_usage(srv, shell)
+        budget = first["prompt_tokens"] + first["completion_tokens"]  # reached by turn 1, passed by turn 2
+        r = run_agent("t", shell, _policy(srv), Budgets(context_tokens=budget))
+        assert srv.chat_requests == 1 + 2
     assert r.stop_reason == "context" and r.status == "ok"
     last = r.turns[-1].usage
-    assert last["prompt_tokens"] + last["completion_tokens"] > 200
-    assert len(r.turns) == 2 and srv.chat_requests == 2
+    assert last["prompt_tokens"] + last["completion_tokens"] > budget
+    assert len(r.turns) == 2
 
 
 def test_token_budget(shell):
     script = {"t": [{"command": "echo " + "x " * 30}] * 5}
     with ScriptedServer(script) as srv:
-        r = run_agent("t", shell, _policy(srv), Budgets(total_tokens=50))
+        budget = _first_turn_usage(srv, shell)["completion_tokens"] + 1  # passed by turn 2
+        r = run_agent("t", shell, _policy(srv), Budgets(total_tokens=budget))
     assert r.stop_reason == "token_budget" and r.status == "ok"
-    assert len(r.turns) == 2 and r.usage.completion_tokens >= 50
+    assert len(r.turns) == 2 and r.usage.completion_tokens >= budget
 
 
 def test_max_turns(shell):

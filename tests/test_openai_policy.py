@@ -103,16 +103,24 @@ def test_other_400_is_policy_error_without_retry():
 
 
 def test_logprobs_and_token_ids_kept():
+    from et_hpc import scripted_tokenizer as tk
+
     with ScriptedServer({"t": [{"command": "echo hi"}]}) as srv:
-        p, _ = _policy(srv, return_token_ids=True)
+        p, _ = _policy(srv)  # return_token_ids is on by default
         a = p.act(_msgs("t"))
-        assert a.usage and a.usage["completion_tokens"] == len(a.token_ids) == len(a.logprobs) > 0
-        assert all(isinstance(t, int) for t in a.token_ids)
+        assert a.usage and a.usage["completion_tokens"] == len(a.token_ids) > 0 and a.logprobs is None
+        assert a.usage["prompt_tokens"] == len(a.prompt_token_ids) and a.tokens_from == "server"
+        assert a.token_ids[-1] == tk.EOS_ID and tk.decode(a.token_ids).startswith("<tool_call>\n")
         assert a.finish_reason == "tool_calls"
+        p, _ = _policy(srv, logprobs=True)
+        b = p.act(_msgs("t"))
+        assert b.token_ids == a.token_ids and len(b.logprobs) == len(b.token_ids)
+        assert all(lp <= 0 for lp in b.logprobs)
     with ScriptedServer({"t": ["<command>pwd</command>"]}) as srv:
-        p, _ = _policy(srv, mode="text", logprobs=True)
+        p, _ = _policy(srv, mode="text", logprobs=True, return_token_ids=False)
         a = p.act(_msgs("t"))
-        assert a.command == "pwd" and a.logprobs and a.token_ids is None
+        assert a.command == "pwd" and a.logprobs and a.token_ids is None and a.prompt_token_ids is None
+        assert p.tokenize_requests == 0
 
 
 def test_tools_mode_shapes():

@@ -3,6 +3,10 @@
 ``run_agent`` never raises for a failing policy or shell: those end the episode with status
 ``policy_error`` / ``shell_error``. Budgets (turns, wall time, context, tokens) end it with status
 ``ok`` and a ``stop_reason`` saying which budget ran out. The loop knows only ``shell.run``.
+
+Tokens: each ``Turn`` keeps what the policy reported (the full prompt ids of its request, the
+completion ids and logprobs); at the end a policy with ``capture_tokens(turns, messages)`` (the
+OpenAI policy) turns them into the record's per-turn deltas, ``tokens_source`` and ``token_drift``.
 """
 
 from __future__ import annotations
@@ -67,6 +71,18 @@ class Turn(BaseModel):
     retries: int = 0
     token_ids: list[int] | None = None
     logprobs: list[float] | None = None
+    prompt_token_ids: list[int] | None = None  # the request's whole prompt, as the server tokenized it
+    tokens_from: Literal["server", "tokenize"] | None = None  # return_token_ids, or /tokenize after the fact
+
+
+class TokenCapture(BaseModel):
+    """An episode's tokens as the record stores them (see ``et_hpc.record``)."""
+
+    prompt_token_ids: list[list[int]] | None = None  # per turn: the prompt tokens new since the last completion
+    token_ids: list[list[int]] | None = None
+    logprobs: list[list[float]] | None = None
+    tokens_source: Literal["server-exact", "re-tokenized", "absent"] = "absent"
+    token_drift: str | None = None
 
 
 class AgentResult(BaseModel):
@@ -78,6 +94,7 @@ class AgentResult(BaseModel):
     usage: Usage = Field(default_factory=Usage)
     wall_s: float = 0.0
     mode: str = "text"
+    tokens: TokenCapture = Field(default_factory=TokenCapture)
 
 
 def _observation_message(mode: str, action: Action, content: str) -> dict[str, Any]:
@@ -152,6 +169,8 @@ def run_agent(
             retries=action.retries,
             token_ids=action.token_ids,
             logprobs=action.logprobs,
+            prompt_token_ids=action.prompt_token_ids,
+            tokens_from=action.tokens_from,
         )
         turns.append(turn)
         messages.append(action.message)
@@ -203,7 +222,16 @@ def run_agent(
         for extra in action.extra_tool_call_ids:
             messages.append({"role": "tool", "tool_call_id": extra, "content": NOT_RUN})
 
+    tokens = TokenCapture()
+    capture = getattr(policy, "capture_tokens", None)
+    if capture is not None and turns:
+        try:
+            tokens = capture(turns, messages)
+        except Exception as e:  # token accounting must not cost the episode
+            log.exception("token capture failed")
+            tokens = TokenCapture(token_drift=f"token capture failed: {type(e).__name__}: {e}")
     return AgentResult(
+        tokens=tokens,
         messages=messages,
         turns=turns,
         stop_reason=stop,

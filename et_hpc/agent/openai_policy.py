@@ -4,6 +4,15 @@ Connection errors, time-outs, 429, 5xx and empty ``choices`` are retried with ji
 backoff inside a retry budget (count and seconds); past it ``PolicyError`` ends the episode as an
 infrastructure failure. A 400 about the context length raises ``ContextLengthError`` (the loop
 stops with reason ``context``). Usage, finish reason, logprobs and token ids are kept per turn.
+
+Tokens (``return_token_ids``, on by default): each request asks vLLM for ``return_token_ids`` and
+keeps the response's ``prompt_token_ids`` (the whole prompt) and ``choices[0].token_ids`` (the
+completion); ``logprobs`` (when configured) adds ``return_tokens_as_token_ids``. A server that
+leaves those fields out (vLLM < 0.10.2, other servers) is asked ``POST /tokenize`` for the prompt
+instead, and for the completion when logprobs carry no ``token_id:N``; with neither the tokens are
+absent. ``capture_tokens`` (called by the loop at the end) turns the turns into per-turn deltas and
+checks them against ``/tokenize`` of the whole conversation: ``tokens_source`` and ``token_drift``
+say how they were obtained and whether they agree. Token accounting never fails an episode.
 """
 
 from __future__ import annotations
@@ -15,12 +24,14 @@ import re
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
+import httpx
 import openai
 
 from et_hpc.agent.policies import Action, ContextLengthError, PolicyError, text_action
 from et_hpc.agent.protocols import TERMINAL_TOOL, Mode, ToolArgsError, parse_tool_arguments
 
 if TYPE_CHECKING:
+    from et_hpc.agent.loop import TokenCapture, Turn
     from et_hpc.agent.policies import PolicyConfig
 
 log = logging.getLogger(__name__)
@@ -73,7 +84,7 @@ class OpenAIPolicy:
         max_tokens: int = 2048,
         seed: int | None = None,
         logprobs: bool = False,
-        return_token_ids: bool = False,
+        return_token_ids: bool = True,
         request_timeout_s: float = 300.0,
         max_retries: int = 6,
         retry_budget_s: float = 180.0,
@@ -88,7 +99,7 @@ class OpenAIPolicy:
         self.top_p = top_p
         self.max_tokens = max_tokens
         self.seed = seed
-        self.logprobs = logprobs or return_token_ids
+        self.logprobs = logprobs
         self.return_token_ids = return_token_ids
         self.max_retries = max_retries
         self.retry_budget_s = retry_budget_s
@@ -102,6 +113,13 @@ class OpenAIPolicy:
             max_retries=0,
             timeout=request_timeout_s,
         )
+        root = base_url.rstrip("/")
+        self.tokenize_url = (root[:-3] if root.endswith("/v1") else root) + "/tokenize"  # vLLM: at the root
+        self._api_key = api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY"
+        self._timeout_s = request_timeout_s
+        self._http: httpx.Client | None = None
+        self._no_tokenize = False  # set once the server answered /tokenize with 404
+        self.tokenize_requests = 0
         self.requests = 0  # HTTP requests made (including retried ones)
         self.retries = 0  # of which retries
 
@@ -132,6 +150,8 @@ class OpenAIPolicy:
     def close(self) -> None:
         """Close the HTTP connections (the policy is unusable afterwards)."""
         self.client.close()
+        if self._http is not None:
+            self._http.close()
 
     def __enter__(self) -> OpenAIPolicy:
         return self
@@ -205,10 +225,14 @@ class OpenAIPolicy:
         if self.mode == "tools":
             kwargs["tools"] = [TERMINAL_TOOL]
             kwargs["tool_choice"] = "auto"
+        extra: dict[str, Any] = {}
         if self.logprobs:
             kwargs["logprobs"] = True
+            extra["return_tokens_as_token_ids"] = True  # ids for the completion on servers without token_ids
         if self.return_token_ids:
-            kwargs["extra_body"] = {"return_tokens_as_token_ids": True}
+            extra["return_token_ids"] = True
+        if extra:
+            kwargs["extra_body"] = extra
 
         def create() -> Any:
             resp = self.client.chat.completions.create(**kwargs)
@@ -220,7 +244,96 @@ class OpenAIPolicy:
         resp = self._call("chat completion", create)
         action = self._to_action(resp)
         action.retries = self.retries - retries_before
+        if self.return_token_ids:
+            self._fill_tokens(action, resp, messages)
         return action
+
+    # -- tokens ------------------------------------------------------------------------------
+    def _fill_tokens(self, action: Action, resp: Any, messages: list[dict[str, Any]]) -> None:
+        prompt = getattr(resp, "prompt_token_ids", None)
+        completion = getattr(resp.choices[0], "token_ids", None)
+        if isinstance(prompt, list) and isinstance(completion, list):
+            action.prompt_token_ids = [int(t) for t in prompt]
+            action.token_ids = [int(t) for t in completion]
+            action.tokens_from = "server"
+            return
+        # An older server: re-tokenize what it was sent (and, without logprob ids, what it said).
+        tools = [TERMINAL_TOOL] if self.mode == "tools" else None
+        action.prompt_token_ids = self.tokenize(messages, tools, add_generation_prompt=True)
+        if action.prompt_token_ids is None:
+            return
+        action.tokens_from = "tokenize"
+        if action.token_ids is None:  # the reply re-rendered open-ended: no template tokens after it
+            full = self.tokenize([*messages, action.message], tools, continue_final_message=True)
+            n = len(action.prompt_token_ids)
+            if full is not None and full[:n] == action.prompt_token_ids:
+                action.token_ids = full[n:]
+
+    def tokenize(self, messages: list[dict[str, Any]], tools: list[dict] | None = None, *,
+                 add_generation_prompt: bool = False, continue_final_message: bool = False) -> list[int] | None:
+        """The server's tokenization of a conversation (vLLM ``POST /tokenize``); None if unavailable."""
+        if self._no_tokenize:
+            return None
+        if self._http is None:
+            self._http = httpx.Client(timeout=self._timeout_s,
+                                      headers={"Authorization": f"Bearer {self._api_key}"})
+        body: dict[str, Any] = {"model": self.model, "messages": messages,
+                                "add_generation_prompt": add_generation_prompt}
+        if continue_final_message:
+            body["continue_final_message"] = True
+        if tools:
+            body["tools"] = tools
+        for attempt in range(2):
+            self.tokenize_requests += 1
+            try:
+                r = self._http.post(self.tokenize_url, json=body)
+            except httpx.HTTPError as e:
+                log.warning("tokenize: %s", e)
+                continue
+            if r.status_code in (404, 405):
+                log.warning("%s: not served (HTTP %d); token ids will be absent", self.tokenize_url, r.status_code)
+                self._no_tokenize = True
+                return None
+            if r.status_code >= 500 or r.status_code == 429:
+                continue
+            try:
+                tokens = r.json()["tokens"] if r.status_code == 200 else None
+            except (ValueError, KeyError, TypeError):
+                tokens = None
+            if not isinstance(tokens, list):
+                log.warning("tokenize: unusable answer (HTTP %d)", r.status_code)
+                return None
+            return [int(t) for t in tokens]
+        return None
+
+    def capture_tokens(self, turns: list[Turn], messages: list[dict[str, Any]]) -> TokenCapture:
+        """The episode's token record: per-turn deltas, source and drift (see ``record.check_tokens``)."""
+        from et_hpc.agent.loop import TokenCapture
+        from et_hpc.record import check_tokens
+
+        completions = [t.token_ids for t in turns]
+        lps = [t.logprobs for t in turns]
+        logprobs = lps if all(lp is not None and len(lp) == len(c or ()) for lp, c in zip(lps, completions)) else None
+        if not self.return_token_ids:
+            return TokenCapture(logprobs=logprobs)
+        prompts = [t.prompt_token_ids for t in turns]
+        if any(p is None for p in prompts) or any(c is None for c in completions):
+            missing = next(i for i, t in enumerate(turns) if t.prompt_token_ids is None or t.token_ids is None)
+            return TokenCapture(
+                token_ids=completions if all(c is not None for c in completions) else None,  # type: ignore[arg-type]
+                logprobs=logprobs,
+                token_drift=f"turn {missing}: no token ids (the server returned no prompt_token_ids/token_ids "
+                "and its /tokenize was not usable)",
+            )
+        last = max(i for i, m in enumerate(messages) if m.get("role") == "assistant")
+        tools = [TERMINAL_TOOL] if self.mode == "tools" else None
+        final = self.tokenize(messages[: last + 1], tools, add_generation_prompt=False)
+        deltas, drift = check_tokens(prompts, completions, final)  # type: ignore[arg-type]
+        if final is None:
+            log.info("no /tokenize: the last completion is checked only through the turns before it")
+        source = "server-exact" if all(t.tokens_from == "server" for t in turns) else "re-tokenized"
+        return TokenCapture(prompt_token_ids=deltas, token_ids=completions, logprobs=logprobs,  # type: ignore[arg-type]
+                            tokens_source=source, token_drift=drift)
 
     def _to_action(self, resp: Any) -> Action:
         choice = resp.choices[0]
@@ -243,9 +356,6 @@ class OpenAIPolicy:
                 ids = [_TOKEN_ID_RE.match(c.token or "") for c in content]
                 if all(ids):
                     action.token_ids = [int(m.group(1)) for m in ids]  # type: ignore[union-attr]
-        extra_ids = getattr(choice, "token_ids", None)  # newer vLLM: return_token_ids
-        if action.token_ids is None and isinstance(extra_ids, list):
-            action.token_ids = [int(t) for t in extra_ids]
         return action
 
     def _tool_action(self, msg: Any) -> Action:

@@ -46,6 +46,8 @@ class Action(BaseModel):
     finish_reason: str | None = None
     token_ids: list[int] | None = None
     logprobs: list[float] | None = None
+    prompt_token_ids: list[int] | None = None  # the whole prompt of the request, as the server tokenized it
+    tokens_from: Literal["server", "tokenize"] | None = None
     retries: int = 0  # failed requests retried before this answer
 
 
@@ -211,7 +213,7 @@ class PolicyConfig(BaseModel):
     max_tokens: int | None = None  # default: Budgets.max_tokens_per_turn
     seed: int | None = None
     logprobs: bool = False
-    return_token_ids: bool = False
+    return_token_ids: bool = True  # vLLM >= 0.10.2; older servers: /tokenize fallback (tokens_source)
     request_timeout_s: float = 300.0
     max_retries: int = 6
     retry_budget_s: float = 180.0
