@@ -1,18 +1,26 @@
-"""Scoring: run a task's pytest file inside the episode's instance, after the agent, hardened.
+"""Scoring: run a task's pytest file in the episode's instance, entered through nothing the agent wrote.
 
-``score(sandbox, final_tests)`` does everything in one ``apptainer exec``: a driver run by the
-image's *pristine* Python (the read-only copy of the image bound at ``/.et-pristine``, started
-through its own dynamic loader, so nothing the agent changed in the writable layer: python,
-pytest, libc, sitecustomize, is used) kills every process left in the instance, writes the test
-file (sent over stdin) into a fresh private directory, and runs
-``python -I -m pytest -p no:cacheprovider --rootdir=D -c /dev/null --noconftest --junitxml=...``
-with a clean environment, cwd ``/home/user`` and a timeout. Python runs with ``-I -S``: the
-``site`` hooks (sitecustomize, usercustomize, .pth files outside the image's own site dirs) are
-never consulted, because some of them resolve into the agent-writable tree. The JUnit XML comes back in the
-driver's output and is parsed here.
+``score(sandbox, final_tests)`` starts ``et_hpc.sandbox.enter`` on the host: our own Python joins
+the instance's namespaces (user first: we own it), takes a private copy of its mounts, kills every
+process left in it, writes the test file to a fresh tmpfs on the pristine read-only image tree
+(``/.et-pristine``, the SIF bound at start) and runs pytest with that tree's own dynamic loader and
+Python (``-I -S -B``, no conftest, no plugin autoload, an empty ini, a clean environment, cwd
+``/home/user`` when the agent's uid can use it, else ``/``), under scoring rlimits and without
+capabilities. Nothing of the instance's writable layer is run before the tests: not apptainer's
+``/.singularity.d`` actions and env scripts, not ``/bin/sh``, not rc files, not the writable
+``python3``, pytest, libc, ``ld.so.preload`` or NSS modules (see that module's doc for each step).
+There is no fallback to the instance's own ``python3``.
 
-Reward is 1.0 iff every test passed (and there was at least one). Anything that stops us from
-knowing (exec failed, no JUnit, timeout) gives status ``error`` and reward ``None``, never 0.
+Who is to blame decides the result (SECURITY.md has the table):
+
+- the tests ran and pytest wrote its report: ``ok``, reward 1.0 iff every test passed (at least one);
+- the state the agent left stops the tests (they exceed the verifier timeout, pytest dies without
+  a report, a symlinked ``/etc/ld.so.preload``, the instance ended from inside): ``ok``, reward
+  0.0, ``note`` says what happened;
+- anything outside the agent's reach (apptainer or /proc failing on the host, the pristine tree
+  or its pytest missing, our bugs): ``error``, reward ``None``.
+
+``interpreter`` names what ran the tests: ``"pristine"`` or ``"none"`` (nothing ran).
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import BaseModel, Field
 
 from et_hpc.errors import InfraError
+from et_hpc.sandbox import enter
 
 if TYPE_CHECKING:
     from et_hpc.sandbox.sandbox import Sandbox
@@ -42,6 +51,10 @@ _LOADERS = {
     "x86_64": ("x86_64-linux-gnu", "ld-linux-x86-64.so.2"),
     "aarch64": ("aarch64-linux-gnu", "ld-linux-aarch64.so.1"),
 }
+# Scoring rlimits when the sandbox does not set its own (``vmem_mb``, ``nproc``, ``fsize_mb``).
+DEFAULT_LIMITS = {"vmem_mb": 8192, "nproc": 512, "fsize_mb": 4096}
+GONE_NOTE = ("the instance ended before scoring (its init exited while the sandbox was live; "
+             "an agent can do this from inside, e.g. kill -TERM 1)")
 
 
 class TestOutcome(BaseModel):
@@ -57,120 +70,31 @@ class ScoreResult(BaseModel):
     total: int = 0
     tests: list[TestOutcome] = Field(default_factory=list)
     error: str | None = None
+    note: str | None = None  # status ok, reward 0 by the agent's doing: what happened
+    notes: list[str] = Field(default_factory=list)  # what scoring saw or changed (events)
     output_tail: str = ""
     duration_s: float = 0.0
-    interpreter: str = ""  # "pristine" (image's read-only copy) or "instance" (fallback)
+    interpreter: str = "none"  # "pristine" (the image's read-only copy) or "none" (nothing ran)
     killed_processes: int = 0
 
 
-# The driver runs inside the instance. Python >= 3.6, stdlib only.
-DRIVER = r'''
-import json, os, signal, subprocess, sys, tempfile, time
-cfg = json.loads(sys.stdin.read())
-me = os.getpid()
-res = {"killed": 0, "rc": None, "timed_out": False, "junit": None, "out": "", "error": None}
-
-def others():
-    out = []
-    for n in os.listdir("/proc"):
-        if not n.isdigit() or int(n) in (1, me):
-            continue
-        try:
-            with open("/proc/%s/stat" % n) as f:
-                st = f.read()
-        except (OSError, IOError):
-            continue
-        if st[st.rfind(")") + 2:].split()[:1] not in (["Z"], ["X"]):
-            out.append(int(n))
-    return out
-
-def kill_all():
-    for _ in range(200):
-        left = others()
-        if not left:
-            return True
-        res["killed"] += len(left)
-        try:
-            os.kill(-1, signal.SIGKILL)
-        except OSError:
-            pass
-        time.sleep(0.02)
-    return not others()
-
-def finish():
-    sys.stdout.write("\n" + cfg["marker"] + json.dumps(res) + "\n")
-    sys.stdout.flush()
-    sys.exit(0)
-
-if cfg["kill"] and not kill_all():
-    res["error"] = "processes left by the agent could not be killed"
-    finish()
-d = None
-for base in ("/tmp", "/dev/shm", cfg["home"]):
-    try:
-        d = tempfile.mkdtemp(prefix="et-score-", dir=base)
-        path = os.path.join(d, cfg["name"])
-        with open(path, "w") as f:
-            f.write(cfg["source"])
-        break
-    except (OSError, IOError) as e:
-        res["error"] = "cannot write the test file: %s" % e
-        d = None
-if d is None:
-    finish()
-res["error"] = None
-junit = os.path.join(d, "junit.xml")
-# No `site` (-S): its sitecustomize/usercustomize hooks are agent-writable (Debian's
-# sitecustomize.py is a symlink into /etc). Only the interpreter's own site dirs are added.
-ver = "python%d.%d" % sys.version_info[:2]
-pre = sys.prefix
-sitedirs = [pre + "/local/lib/" + ver + "/dist-packages", pre + "/lib/python3/dist-packages",
-            pre + "/lib/" + ver + "/dist-packages", pre + "/local/lib/" + ver + "/site-packages",
-            pre + "/lib/" + ver + "/site-packages"]
-boot = ("import os, site, sys\n"
-        "for d in %r:\n"
-        "    if os.path.isdir(d) and not os.path.islink(d):\n"
-        "        site.addsitedir(d)\n"
-        "import pytest\n"
-        "sys.exit(pytest.main())\n") % (sitedirs,)
-argv = cfg["python"] + ["-I", "-S", "-B", "-c", boot, "-p", "no:cacheprovider", "--rootdir", d,
-                        "-c", "/dev/null", "--noconftest", "--junitxml", junit, "-q", path]
-env = {"PATH": cfg["path"], "HOME": cfg["home"], "LANG": "C.UTF-8",
-       "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
-cwd = cfg["home"] if os.path.isdir(cfg["home"]) else "/"
-try:
-    p = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        out, _ = p.communicate(timeout=cfg["timeout"])
-        res["rc"] = p.returncode
-    except subprocess.TimeoutExpired:
-        res["timed_out"] = True
-        kill_all()
-        out, _ = p.communicate()
-    res["out"] = out.decode("utf-8", "replace")[-cfg["tail"]:]
-except OSError as e:
-    res["error"] = "cannot run pytest: %s" % e
-if cfg["kill"]:
-    kill_all()  # nothing the tests started outlives them
-try:
-    with open(junit) as f:
-        res["junit"] = f.read()
-except (OSError, IOError):
-    pass
-import shutil
-shutil.rmtree(d, ignore_errors=True)
-finish()
-'''
-
-
-def pristine_python() -> list[str]:
-    """Argv prefix that runs the pristine image's python3 through the pristine dynamic loader."""
+def pristine_layout(pristine: str = PRISTINE) -> tuple[str, list[str]]:
+    """(the pristine dynamic loader, its library dirs) for this machine's architecture."""
     arch, ld = _LOADERS.get(platform.machine(), _LOADERS["x86_64"])
-    libdirs = [f"{PRISTINE}/usr/lib/{arch}", f"{PRISTINE}/lib/{arch}", f"{PRISTINE}/usr/lib64",
-               f"{PRISTINE}/usr/lib", f"{PRISTINE}/lib"]
-    return [f"{PRISTINE}/usr/lib/{arch}/{ld}", "--inhibit-cache", "--library-path", ":".join(libdirs),
-            f"{PRISTINE}/usr/bin/python3"]
+    libdirs = [f"{pristine}/usr/lib/{arch}", f"{pristine}/lib/{arch}", f"{pristine}/usr/lib64",
+               f"{pristine}/usr/lib", f"{pristine}/lib"]
+    return f"{pristine}/usr/lib/{arch}/{ld}", libdirs
+
+
+def scoring_limits(sandbox: Sandbox, timeout_s: float) -> dict[str, int]:
+    """The rlimits of the test run: the sandbox's where it sets them, CPU time from the timeout."""
+    lim = dict(DEFAULT_LIMITS)
+    for k in lim:
+        v = getattr(sandbox, k, None)
+        if v:
+            lim[k] = int(v)
+    lim["cpu_s"] = int(timeout_s) + 30
+    return lim
 
 
 def run_tests(
@@ -181,49 +105,58 @@ def run_tests(
     kill_first: bool = True,
     tail_chars: int = 4000,
 ) -> ScoreResult:
-    """Run one pytest file in the instance (see the module doc) and turn it into a ScoreResult."""
+    """Run one pytest file in the instance (see the module doc) and turn it into a ScoreResult.
+
+    ``kill_first`` is kept for callers; the entry always kills what is left in the instance.
+    """
     t0 = time.monotonic()
     tests = Path(tests)
     try:
         source = tests.read_text(encoding="utf-8")
     except OSError as e:
         return ScoreResult(status="error", reward=None, error=f"cannot read {tests}: {e}")
-    marker = "ET-SCORE-" + secrets.token_hex(12) + ":"
     sandbox.close_shells()
-    sandbox.prepare()
+    if not sandbox.pristine_bound:
+        return _error("the image's pristine copy is not bound at /.et-pristine (apptainer could not "
+                      "find its root partition), so no untouched interpreter exists", "", t0)
+    try:
+        sandbox.prepare()  # a no-op once the agent's first shell did it
+        pid, start = sandbox.init_process()
+    except InfraError as e:
+        return _gone_or_error(sandbox, f"could not reach the instance: {e}", t0)
+    marker = "ET-SCORE-" + secrets.token_hex(12) + ":"
+    loader, libdirs = pristine_layout()
     cfg = {
-        "source": source,
+        "pid": pid, "starttime": start, "marker": marker, "pristine": PRISTINE, "loader": loader,
+        "libdirs": libdirs, "source": source,
         "name": tests.name if tests.name.startswith("test_") else "test_" + tests.name,
-        "home": sandbox.home,
-        "path": CLEAN_PATH,
-        "timeout": timeout_s,
-        "kill": kill_first,
-        "marker": marker,
-        "tail": tail_chars,
+        "home": sandbox.home, "path": CLEAN_PATH, "timeout": timeout_s, "tail": tail_chars,
+        "limits": scoring_limits(sandbox, timeout_s),
     }
-    attempts: list[tuple[str, list[str]]] = []
-    if sandbox.pristine_bound:
-        attempts.append(("pristine", pristine_python()))
-    attempts.append(("instance", ["/usr/bin/python3"]))
-    last_err = ""
-    for label, py in attempts:
-        cfg["python"] = py
-        argv = [*py, "-I", "-S", "-B", "-c", DRIVER]
-        try:
-            cp = sandbox.exec(argv, timeout=timeout_s + 60, input=json.dumps(cfg).encode(), pwd="/")
-        except subprocess.TimeoutExpired:
-            return _error("scoring did not finish in time", "", t0, label)
-        except InfraError as e:
-            return _error(f"could not run the tests: {e}", "", t0, label)
-        out = cp.stdout.decode("utf-8", "replace")
-        i = out.rfind(marker)
-        if i < 0:
-            last_err = f"{label} python failed (exit {cp.returncode}): {out.strip()[-500:]}"
-            log.debug("scoring attempt failed: %s", last_err)
-            continue
-        res = json.loads(out[i + len(marker):].strip().splitlines()[0])
-        return _result(res, t0, label)
-    return _error(f"no usable python3 in the image: {last_err}", "", t0, "")
+    argv = enter.helper_argv()
+    try:
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True, close_fds=True)
+    except OSError as e:
+        return _error(f"could not start the scoring helper: {e}", "", t0)
+    try:
+        out, err = proc.communicate(json.dumps(cfg).encode(), timeout=timeout_s + 120)
+    except subprocess.TimeoutExpired:
+        from et_hpc.sandbox.shell import kill_session
+
+        kill_session(proc.pid)
+        proc.kill()
+        proc.communicate()
+        return _error("the scoring helper did not finish", "", t0)
+    text = out.decode("utf-8", "replace")
+    i = text.rfind(marker)
+    if i < 0:
+        return _error(f"the scoring helper failed (exit {proc.returncode}): "
+                      f"{(text + err.decode('utf-8', 'replace')).strip()[-500:]}", "", t0)
+    res = json.loads(text[i + len(marker):].strip().splitlines()[0])
+    if res.get("kind") == "infra" and res.get("stage") == "enter" and "is gone" in (res.get("error") or ""):
+        return _gone_or_error(sandbox, res["error"], t0)
+    return _result(res, t0, timeout_s=timeout_s)
 
 
 def score(sandbox: Sandbox, final_tests: Path, *, timeout_s: float = 120.0) -> ScoreResult:
@@ -236,45 +169,72 @@ def run_initial_tests(sandbox: Sandbox, path: Path, *, timeout_s: float = 120.0)
     return run_tests(sandbox, path, timeout_s=timeout_s, kill_first=True)
 
 
-def _error(msg: str, tail: str, t0: float, interp: str) -> ScoreResult:
+def _error(msg: str, tail: str, t0: float, interp: str = "none") -> ScoreResult:
     return ScoreResult(status="error", reward=None, error=msg, output_tail=tail,
                        duration_s=time.monotonic() - t0, interpreter=interp)
 
 
-def _result(res: dict, t0: float, interp: str) -> ScoreResult:
+def _agent(note: str, tail: str, t0: float, interp: str = "none", **kw) -> ScoreResult:
+    return ScoreResult(status="ok", reward=0.0, note=note, output_tail=tail,
+                       duration_s=time.monotonic() - t0, interpreter=interp, **kw)
+
+
+def _gone_or_error(sandbox: Sandbox, msg: str, t0: float) -> ScoreResult:
+    """The instance could not be entered: the agent's doing if it ended by itself, else infra."""
+    health = sandbox.health()
+    if health == "gone":
+        return _agent(GONE_NOTE, "", t0)
+    return _error(f"{msg} (instance {health})", "", t0)
+
+
+def _result(res: dict, t0: float, interp: str = "pristine", *, timeout_s: float | None = None) -> ScoreResult:
     tail = res.get("out") or ""
     killed = int(res.get("killed") or 0)
-    if res.get("error"):
-        r = _error(res["error"], tail, t0, interp)
-        r.killed_processes = killed
-        return r
+    notes = list(res.get("notes") or [])
+    kind = res.get("kind", "ran")
+    if kind == "infra":
+        return _error(res.get("error") or "scoring failed", tail, t0,
+                      "pristine" if res.get("stage") == "tests" else "none")
+    if kind == "agent":
+        return _agent(res.get("error") or "the state left cannot be scored", tail, t0,
+                      "pristine" if res.get("stage") == "tests" else "none", notes=notes, killed_processes=killed)
+    common = {"notes": notes, "killed_processes": killed, "output_tail": tail, "interpreter": interp}
     if res.get("timed_out"):
-        r = _error("the tests did not finish within the verifier timeout", tail, t0, interp)
-        r.killed_processes = killed
-        return r
+        what = f" ({timeout_s:g} s)" if timeout_s is not None else ""
+        return _agent(f"tests exceeded the verifier timeout{what}", tail, t0, interp,
+                      notes=notes, killed_processes=killed)
     if not res.get("junit"):
-        r = _error(f"pytest wrote no JUnit report (exit {res.get('rc')})", tail, t0, interp)
-        r.killed_processes = killed
-        return r
+        how = f"signal {res['signal']}" if res.get("signal") else f"exit {res.get('rc')}"
+        return _agent(_with_notes(f"pytest ended ({how}) without writing its report", notes), tail, t0,
+                      interp, notes=notes, killed_processes=killed)
     try:
         tests = parse_junit(res["junit"])
     except ET.ParseError as e:
-        return _error(f"unreadable JUnit report: {e}", tail, t0, interp)
+        return _agent(_with_notes(f"pytest's report is unreadable ({e})", notes), tail, t0, interp,
+                      notes=notes, killed_processes=killed)
     passed = sum(t.outcome == "passed" for t in tests)
     counted = [t for t in tests if t.outcome != "skipped"]
     total = len(counted)
     all_ok = total > 0 and passed == total and res.get("rc") == 0
+    note = None
+    if not all_ok and notes:
+        note = "; ".join(notes)
+    elif not all_ok and total == 0:
+        note = f"pytest collected no test (exit {res.get('rc')})"
     return ScoreResult(
         status="ok",
         reward=1.0 if all_ok else 0.0,
         passed=passed,
         total=total,
         tests=tests,
-        output_tail=tail,
+        note=note,
         duration_s=time.monotonic() - t0,
-        interpreter=interp,
-        killed_processes=killed,
+        **common,
     )
+
+
+def _with_notes(msg: str, notes: list[str]) -> str:
+    return "; ".join([msg, *notes])
 
 
 def parse_junit(xml_text: str) -> list[TestOutcome]:

@@ -35,16 +35,25 @@ def test_parse_junit_outcomes() -> None:
 def test_result_rules() -> None:
     ok = scoring._result({"rc": 0, "junit": JUNIT.replace("<failure", "<x").replace("</failure>", "</x>")
                           .replace('<error message="fixture broke"/>', ""), "out": ""}, 0.0, "pristine")
-    assert ok.status == "ok" and ok.reward == 1.0 and (ok.passed, ok.total) == (3, 3)
+    assert ok.status == "ok" and ok.reward == 1.0 and (ok.passed, ok.total) == (3, 3) and ok.note is None
     bad = scoring._result({"rc": 1, "junit": JUNIT, "out": ""}, 0.0, "pristine")
     assert bad.reward == 0.0 and (bad.passed, bad.total) == (1, 3)
     empty = scoring._result({"rc": 5, "junit": "<testsuites><testsuite/></testsuites>", "out": ""}, 0.0, "p")
-    assert empty.reward == 0.0 and empty.total == 0
-    for res in ({"rc": None, "timed_out": True, "junit": None, "out": ""},
-                {"rc": 2, "junit": None, "out": "boom"},
-                {"rc": None, "error": "cannot write the test file: ENOSPC", "out": ""}):
+    assert empty.reward == 0.0 and empty.total == 0 and "no test" in (empty.note or "")
+    # what the state the agent left causes: ok, reward 0, a note; never None
+    for res, says in (({"rc": None, "timed_out": True, "junit": None, "out": ""}, "verifier timeout (7 s)"),
+                      ({"rc": None, "signal": 9, "junit": None, "out": "boom"}, "signal 9"),
+                      ({"rc": 2, "junit": None, "out": "boom"}, "exit 2"),
+                      ({"rc": 1, "junit": "<testsuites><testcase", "out": ""}, "unreadable"),
+                      ({"kind": "agent", "error": "/etc/ld.so.preload is a symlink"}, "symlink")):
+        r = scoring._result(res, 0.0, "pristine", timeout_s=7)
+        assert r.status == "ok" and r.reward == 0.0 and says in (r.note or ""), (res, r)
+    # outside the agent's reach: error, reward None
+    for res in ({"kind": "infra", "error": "the image's pristine interpreter is missing", "stage": "prepare"},
+                {"kind": "infra", "error": "pytest is not installed", "stage": "tests"}):
         r = scoring._result(res, 0.0, "pristine")
         assert r.status == "error" and r.reward is None and r.error
+    assert scoring._result({"kind": "infra", "error": "x", "stage": "prepare"}, 0.0).interpreter == "none"
 
 
 def test_missing_test_file_is_error(tmp_path: Path) -> None:
@@ -55,13 +64,14 @@ def test_missing_test_file_is_error(tmp_path: Path) -> None:
     assert r.status == "error" and r.reward is None and "cannot read" in (r.error or "")
 
 
-def test_verifier_timeout_is_error_not_zero(base_sif: Path, tmp_path: Path) -> None:
+def test_verifier_timeout_is_the_agents_zero(base_sif: Path, tmp_path: Path) -> None:
     need("apptainer")
     t = tmp_path / "test_slow.py"
     t.write_text("import time\ndef test_slow():\n    time.sleep(600)\n")
     with Sandbox(base_sif, run_prefix="t-score", scratch=tmp_path) as sb:
         r = scoring.score(sb, t, timeout_s=2)
-        assert r.status == "error" and r.reward is None and "timeout" in (r.error or "")
+        assert r.status == "ok" and r.reward == 0.0, r
+        assert r.note == "tests exceeded the verifier timeout (2 s)" and r.interpreter == "pristine"
         left = sb.exec(["sh", "-c", "cat /proc/[0-9]*/cmdline | tr '\\0' ' '"]).stdout.decode()
         assert "test_slow" not in left
 

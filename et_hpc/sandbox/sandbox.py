@@ -160,6 +160,7 @@ class Sandbox:
         self.registry: Path | None = None
         self.timings: dict[str, float] = {}
         self._shells: list[Shell] = []
+        self._init: tuple[int, str] | None = None  # (host pid, start time) of the instance's init
         self._stopped = True
         self._prepared = False
 
@@ -192,8 +193,10 @@ class Sandbox:
         with _LIVE_LOCK:
             _LIVE.add(self)
         self._stopped = False
+        self._init = None
         try:
             self._start_instance(options)
+            self.init_process()
         except BaseException:
             self.stop()
             raise
@@ -291,6 +294,52 @@ class Sandbox:
     @property
     def live(self) -> bool:
         return not self._stopped
+
+    def init_process(self) -> tuple[int, str]:
+        """(host pid, start time in ticks) of the instance's init (``appinit``), found once per start.
+
+        Scoring enters the instance through it (``et_hpc.sandbox.enter``); the start time tells a
+        reused pid apart. Raises ``InfraError`` when the instance is not listed.
+        """
+        if self._init is None:
+            if not self.name or self._stopped:
+                raise InfraError("the sandbox is not running")
+            found = [i for i in apptainer.instance_list() if i.name == self.name and i.pid > 0]
+            if not found:
+                raise InfraError(f"instance {self.name} is not running")
+            pid = found[0].pid
+            try:
+                st = Path(f"/proc/{pid}/stat").read_text()
+            except OSError as e:
+                raise InfraError(f"instance {self.name}: init {pid} is gone: {e}") from None
+            self._init = (pid, st[st.rfind(")") + 2:].split()[19])
+        return self._init
+
+    def health(self) -> str:
+        """Where a broken shell or a failed entry came from, decided from the host (no exec inside).
+
+        ``"alive"``: init still runs (whatever broke, broke inside the instance: the agent's doing);
+        ``"gone"``: init has exited while the sandbox was live; an agent can do this from inside
+        (``kill -TERM 1`` ends an instance), so it counts as the agent's doing too;
+        ``"stopped"``: we stopped it (teardown, a signal to the worker); ``"host: ..."``: apptainer
+        or /proc failed on the host (infrastructure).
+        """
+        if self._stopped:
+            return "stopped"
+        if self._init is not None:
+            pid, start = self._init
+            try:
+                st = Path(f"/proc/{pid}/stat").read_text()
+                return "alive" if st[st.rfind(")") + 2:].split()[19] == start else "gone"
+            except FileNotFoundError:
+                return "gone"
+            except OSError as e:
+                return f"host: /proc/{pid}: {e}"
+        try:
+            listed = any(i.name == self.name for i in apptainer.instance_list())
+        except InfraError as e:
+            return f"host: {e}"
+        return "alive" if listed else "gone"
 
     def exec_argv(self, argv: list[str], *, pwd: str | None = None) -> list[str]:
         if not self.name or self._stopped:

@@ -1,0 +1,543 @@
+"""Enter a running instance from the host and run its final tests with nothing the agent wrote.
+
+Contract. ``helper_argv()`` is the argv of a fresh, single-threaded host Python (this file's own
+source run with ``sys.executable -I -S``; stdlib only, every module it needs imported before it
+enters the container). It reads one JSON config on stdin and prints one line ``MARKER{json}``
+on stdout, then exits 0. The JSON has ``kind``:
+
+- ``"ran"``: the tests ran; ``rc``/``signal`` of pytest, ``timed_out``, ``junit`` (text or None),
+  ``out`` (output tail), ``killed``, ``cwd``, ``notes`` (what scoring saw or changed);
+- ``"agent"``: the state the agent left stops the tests (``error`` says how); the agent's failure;
+- ``"infra"``: something outside the agent's reach failed (``error``); no reward.
+
+What it does, in order (no file of the instance's writable layer is executed or loaded as code
+before the pristine interpreter runs the tests):
+
+1. opens ``/proc/PID/{stat,ns/*}`` of the instance's init (PID and start time checked against the
+   ones recorded at start), then ``setns`` into its user namespace first (we own it, so we get
+   every capability inside it), then mnt, pid, net and ipc (only those that differ from ours).
+   The root is then the mount namespace's root: it is checked to be the container's (the same
+   inode as ``/proc/1/root``, and the pristine tree is there). ``sys.path`` is emptied so that
+   nothing is ever imported from the container's files;
+2. ``unshare(CLONE_NEWNS)`` and makes ``/`` rprivate: a private copy of the instance's mounts;
+3. forks: the child is in the instance's pid namespace. With capabilities still held it kills
+   every process but init (``kill(-1, SIGKILL)`` until ``/proc`` shows none, fork bombs included)
+   and marks itself non-dumpable, so nothing the tests start can ptrace or read it;
+4. mounts a fresh 32 MiB tmpfs (mode 0700) on a directory of the pristine read-only tree
+   (``/.et-pristine/tmp``) and writes the test file, an empty pytest config there: scoring needs
+   no writable place of the agent's;
+5. neutralises what the loader and libc read from the writable root: ``/etc/ld.so.preload``
+   (a regular file in a real ``/etc`` gets an empty file bound over it; a symlink, a non-file, or
+   an ``/etc`` that is not a directory is refused as the agent's failure, because binding over it
+   would hide an agent-chosen file from the tests) and ``/etc/nsswitch.conf`` (if it names any
+   module other than glibc's built-in ``files``/``dns``, a files-only copy is bound over it, same
+   rule for symlinks). Locales come from the pristine tree (``LOCPATH``);
+6. starts the pristine loader ``/.et-pristine/.../ld-linux*.so`` with ``--inhibit-cache
+   --library-path <pristine lib dirs>`` on ``/.et-pristine/usr/bin/python3 -I -S -B``, pytest with
+   ``-p no:cacheprovider --noconftest -c <empty ini> --rootdir <tmpfs>``, autoload of plugins off,
+   a clean environment, stdin the host's ``/dev/null``; in the child before ``execve``: scoring
+   rlimits (address space, processes, file size, CPU time, no core), no_new_privs, every
+   capability dropped (bounding, ambient, effective, permitted), cwd ``/home/user`` if usable by
+   the agent's uid, else ``/``. The pristine Python marks itself non-dumpable and kills every
+   other process of the instance before pytest writes its JUnit report (a program a test runs
+   cannot rewrite it);
+7. waits with the verifier timeout, kills what is left, reads the JUnit report from the tmpfs and
+   sends the result to the host process over a pipe only the driver holds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+NAMESPACES = (("user", CLONE_NEWUSER), ("mnt", CLONE_NEWNS), ("pid", CLONE_NEWPID),
+              ("net", CLONE_NEWNET), ("ipc", CLONE_NEWIPC))
+MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 4096, 16384, 1 << 18
+PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT = 4, 24, 38, 47
+PR_CAP_AMBIENT_CLEAR_ALL = 4
+NSS_BUILTIN = {"files", "dns"}  # built into glibc >= 2.34 (no dlopen)
+NSS_SAFE = ("passwd: files\ngroup: files\nshadow: files\ngshadow: files\nhosts: files dns\n"
+            "networks: files\nprotocols: files\nservices: files\nethers: files\nrpc: files\n")
+WORK_DIRS = ("tmp", "mnt", "media", "srv", "opt", "run")  # in the pristine tree, first that exists
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mount.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p)
+
+
+class Refused(Exception):
+    """The state the agent left cannot be scored safely (the agent's failure)."""
+
+
+class Infra(Exception):
+    """A failure outside the agent's reach."""
+
+
+def helper_argv() -> list[str]:
+    """Host argv of the entry helper: this source, run by our own Python in isolated mode."""
+    with open(__file__, encoding="utf-8") as f:
+        src = f.read()
+    return [sys.executable, "-I", "-S", "-B", "-c", src]
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"{what}: {os.strerror(e)}")
+
+
+def _mount(src: str, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+    _check(_libc.mount(src.encode(), target.encode(), fstype.encode() if fstype else None, flags,
+                       data.encode() if data else None), f"mount {target}")
+
+
+def _stat_fields(text: str) -> list[str]:
+    return text[text.rfind(")") + 2:].split()
+
+
+def _others(me: int) -> list[int]:
+    out = []
+    for n in os.listdir("/proc"):
+        if not n.isdigit() or int(n) in (1, me):
+            continue
+        try:
+            with open(f"/proc/{n}/stat") as f:
+                st = f.read()
+        except OSError:
+            continue
+        if _stat_fields(st)[:1] not in (["Z"], ["X"]):
+            out.append(int(n))
+    return out
+
+
+def kill_all(me: int, rounds: int = 500) -> tuple[bool, int]:
+    """SIGKILL every process of this pid namespace but init and ``me``; (none left, how many)."""
+    killed = 0
+    for _ in range(rounds):
+        left = _others(me)
+        if not left:
+            return True, killed
+        killed += len(left)
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except OSError:
+            pass
+        time.sleep(0.01)
+    return not _others(me), killed
+
+
+def _read_small(path: str, limit: int = 65536) -> str | None:
+    """A regular file's text (never blocks on a FIFO), or None if it is absent."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise Refused(f"{path} cannot be read ({e.strerror})") from None
+    try:
+        import stat as _st  # builtin-free: stat is pure Python but already imported by os
+        if not _st.S_ISREG(os.fstat(fd).st_mode):
+            raise Refused(f"{path} is not a regular file")
+        return os.read(fd, limit).decode("utf-8", "replace")
+    finally:
+        os.close(fd)
+
+
+def _bind_over(path: str, content: str, work: str, notes: list[str], why: str) -> None:
+    """Bind a file of ours over ``path`` (a regular file directly in a real /etc only)."""
+    import stat as _st
+    try:
+        st, lst = os.lstat("/etc"), os.lstat(path)
+    except OSError as e:
+        raise Refused(f"{path} {why} and cannot be neutralised ({e.strerror})") from None
+    if not _st.S_ISDIR(st.st_mode):
+        raise Refused(f"/etc is not a directory, so {path} cannot be neutralised")
+    if not _st.S_ISREG(lst.st_mode):
+        raise Refused(f"{path} is a symlink or not a regular file and {why}")
+    repl = os.path.join(work, "repl-" + os.path.basename(path))
+    with open(repl, "w") as f:
+        f.write(content)
+    _mount(repl, path, None, MS_BIND)
+    notes.append(f"{path} {why}: scoring used its own copy")
+
+
+def _nss_module_ok(tok: str, libdirs: list[str]) -> bool:
+    """glibc's built-ins, or a module the pristine library dirs hold (found there first)."""
+    if tok in NSS_BUILTIN:
+        return True
+    if "/" in tok or tok.startswith("."):
+        return False
+    return any(os.path.isfile(f"{d}/libnss_{tok}.so.2") for d in libdirs)
+
+
+def neutralise(work: str, notes: list[str], libdirs: list[str], pristine: str) -> None:
+    """Step 5 of the module doc."""
+    pre = "/etc/ld.so.preload"
+    try:
+        exists = os.path.lexists(pre)
+        text = _read_small(pre) if exists else None
+    except Refused:
+        raise Refused(f"{pre} exists but is not a readable regular file") from None
+    if exists and (text is None or text.strip() or os.path.islink(pre)):
+        _bind_over(pre, "", work, notes, "preloads libraries")
+    nss = "/etc/nsswitch.conf"
+    try:
+        text = _read_small(nss) if os.path.lexists(nss) else None
+    except Refused:
+        text, bad = None, True
+    else:
+        bad = False
+    if text is not None:
+        for line in text.splitlines():
+            line = line.split("#", 1)[0]
+            if ":" not in line:
+                continue
+            for tok in line.split(":", 1)[1].split():
+                if tok.startswith("[") or tok.endswith("]") or "=" in tok:
+                    continue
+                if not _nss_module_ok(tok, libdirs):
+                    bad = True
+    elif os.path.lexists(nss):
+        bad = True
+    if bad:
+        quiet: list[str] = []
+        _bind_over(nss, NSS_SAFE, work, quiet, "names NSS modules outside the pristine image")
+        try:
+            same = text is not None and text == _read_small(pristine + nss)
+        except Refused:
+            same = False
+        if not same:  # the image's own file (Debian's names db and nis) is not worth a note
+            notes.extend(quiet)
+
+
+def _usable_dir(path: str) -> str | None:
+    """Why ``path`` is not a directory the agent's uid can enter and list, or None if it is."""
+    try:
+        import stat as _st
+        st = os.stat(path)
+    except OSError as e:
+        return f"{path} is unusable ({e.strerror})"
+    if not _st.S_ISDIR(st.st_mode):
+        return f"{path} is not a directory"
+    if not os.access(path, os.X_OK | os.R_OK):  # real uid, no capabilities
+        return f"{path} is not accessible (mode {oct(st.st_mode & 0o7777)})"
+    return None
+
+
+class _Caps(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                ("inheritable", ctypes.c_uint32)]
+
+
+class _CapHdr(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+def drop_privileges() -> None:
+    """Every capability gone (bounding, ambient, effective, permitted, inheritable), no_new_privs."""
+    _libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    for cap in range(64):
+        _libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)
+    hdr = _CapHdr(0x20080522, 0)
+    data = (_Caps * 2)()
+    _check(_libc.capset(ctypes.byref(hdr), data), "capset")
+    _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+
+
+def _limits(cfg: dict) -> None:
+    import resource as _r
+    lim = cfg.get("limits") or {}
+    for name, res, scale in (("vmem_mb", _r.RLIMIT_AS, 1 << 20), ("nproc", _r.RLIMIT_NPROC, 1),
+                             ("fsize_mb", _r.RLIMIT_FSIZE, 1 << 20), ("cpu_s", _r.RLIMIT_CPU, 1)):
+        v = lim.get(name)
+        if v:
+            _r.setrlimit(res, (int(v) * scale, int(v) * scale))
+    _r.setrlimit(_r.RLIMIT_CORE, (0, 0))
+
+
+# Run by the pristine python: its own site dirs only, non-dumpable, a fence before the report.
+BOOT = r'''
+import os, sys, site
+for d in %(sitedirs)r:
+    if os.path.isdir(d) and not os.path.islink(d):
+        site.addsitedir(d)
+try:
+    import ctypes
+    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)
+except Exception:
+    pass
+try:
+    import pytest
+except ImportError as e:
+    sys.stderr.write("ET-NO-PYTEST: %%s\n" %% e)
+    sys.exit(97)
+
+def _fence():
+    keep = (1, os.getpid(), os.getppid())
+    for _ in range(200):
+        left = []
+        for n in os.listdir("/proc"):
+            if n.isdigit() and int(n) not in keep:
+                try:
+                    os.kill(int(n), 9)
+                    left.append(n)
+                except OSError:
+                    pass
+        if not left:
+            return
+
+class _Fence:
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_sessionfinish(self, session, exitstatus):
+        _fence()  # nothing a test started can touch the report written after this
+
+sys.exit(pytest.main(plugins=[_Fence()]))
+'''
+
+
+def _sitedirs(pristine: str, ver: str) -> list[str]:
+    pre = pristine + "/usr"
+    return [pre + "/local/lib/" + ver + "/dist-packages", pre + "/lib/python3/dist-packages",
+            pre + "/lib/" + ver + "/dist-packages", pre + "/local/lib/" + ver + "/site-packages",
+            pre + "/lib/" + ver + "/site-packages"]
+
+
+def _python_version(pristine: str) -> str | None:
+    try:
+        names = sorted(n for n in os.listdir(pristine + "/usr/lib") if n.startswith("python3.")
+                       and os.path.isfile(f"{pristine}/usr/lib/{n}/os.py"))
+    except OSError:
+        return None
+    return names[-1] if names else None
+
+
+def _run_pytest(cfg: dict, send, devnull: int) -> dict:
+    """Steps 3-7, in the instance's pid namespace with capabilities."""
+    me = os.getpid()
+    _libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+    ok, killed = kill_all(me)
+    if not ok:
+        raise Infra("processes left in the instance could not be killed")
+    pristine = cfg["pristine"]
+    loader, python = cfg["loader"], pristine + "/usr/bin/python3"
+    for p in (loader, python):
+        if not os.path.isfile(p):
+            raise Infra(f"the image's pristine interpreter is missing: no {p}")
+    ver = _python_version(pristine)
+    if ver is None:
+        raise Infra(f"the image's pristine tree has no python3 standard library under {pristine}/usr/lib")
+    work = None
+    for d in WORK_DIRS:
+        cand = f"{pristine}/{d}"
+        if os.path.isdir(cand) and not os.path.islink(cand):
+            work = cand
+            break
+    if work is None:
+        raise Infra(f"no directory to mount the scoring tmpfs on in {pristine}")
+    _mount("et-score", work, "tmpfs", MS_NOSUID | MS_NODEV, "size=32m,mode=0700")
+    path = os.path.join(work, cfg["name"])
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(cfg["source"])
+    ini = os.path.join(work, "pytest.ini")
+    with open(ini, "w") as f:
+        f.write("[pytest]\n")
+    junit = os.path.join(work, "junit.xml")
+    notes: list[str] = []
+    neutralise(work, notes, cfg["libdirs"], pristine)
+    home = cfg["home"]
+    why = _usable_dir(home)
+    cwd = home if why is None else "/"
+    if why:
+        notes.append(f"{why}: the tests ran from /")
+    libdirs = ":".join(cfg["libdirs"])
+    argv = [loader, "--inhibit-cache", "--library-path", libdirs, python, "-I", "-S", "-B", "-c",
+            BOOT % {"sitedirs": _sitedirs(pristine, ver)},
+            "-p", "no:cacheprovider", "--rootdir", work, "-c", ini, "--noconftest",
+            "--junitxml", junit, "-q", path]
+    env = {"PATH": cfg["path"], "HOME": home, "LANG": "C.UTF-8", "LOCPATH": pristine + "/usr/lib/locale",
+           "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+
+    def child() -> None:
+        _limits(cfg)
+        drop_privileges()
+        os.umask(0o022)
+        try:
+            os.chdir(cwd)
+        except OSError:
+            os.chdir("/")
+
+    try:
+        p = subprocess.Popen(argv, env=env, stdin=devnull, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             close_fds=True, start_new_session=True, preexec_fn=child, cwd="/")
+    except OSError as e:
+        raise Infra(f"the pristine interpreter could not be started: {e}") from None
+    send({"stage": "pytest_started"})
+    tail, limit = b"", int(cfg["tail"])
+    deadline = time.monotonic() + float(cfg["timeout"])
+    timed_out = False
+    fd = p.stdout.fileno()
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            timed_out = True
+            break
+        r, _, _ = select.select([fd], [], [], min(left, 1.0))
+        if r:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            tail = (tail + chunk)[-limit:]
+    if timed_out:
+        kill_all(me)
+    rc = p.wait()
+    # Output written after EOF was seen is not waited for; a last sweep for what the tests started.
+    _, more = kill_all(me)
+    killed_after = more
+    report = None
+    try:
+        with open(junit, encoding="utf-8", errors="replace") as f:
+            report = f.read(8 << 20)
+    except OSError:
+        pass
+    out = tail.decode("utf-8", "replace")
+    if rc == 97 and "ET-NO-PYTEST" in out:
+        raise Infra("pytest is not installed in the image's pristine python: " + out.strip()[-300:], "tests")
+    if rc == 127 and report is None and "error while loading shared libraries" in out:
+        raise Infra("the pristine interpreter could not start: " + out.strip()[-300:])
+    return {"kind": "ran", "rc": rc if rc >= 0 else None, "signal": -rc if rc < 0 else None,
+            "timed_out": timed_out, "junit": report, "out": out, "killed": killed,
+            "killed_after": killed_after, "cwd": cwd, "notes": notes}
+
+
+def _enter(cfg: dict) -> None:
+    """Steps 1-2 of the module doc (raises Infra when the instance cannot be entered)."""
+    pid = int(cfg["pid"])
+    try:
+        dfd = os.open(f"/proc/{pid}", os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as e:
+        raise Infra(f"instance init {pid} is gone ({e.strerror})") from None
+    try:
+        with open(f"stat", opener=lambda p, fl: os.open(p, fl, dir_fd=dfd)) as f:
+            fields = _stat_fields(f.read())
+        if cfg.get("starttime") and fields[19] != str(cfg["starttime"]):
+            raise Infra(f"instance init {pid} is gone (the pid now belongs to another process)")
+        fds = []
+        for name, flag in NAMESPACES:
+            fd = os.open(f"ns/{name}", os.O_RDONLY, dir_fd=dfd)
+            if os.fstat(fd).st_ino == os.stat(f"/proc/self/ns/{name}").st_ino:
+                os.close(fd)
+                if name == "user":
+                    raise Infra("the instance shares our user namespace; refusing to enter it")
+                continue
+            fds.append((name, flag, fd))
+    except FileNotFoundError as e:
+        raise Infra(f"instance init {pid} is gone ({e.strerror})") from None
+    finally:
+        os.close(dfd)
+    for name, flag, fd in fds:
+        _check(_libc.setns(fd, flag), f"setns({name})")
+        os.close(fd)
+    os.chdir("/")
+    sys.path[:] = []  # from here on nothing may be imported: these paths are the container's
+    sys.path_importer_cache.clear()
+    try:
+        root, init_root = os.stat("/"), os.stat("/proc/1/root/")
+    except OSError as e:
+        raise Infra(f"cannot check the container's root: {e}") from None
+    if (root.st_dev, root.st_ino) != (init_root.st_dev, init_root.st_ino):
+        raise Infra("after entering, / is not the instance's root")
+    if not os.path.isdir(cfg["pristine"]):
+        raise Infra(f"the image's pristine copy is not mounted at {cfg['pristine']}")
+    _check(_libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+    _mount("none", "/", None, MS_REC | MS_PRIVATE)
+
+
+def main() -> None:
+    import resource  # noqa: F401 - needed after entering, when nothing can be imported
+    import stat  # noqa: F401
+    raw = sys.stdin.buffer.read()
+    cfg = json.loads(raw)
+    marker = cfg["marker"]
+
+    def emit(d: dict) -> None:
+        os.write(1, ("\n" + marker + json.dumps(d) + "\n").encode())
+        os._exit(0)
+
+    devnull = os.open("/dev/null", os.O_RDWR)  # the host's, opened before entering
+    try:
+        _enter(cfg)
+    except Infra as e:
+        emit({"kind": "infra", "error": str(e), "stage": "enter"})
+    except OSError as e:
+        emit({"kind": "infra", "error": f"could not enter the instance: {e}", "stage": "enter"})
+    r, w = os.pipe()
+    cpid = os.fork()
+    if cpid == 0:
+        os.close(r)
+
+        def send(d: dict) -> None:
+            data = (json.dumps(d) + "\n").encode()
+            while data:
+                data = data[os.write(w, data):]
+
+        try:
+            send(_run_pytest(cfg, send, devnull))
+        except Refused as e:
+            send({"kind": "agent", "error": str(e)})
+        except Infra as e:
+            send({"kind": "infra", "error": str(e.args[0]),
+                  "stage": e.args[1] if len(e.args) > 1 else "prepare"})
+        except BaseException as e:  # noqa: BLE001 - our bug: reported, never a reward
+            send({"kind": "infra", "error": f"scoring driver failed: {type(e).__name__}: {e}"})
+        os._exit(0)
+    os.close(w)
+    buf = b""
+    deadline = time.monotonic() + float(cfg["timeout"]) + 60
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            os.kill(cpid, signal.SIGKILL)
+            os.waitpid(cpid, 0)
+            emit({"kind": "infra", "error": "the scoring driver did not finish"})
+        rr, _, _ = select.select([r], [], [], min(left, 1.0))
+        if rr:
+            chunk = os.read(r, 1 << 20)
+            if not chunk:
+                break
+            buf += chunk
+    _, status = os.waitpid(cpid, 0)
+    msgs = []
+    for line in buf.decode("utf-8", "replace").splitlines():
+        try:
+            msgs.append(json.loads(line))
+        except ValueError:
+            pass
+    final = [m for m in msgs if "kind" in m]
+    if final:
+        emit(final[-1])
+    how = (f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status)
+           else f"exit {os.WEXITSTATUS(status)}")
+    if any(m.get("stage") == "pytest_started" for m in msgs):
+        # only a process started by the tests (agent code they ran) can have killed it
+        emit({"kind": "agent", "stage": "tests",
+              "error": f"the scoring driver was killed while the tests ran ({how})"})
+    emit({"kind": "infra", "error": f"the scoring driver died before the tests ran ({how})"})
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except BaseException as e:  # noqa: BLE001
+        sys.stdout.write("\nET-ENTER-FAILED " + f"{type(e).__name__}: {e}" + "\n")
+        sys.exit(3)
