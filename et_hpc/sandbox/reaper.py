@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import socket
 from pathlib import Path
@@ -19,6 +18,7 @@ from pydantic import BaseModel, Field
 
 from et_hpc.errors import InfraError
 from et_hpc.sandbox import apptainer
+from et_hpc.sandbox.procfs import pid_alive
 from et_hpc.sandbox.sandbox import scratch_paths
 
 log = logging.getLogger(__name__)
@@ -33,23 +33,6 @@ class ReapReport(BaseModel):
     kept: list[str] = Field(default_factory=list)  # sandboxes whose owner is alive
     errors: list[str] = Field(default_factory=list)
     dry_run: bool = False
-
-
-def pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-        return data[data.rfind(b")") + 2:][:1] not in (b"Z", b"X")
-    except OSError:
-        return True
 
 
 def _short_host() -> str:

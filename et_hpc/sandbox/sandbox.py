@@ -42,6 +42,7 @@ DEFAULT_OVERLAY_MB = 512
 # Shell limits: contain fork bombs and memory hogs without cgroups (rootless, no systemd here).
 DEFAULT_NPROC = 512
 DEFAULT_VMEM_MB = 8192
+DEFAULT_FSIZE_MB = 4096  # ulimit -f: largest file a command may write (a 100 GB sparse file is refused)
 _LIVE: set[Sandbox] = set()
 _LIVE_LOCK = threading.Lock()
 _HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
@@ -124,7 +125,8 @@ class Sandbox:
     ``sessiondir max size``, 64 MiB by default). ``network_none`` (default True) gives the
     instance only a loopback interface; when the host refuses, the sandbox starts with the host
     network and ``network_isolated`` is False (a warning is logged).
-    ``nproc``/``vmem_mb`` are ``ulimit -u``/``ulimit -v`` set in every shell of the sandbox.
+    ``nproc``/``vmem_mb``/``fsize_mb`` are ``ulimit -u``/``-v``/``-f`` set in every shell of the
+    sandbox (and applied to scoring by et_hpc.scoring); core dumps are off (``ulimit -c 0``).
     """
 
     def __init__(
@@ -138,6 +140,7 @@ class Sandbox:
         scratch: Path | None = None,
         nproc: int | None = DEFAULT_NPROC,
         vmem_mb: int | None = DEFAULT_VMEM_MB,
+        fsize_mb: int | None = DEFAULT_FSIZE_MB,
         prepare_home: bool = True,
         pristine: bool = True,
         home: str = HOME,
@@ -151,6 +154,7 @@ class Sandbox:
         self.scratch = scratch
         self.nproc = nproc
         self.vmem_mb = vmem_mb
+        self.fsize_mb = fsize_mb
         self.prepare_home = prepare_home
         self.pristine = pristine
         self.pristine_bound = False
@@ -382,6 +386,10 @@ class Sandbox:
         if self.vmem_mb:
             kb = int(self.vmem_mb) * 1024
             lines.append(f"ulimit -S -v {kb} 2>/dev/null; ulimit -H -v {kb} 2>/dev/null")
+        if self.fsize_mb:
+            kb = int(self.fsize_mb) * 1024  # bash counts -f in 1024-byte blocks
+            lines.append(f"ulimit -S -f {kb} 2>/dev/null; ulimit -H -f {kb} 2>/dev/null")
+        lines.append("ulimit -S -c 0 2>/dev/null; ulimit -H -c 0 2>/dev/null")
         return "\n".join(lines)
 
     def shell(self, **kw: Any) -> Shell:

@@ -28,6 +28,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from et_hpc.sandbox.procfs import ns_ids as _ns_ids
+from et_hpc.sandbox.procfs import session_members as _session_members
+from et_hpc.sandbox.procfs import stat as _stat
+
 log = logging.getLogger(__name__)
 
 _READ_SIZE = 1 << 16
@@ -157,50 +161,7 @@ def _decode(b: bytes) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# /proc helpers: find and kill the process groups of a timed-out command from the host side.
-
-def _stat(pid: int) -> tuple[int, int, int] | None:
-    """(ppid, pgid, session) of a live host pid, or None if it is gone or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return None
-    fields = data[data.rfind(b")") + 2:].split()
-    if fields[:1] in ([b"Z"], [b"X"]):
-        return None
-    try:
-        return int(fields[1]), int(fields[2]), int(fields[3])
-    except (IndexError, ValueError):
-        return None
-
-
-def _ns_ids(pid: int) -> tuple[int | None, int | None]:
-    """(pid, pgid) of a host pid as seen in its innermost PID namespace."""
-    ns_pid = ns_pgid = None
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("NSpid:"):
-                    ns_pid = int(line.split()[-1])
-                elif line.startswith("NSpgid:"):
-                    ns_pgid = int(line.split()[-1])
-    except (OSError, ValueError):
-        pass
-    return ns_pid, ns_pgid
-
-
-def _session_members(sid: int) -> list[tuple[int, int]]:
-    """(pid, pgid) of every live process in session ``sid``."""
-    out = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        st = _stat(int(name))
-        if st and st[2] == sid:
-            out.append((int(name), st[1]))
-    return out
-
+# Killing the process groups of a timed-out command from the host side (parsing: procfs).
 
 def kill_session(sid: int, rounds: int = 10) -> None:
     """SIGKILL every process group in session ``sid`` (host view) until none is left."""
@@ -260,6 +221,17 @@ class Shell:
         self.ns_pid: int | None = None  # the shell's pid inside its PID namespace
         self.host_pid: int | None = None  # the shell's pid on the host
         self.restarts = 0
+        self._notes: list[str] = []  # added from other threads (the watchdog), shown with the next result
+
+    def add_note(self, note: str) -> None:
+        """Attach ``note`` to the result of the running (or next) command, e.g. a watchdog kill."""
+        with self._cv:
+            self._notes.append(note)
+
+    def _take_notes(self) -> list[str]:
+        with self._cv:
+            notes, self._notes = self._notes, []
+        return notes
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -459,6 +431,7 @@ class Shell:
     ) -> CommandResult:
         """The shell is dead or wedged: start a new one and say so in the command's result."""
         out, trunc = cap.output()
+        notes = notes + self._take_notes()
         self._terminate()
         self.restarts += 1
         try:
@@ -480,6 +453,7 @@ class Shell:
         out, trunc = cap.output()
         info = cap.found[1].decode("utf-8", "replace") if cap.found else ""
         code, self._protected = _parse_info(info)
+        notes = notes + self._take_notes()
         if timed_out:
             code = None
         return CommandResult(

@@ -1,0 +1,415 @@
+"""A per-episode memory and process watchdog that works without cgroups.
+
+``Watchdog(sandbox, memory_mb=..., max_pids=...)`` is a context manager running one thread that,
+every ``interval_s`` (default 0.25 s):
+
+1. finds the instance's processes: host pids whose ``/proc/X/ns/pid`` is the PID namespace of the
+   instance's init (``sandbox.init_pid`` when set, else ``instance_init_pid(name)`` from
+   ``apptainer instance list --json NAME``), init itself excluded;
+2. sums their memory: PSS from ``/proc/X/smaps_rollup`` (RSS from ``statm`` where that is not
+   readable) and adds the RAM held by the instance's own tmpfs mounts, which no process's RSS
+   shows: with ``--containall`` apptainer gives the instance an unlimited tmpfs on ``/dev/shm``
+   (half the node's RAM) and a session tmpfs for ``/tmp``, ``/var/tmp`` and ``/dev``
+   (``sessiondir max size``, 64 MiB). The root is a FUSE mount the host cannot traverse, so a
+   small helper process (host Python, started once per watchdog) enters the instance's user and
+   mount namespaces and answers ``statvfs`` queries over a pipe;
+3. at ``memory_mb`` (processes + tmpfs) or ``max_pids`` processes it SIGKILLs the instance's
+   processes from the host (through pidfds, checked to be in the namespace): first all but init
+   and the ``protect()``-ed pids (the agent's persistent shell, so the command that blew up returns
+   "killed" and the shell lives); when that is not enough, ``/dev/shm`` is emptied (the agent's
+   files there are gone) and then the protected pids are killed too. Each trip appends one line to
+   ``events`` (e.g. ``memory ceiling 2048 MB reached (2101 MB) during the agent's commands:
+   killed 37 processes``); ``on_event(note)`` is called just before the kill with a short
+   bracketed note (``Shell.add_note`` puts it in the killed command's result).
+
+A trip is the agent's doing: callers record the episode normally (status ok) with the event.
+The watchdog never raises into its caller: a failing poll is logged and retried; a helper that
+cannot enter the namespaces (a site that forbids it) leaves tmpfs unmeasured (``tmpfs_ok`` False).
+``phase`` names what runs now ("the agent's commands", "the final tests") for the event text.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from et_hpc.errors import InfraError
+from et_hpc.sandbox import apptainer, procfs
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MEMORY_MB = 4096
+DEFAULT_MAX_PIDS = 512
+DEFAULT_INTERVAL_S = 0.25
+PHASE_AGENT = "the agent's commands"
+PHASE_SCORING = "the final tests"
+_KILL_ROUNDS = 200
+
+
+def instance_init_pid(name: str) -> int:
+    """Host pid of the init process of this user's running instance ``name``."""
+    cp = apptainer.run(["instance", "list", "--json", name], timeout=60)
+    try:
+        data = json.loads(cp.stdout or b"{}")
+    except json.JSONDecodeError as e:
+        raise InfraError(f"apptainer instance list --json printed something that is not JSON: {e}") from e
+    for inst in data.get("instances") or []:
+        if inst.get("instance") == name and inst.get("pid"):
+            return int(inst["pid"])
+    raise InfraError(f"instance {name} is not running")
+
+
+# Runs as a separate host process: enters the instance's user and mount namespaces, then answers
+# one JSON line per request line: "s" -> {"used": {mountpoint: bytes}}, "e PATH" -> {"freed": bytes}.
+_HELPER = r'''
+import ctypes, json, os, shutil, sys
+pid = int(sys.argv[1])
+def tmpfs(path):
+    out = {}
+    with open(path) as f:
+        for line in f:
+            a, _, b = line.partition(" - ")
+            fs = b.split()
+            if fs and fs[0] == "tmpfs":
+                p = a.split()
+                mp = p[4].encode().decode("unicode_escape")
+                out.setdefault(p[2], mp)
+    return out
+mine = tmpfs("/proc/%d/mountinfo" % pid)
+host = tmpfs("/proc/self/mountinfo")
+mounts = sorted(mp for dev, mp in mine.items() if dev not in host)
+libc = ctypes.CDLL(None, use_errno=True)
+fds = [os.open("/proc/%d/ns/%s" % (pid, n), os.O_RDONLY) for n in ("user", "mnt")]
+for fd, flag in zip(fds, (0x10000000, 0x00020000)):
+    if libc.setns(fd, flag) != 0:
+        sys.stdout.write(json.dumps({"error": "setns: " + os.strerror(ctypes.get_errno())}) + "\n")
+        sys.exit(0)
+    os.close(fd)
+sys.stdout.write(json.dumps({"mounts": mounts}) + "\n")
+sys.stdout.flush()
+def used(mp):
+    st = os.statvfs(mp)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+for line in sys.stdin:
+    cmd = line.strip()
+    res = {}
+    try:
+        if cmd == "s":
+            res["used"] = {mp: used(mp) for mp in mounts}
+        elif cmd.startswith("e ") and cmd[2:] in mounts:
+            mp = cmd[2:]
+            before = used(mp)
+            for n in os.listdir(mp):
+                p = os.path.join(mp, n)
+                if os.path.isdir(p) and not os.path.islink(p):
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    try:
+                        os.unlink(p)
+                    except OSError:
+                        pass
+            res["freed"] = before - used(mp)
+        else:
+            res["error"] = "bad request"
+    except OSError as e:
+        res["error"] = str(e)
+    sys.stdout.write(json.dumps(res) + "\n")
+    sys.stdout.flush()
+'''
+
+
+class _TmpfsProbe:
+    """The helper process that measures (and can empty) the instance's tmpfs mounts."""
+
+    def __init__(self, init_pid: int) -> None:
+        self.mounts: list[str] = []
+        self.error: str | None = None
+        self._proc: subprocess.Popen[str] | None = None
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _HELPER, str(init_pid)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                text=True, close_fds=True, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+            )
+            first = self._ask(None)
+        except OSError as e:
+            first = {"error": str(e)}
+        if "error" in first:
+            self.error = str(first["error"])
+            self.close()
+        else:
+            self.mounts = list(first.get("mounts") or [])
+
+    def _ask(self, line: str | None) -> dict[str, Any]:
+        proc = self._proc
+        if proc is None or proc.stdin is None or proc.stdout is None:
+            return {"error": "no helper"}
+        try:
+            if line is not None:
+                proc.stdin.write(line + "\n")
+                proc.stdin.flush()
+            reply = proc.stdout.readline()
+        except (OSError, ValueError) as e:
+            return {"error": str(e)}
+        if not reply:
+            return {"error": "the helper exited"}
+        try:
+            return json.loads(reply)
+        except json.JSONDecodeError:
+            return {"error": f"bad reply {reply[:100]!r}"}
+
+    @property
+    def ok(self) -> bool:
+        return self._proc is not None
+
+    def used(self) -> dict[str, int]:
+        if not self.mounts:
+            return {}
+        res = self._ask("s")
+        if "error" in res:
+            self.error = str(res["error"])
+            return {}
+        return {k: int(v) for k, v in (res.get("used") or {}).items()}
+
+    def empty(self, mountpoint: str) -> int:
+        if mountpoint not in self.mounts:
+            return 0
+        return int(self._ask(f"e {mountpoint}").get("freed") or 0)
+
+    def close(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        try:
+            if proc.stdin:
+                proc.stdin.close()
+            proc.wait(timeout=2)
+        except (OSError, subprocess.TimeoutExpired):
+            proc.kill()
+            proc.wait()
+        if proc.stdout:
+            proc.stdout.close()
+
+
+@dataclass
+class Sample:
+    """One poll: the instance's processes, their memory and its tmpfs usage."""
+
+    pids: list[int]
+    proc_kb: int
+    tmpfs: dict[str, int] = field(default_factory=dict)  # mountpoint -> bytes used
+
+    @property
+    def tmpfs_kb(self) -> int:
+        return sum(self.tmpfs.values()) // 1024
+
+    @property
+    def total_kb(self) -> int:
+        return self.proc_kb + self.tmpfs_kb
+
+
+class Watchdog:
+    """See the module docstring. ``memory_mb``/``max_pids`` of None switch that check off."""
+
+    def __init__(
+        self,
+        sandbox: Any = None,
+        *,
+        init_pid: int | None = None,
+        memory_mb: int | None = DEFAULT_MEMORY_MB,
+        max_pids: int | None = DEFAULT_MAX_PIDS,
+        interval_s: float = DEFAULT_INTERVAL_S,
+        protect: Callable[[], set[int]] | None = None,
+        on_event: Callable[[str], None] | None = None,
+        measure_tmpfs: bool = True,
+    ) -> None:
+        self.sandbox = sandbox
+        self._init_pid = init_pid
+        self.memory_mb = memory_mb
+        self.max_pids = max_pids
+        self.interval_s = max(0.05, float(interval_s))
+        self.protect = protect or (lambda: set())
+        self.on_event = on_event
+        self.measure_tmpfs = measure_tmpfs
+        self.phase = PHASE_AGENT
+        self.events: list[str] = []
+        self.trips = 0
+        self.trips_by_phase: dict[str, int] = {}
+        self.killed = 0
+        self.peak_kb = 0
+        self.peak_pids = 0
+        self.peak_tmpfs_kb = 0
+        self.polls = 0
+        self.poll_s = 0.0  # thread CPU time spent polling
+        self.tmpfs_ok = False
+        self.ns: str | None = None
+        self.init_pid: int | None = None
+        self._probe: _TmpfsProbe | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> Watchdog:
+        """Find the instance's init and namespace and start polling (raises InfraError if the
+        instance is not running)."""
+        pid = self._init_pid or getattr(self.sandbox, "init_pid", None)
+        if not pid and hasattr(self.sandbox, "init_process"):
+            pid = self.sandbox.init_process()[0]  # (host pid, start time), found once per start
+        if not pid:
+            name = getattr(self.sandbox, "name", None)
+            if not name:
+                raise InfraError("the watchdog needs a running sandbox or an init pid")
+            pid = instance_init_pid(name)
+        ns = procfs.pid_ns(pid)
+        if ns is None:
+            raise InfraError(f"cannot read the PID namespace of instance init {pid}")
+        self.init_pid, self.ns = int(pid), ns
+        if self.measure_tmpfs and self.memory_mb:
+            self._probe = _TmpfsProbe(self.init_pid)
+            self.tmpfs_ok = self._probe.ok
+            if not self._probe.ok:
+                log.warning("watchdog: cannot measure the instance's tmpfs (%s); /dev/shm is not limited",
+                            self._probe.error)
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="et-watchdog", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+        if self._probe is not None:
+            self._probe.close()
+            self._probe = None
+
+    def __enter__(self) -> Watchdog:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- polling ---------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            t = time.thread_time()
+            try:
+                self.check()
+            except Exception:  # noqa: BLE001 - the watchdog must keep watching
+                log.warning("watchdog poll failed", exc_info=True)
+            self.poll_s += time.thread_time() - t
+            self._stop.wait(self.interval_s)
+
+    def sample(self) -> Sample:
+        assert self.ns is not None and self.init_pid is not None
+        pids = procfs.ns_members(self.ns, {self.init_pid})
+        kb = sum(procfs.memory_kb(p) for p in pids)
+        tmp = self._probe.used() if self._probe is not None else {}
+        return Sample(pids, kb, tmp)
+
+    def check(self) -> str | None:
+        """One poll; returns the event line when it tripped."""
+        with self._lock:
+            s = self.sample()
+            self.polls += 1
+            self.peak_kb = max(self.peak_kb, s.total_kb)
+            self.peak_pids = max(self.peak_pids, len(s.pids))
+            self.peak_tmpfs_kb = max(self.peak_tmpfs_kb, s.tmpfs_kb)
+            if self.max_pids and len(s.pids) >= self.max_pids:
+                return self._trip(f"process limit {self.max_pids} reached ({len(s.pids)} processes)", s)
+            if self.memory_mb and s.total_kb > self.memory_mb * 1024:
+                what = f"{s.total_kb // 1024} MB"
+                if s.tmpfs_kb >= 1024:
+                    what += f": processes {s.proc_kb // 1024} MB, tmpfs {s.tmpfs_kb // 1024} MB"
+                return self._trip(f"memory ceiling {self.memory_mb} MB reached ({what})", s)
+            return None
+
+    def _over(self, s: Sample) -> bool:
+        return bool(self.memory_mb and s.total_kb > self.memory_mb * 1024)
+
+    def _trip(self, reason: str, s: Sample) -> str:
+        assert self.ns is not None and self.init_pid is not None
+        if self.on_event is not None:
+            try:  # before killing, so the command that dies gets the note with its result
+                self.on_event(f"[{reason}: the sandbox's processes were killed]")
+            except Exception:  # noqa: BLE001
+                log.debug("watchdog on_event failed", exc_info=True)
+        keep = {p for p in self.protect() if p}
+        killed = self.kill_all(keep)
+        notes: list[str] = []
+        s = self.sample()
+        if self._over(s) and self._probe is not None:
+            for mp, used in sorted(s.tmpfs.items(), key=lambda kv: -kv[1]):
+                if mp == "/dev/shm" and used >= 1 << 20:
+                    freed = self._probe.empty(mp)
+                    notes.append(f"emptied {mp} ({freed // 2**20} MB; the agent's files there are gone)")
+            s = self.sample()
+        if keep and (self._over(s) or (self.max_pids and len(s.pids) >= self.max_pids)):
+            killed += self.kill_all(set())
+            notes.append("the shell was killed too")
+        line = f"{reason} during {self.phase}: killed {killed} processes"
+        if notes:
+            line += "; " + "; ".join(notes)
+        self.trips += 1
+        self.trips_by_phase[self.phase] = self.trips_by_phase.get(self.phase, 0) + 1
+        self.killed += killed
+        self.events.append(line)
+        log.info("watchdog %s: %s", getattr(self.sandbox, "name", self.init_pid), line)
+        return line
+
+    def kill_all(self, keep: set[int]) -> int:
+        """SIGKILL every process of the instance but init and ``keep``, and whatever they fork
+        meanwhile (a fork bomb refills between rounds), until none of them is left. Processes a
+        kept shell starts after this began are not touched. Returns how many were killed."""
+        assert self.ns is not None and self.init_pid is not None
+        spare = {self.init_pid} | keep
+        doomed = set(procfs.ns_members(self.ns, spare))
+        hit: set[int] = set()
+        for _ in range(_KILL_ROUNDS):
+            victims = []
+            for pid in procfs.ns_members(self.ns, spare):
+                st = procfs.stat(pid)
+                if pid in doomed or (st is not None and st[0] in doomed | {self.init_pid}):
+                    victims.append(pid)
+            if not victims:
+                break
+            doomed.update(victims)
+            for pid in victims:
+                if _kill(pid, self.ns):
+                    hit.add(pid)
+            time.sleep(0.005)
+        return len(hit)
+
+    def tripped_in(self, phase: str) -> bool:
+        return self.trips_by_phase.get(phase, 0) > 0
+
+
+def _kill(pid: int, ns: str) -> bool:
+    """SIGKILL ``pid`` if it is (still) in PID namespace ``ns``; through a pidfd, so a pid reused
+    between the check and the signal is never hit."""
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:
+        return False
+    try:
+        if procfs.pid_ns(pid) != ns:
+            return False
+        signal.pidfd_send_signal(fd, signal.SIGKILL)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
