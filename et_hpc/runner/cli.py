@@ -14,7 +14,7 @@ from et_hpc.errors import UserError
 from et_hpc.paths import store_dir
 from et_hpc.runner import watch
 from et_hpc.runner.config import RunConfig, load_config, parse_set
-from et_hpc.runner.plan import OK, Plan, make_plan, open_store, read_run_json
+from et_hpc.runner.plan import NO_IMAGE, OK, Plan, make_plan, open_store, read_run_json
 from et_hpc.store import RunStore
 from et_hpc.util import format_table
 
@@ -25,6 +25,10 @@ on this machine or as Slurm array jobs. Task images must be built first ('et-hpc
 Each finished episode is written to the run's store (<store>/<run name>/part-*.parquet) as soon
 as it ends, so an interrupted run loses only the episodes that were running. Rerunning the same
 command resumes: units already ok (and units with an error, unless --retry-errors) are skipped.
+Tasks whose image build failed do not stop the run: the others run, the broken ones are listed
+with their one-line reasons and recorded as status no_image (rerun once they build: they are
+planned again without --retry-errors). Images never built, or none at all, refuse the run;
+--strict refuses on any missing or failed image.
 With --executor slurm the units go in chunks of slurm.units_per_task to array tasks that run
 slurm.array_parallelism at a time; the command waits for them (or returns with --detach) and
 reports array tasks that were cancelled or failed; rerun it to do what they left undone.
@@ -34,9 +38,9 @@ large ones (skip with --no-compact; 'et-hpc store compact RUN_DIR' does it later
 Settings come from a YAML run config, then --set KEY=VALUE, then the dedicated flags.
 Run config keys: name, store, tasks.{source,tasks_dir,ids,glob,split,sample,seed}, samples,
   policy.*, budgets.*, sandbox.{overlay_mb,writable_tmpfs,network}, scoring_timeout_s,
-  executor (local|slurm), concurrency, retry_errors, unit_runner (module:function),
+  executor (local|slurm), concurrency, retry_errors, strict, unit_runner (module:function),
   slurm.{partition,account,qos,time_min,cpus_per_task,mem_gb,array_parallelism,
-  units_per_task,setup,additional_parameters,max_array_size,max_num_timeout,python,
+  units_per_task,setup,additional_parameters,max_array_size,max_submit_jobs,max_num_timeout,python,
   wait_timeout_min,poll_s}
 
 Exit status: 0 every unit is done, 1 units are still missing (rerun), 2 bad input,
@@ -71,6 +75,8 @@ def register(sub: Any) -> None:
     p.add_argument("--store", type=Path, help="store root (default $ET_HPC_STORE or ./et-hpc-runs)")
     p.add_argument("--detach", action="store_true", help="slurm: return after submitting")
     p.add_argument("--retry-errors", action="store_true", help="run again units recorded with an error")
+    p.add_argument("--strict", action="store_true",
+                   help="refuse to start when any task image is missing or failed to build")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set slurm.units_per_task=4 (repeatable)")
     p.add_argument("--no-compact", action="store_true",
@@ -96,6 +102,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         ("samples",): args.samples, ("policy", "kind"): args.policy, ("executor",): args.executor,
         ("concurrency",): args.concurrency, ("name",): args.run_name,
         ("store",): args.store and str(args.store), ("retry_errors",): args.retry_errors or None,
+        ("strict",): args.strict or None,
     }
     overrides += [(list(k), v) for k, v in flags.items() if v is not None]
     return load_config(args.config, overrides)
@@ -103,14 +110,16 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 
 def unit_counts(plan: Plan, store: Any) -> dict[str, Any]:
     done = store.units()
-    ok = err = 0
+    ok = err = no_img = 0
     for tid in plan.tasks:
         for s in range(plan.cfg.samples):
             st = done.get((tid, s))
             ok += st == OK
-            err += st is not None and st != OK
+            no_img += st == NO_IMAGE
+            err += st is not None and st not in (OK, NO_IMAGE)
     passed, n_ok = pass_stats(store)
-    return {"units": plan.total, "ok": ok, "error": err, "missing": plan.total - ok - err,
+    return {"units": plan.total, "ok": ok, "error": err, "no_image": no_img,
+            "missing": plan.total - ok - err - no_img,
             "passed": passed, "pass_rate": round(passed / n_ok, 4) if n_ok else None}
 
 
@@ -125,7 +134,8 @@ def _print_summary(title: str, info: dict[str, Any], as_json: bool) -> None:
         print(json.dumps(info, indent=2))
         return
     rate = info.get("pass_rate")
-    rows = [[k, v] for k, v in info.items() if k not in ("pass_rate", "array_tasks", "missing_units")]
+    rows = [[k, v] for k, v in info.items()
+            if k not in ("pass_rate", "array_tasks", "missing_units", "no_image_tasks")]
     rows.append(["pass_rate", f"{100 * rate:.1f}%" if rate is not None else "-"])
     print(title)
     print(format_table(["", "value"], rows))
@@ -137,9 +147,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     if plan.units:
         _refuse_if_jobs_live(plan)
     print(f"run {cfg.run_name()} in {plan.run_dir}: {plan.total} units, {plan.done_ok} ok and "
-          f"{plan.done_error} with errors already, {len(plan.units)} to run", file=sys.stderr)
+          f"{plan.done_error} with errors already, {len(plan.units)} to run"
+          + (f", {plan.no_image_units()} without an image" if plan.no_image else ""), file=sys.stderr)
     for e in plan.load_errors[:5]:
         print(f"et-hpc: warning: task skipped: {e}", file=sys.stderr)
+    if plan.no_image:
+        print(f"et-hpc: warning: {len(plan.no_image)} task(s) have no image and are recorded as no_image "
+              f"({plan.no_image_units()} units); the others run. Fix them, 'et-hpc build "
+              f"{cfg.tasks.source or cfg.tasks.tasks_dir}', and rerun:", file=sys.stderr)
+        print(no_image_table(plan.no_image), file=sys.stderr)
     store = open_store(plan.run_dir)
     rc = 0
     settled = True  # no episode of this run is running any more
@@ -167,8 +183,19 @@ def cmd_run(args: argparse.Namespace) -> int:
         rc = 1
         print(f"{info['missing']} units are still missing: rerun the same 'et-hpc run' command to do them",
               file=sys.stderr)
+    if plan.no_image:
+        info["no_image_tasks"] = dict(sorted(plan.no_image.items()))
     _print_summary(f"run {cfg.run_name()}", info, args.json)
     return rc
+
+
+def no_image_table(reasons: dict[str, str], limit: int = 20) -> str:
+    """Tasks without an image and why, as a table (the first ``limit``; then a count)."""
+    rows = [[t, r] for t, r in sorted(reasons.items())[:limit]]
+    out = format_table(["task (no image)", "reason"], rows)
+    if len(reasons) > limit:
+        out += f"\n... and {len(reasons) - limit} more (et-hpc status RUN --json lists them all)"
+    return out
 
 
 def _refuse_if_jobs_live(plan: Plan) -> None:
@@ -256,13 +283,16 @@ def status_info(run_dir: Path) -> dict[str, Any]:
     cfg = meta.get("config", {})
     total = int(meta.get("plan", {}).get("units_total", 0))
     ok = sum(1 for s in done.values() if s == OK)
-    err = len(done) - ok
+    no_img = sum(1 for s in done.values() if s == NO_IMAGE)
+    err = len(done) - ok - no_img
     passed, n_ok = pass_stats(store)
     info: dict[str, Any] = {
         "run": meta.get("name"), "run_dir": str(run_dir), "executor": cfg.get("executor"),
-        "units": total, "ok": ok, "error": err, "missing": max(0, total - ok - err),
+        "units": total, "ok": ok, "error": err, "no_image": no_img, "missing": max(0, total - ok - err - no_img),
         "passed": passed, "pass_rate": round(passed / n_ok, 4) if n_ok else None,
     }
+    if no_img:
+        info["no_image_tasks"] = no_image_reasons(store)
     subs = latest_submissions(run_dir)
     if subs:
         states = watch.task_states(task_ids(subs))
@@ -271,11 +301,23 @@ def status_info(run_dir: Path) -> dict[str, Any]:
     return info
 
 
+def no_image_reasons(store: RunStore) -> dict[str, str]:
+    """``{task_id: reason}`` of the run's units whose current record is no_image."""
+    t = store.read(columns=["task_id", "status", "error"])
+    out: dict[str, str] = {}
+    for tid, st, e in zip(*(t.column(c).to_pylist() for c in ("task_id", "status", "error"))):
+        if st == NO_IMAGE:
+            out[tid] = (e or "").removeprefix("no image: ")
+    return dict(sorted(out.items()))
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     info = status_info(find_run_dir(args.run, args.store))
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
+    if info.get("no_image_tasks"):
+        print(no_image_table(info["no_image_tasks"]))
     tasks = info.get("array_tasks")
     if tasks:
         info = dict(info)

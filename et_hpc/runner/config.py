@@ -56,6 +56,9 @@ class SlurmOptions(BaseModel):
     setup: list[str] = Field(default_factory=list)  # e.g. ["module load apptainer"]
     additional_parameters: dict[str, Any] = Field(default_factory=dict)  # extra #SBATCH --k=v
     max_array_size: int | None = Field(default=None, ge=1)  # default: MaxArraySize from scontrol
+    # most array tasks one submission may queue; default: what MaxJobCount and the QOS/association
+    # MaxSubmitJobs limits leave free (et_hpc.runner.slurm.submit_limits)
+    max_submit_jobs: int | None = Field(default=None, ge=1)
     max_num_timeout: int = Field(default=3, ge=0)  # requeues after timeout/preemption
     python: str | None = None  # interpreter on the compute nodes (default: this one)
     wait_timeout_min: float | None = None  # give up watching after this long (jobs keep running)
@@ -77,6 +80,7 @@ class RunConfig(BaseModel):
     concurrency: int | None = Field(default=None, ge=1)  # episodes at once per node
     slurm: SlurmOptions = Field(default_factory=SlurmOptions)
     retry_errors: bool = False
+    strict: bool = False  # refuse to start when any task image is missing or failed to build
     unit_runner: str = "et_hpc.runner.local:episode_runner"  # module:function
 
     @field_validator("name")

@@ -1,5 +1,18 @@
 """Planning a run: load tasks, check their images, list the (task, sample) units the store lacks.
 
+Tasks without an image never stop a run:
+
+- a task whose image build *failed* (a ``failed/`` record of the image store, or a recipe that
+  cannot be normalised: bad def, empty container.def, unconvertible Dockerfile) is left out; each
+  of its units gets one ``no_image`` record (reward None, ``error`` = the one-line reason), so it
+  is visible in ``et-hpc status``/``store summary`` and the plan says which tasks and why
+  (``Plan.no_image``). The other tasks run.
+- ``no_image`` units are re-planned on every run (no ``--retry-errors`` needed): once the image
+  exists they run; while it is still missing they keep their one record (no new row per rerun).
+- images never built at all (no failed build on record) refuse the run with the build command,
+  and so does a run where no selected task has an image. ``strict`` (``--strict``) refuses on any
+  missing or failed image, as before.
+
 Also home of ``open_store`` (the run's :class:`~et_hpc.store.RunStore`) and of ``run.json``,
 the run's description (config + plan summary) in the run directory.
 """
@@ -22,6 +35,7 @@ log = logging.getLogger(__name__)
 
 Unit = tuple[str, int]  # (task_id, sample)
 OK = "ok"
+NO_IMAGE = "no_image"
 
 
 # ---------------------------------------------------------------- records and stores
@@ -61,6 +75,11 @@ class Plan:
     done_ok: int = 0
     done_error: int = 0
     load_errors: list[str] = field(default_factory=list)
+    no_image: dict[str, str] = field(default_factory=dict)  # task id -> why it has no image
+    no_image_new: list[Unit] = field(default_factory=list)  # no_image units without that record yet
+
+    def no_image_units(self) -> int:
+        return len(self.no_image) * self.cfg.samples
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -72,6 +91,8 @@ class Plan:
             "to_run": len(self.units),
             "retry_errors": self.cfg.retry_errors,
             "load_errors": len(self.load_errors),
+            "no_image": self.no_image_units(),
+            "no_image_tasks": dict(sorted(self.no_image.items())),
         }
 
 
@@ -91,16 +112,24 @@ def load_run_tasks(cfg: RunConfig) -> tuple[list[Any], list[str]]:
 
 
 def image_missing(img: Any) -> str | None:
-    """None when the image is usable, else the reason it is not."""
+    """None when the image is usable, else the reason it is not (one line)."""
     if img is None:
         return "not built"
     status = str(getattr(img, "status", "") or "")
     if status in ("missing", "failed", "error", "unbuildable"):
-        return getattr(img, "reason", None) or status
-    path = getattr(img, "path", None)
-    if path is None or not Path(path).exists():
-        return getattr(img, "reason", None) or "not built"
-    return None
+        why = getattr(img, "reason", None) or ("not built" if status == "missing" else f"build {status}")
+    else:
+        path = getattr(img, "path", None)
+        if path is not None and Path(path).exists():
+            return None
+        why = getattr(img, "reason", None) or "not built"
+    lines = [ln.strip() for ln in str(why).splitlines() if ln.strip()]
+    return (lines[0] if lines else "not built")[:300]
+
+
+def build_failed(img: Any) -> bool:
+    """The image is missing because its build failed or cannot start (not: was never tried)."""
+    return img is not None and str(getattr(img, "status", "") or "") in ("failed", "error", "unbuildable")
 
 
 def default_image_lookup() -> Callable[[Any], Any]:
@@ -111,10 +140,19 @@ def default_image_lookup() -> Callable[[Any], Any]:
     return ImageStore().lookup
 
 
+def _shown(items: list[str], n: int = 5) -> str:
+    return ", ".join(items[:n]) + (f" and {len(items) - n} more" if len(items) > n else "")
+
+
 def make_plan(cfg: RunConfig, *, tasks: list[Any] | None = None,
               image_lookup: Callable[[Any], Any] | None = None, store: Any = None,
               write: bool = True) -> Plan:
-    """Units still to run for ``cfg``; fails fast (UserError) when task images are missing."""
+    """Units still to run for ``cfg`` (see the module doc for tasks without an image).
+
+    Raises ``UserError`` (before writing anything) for images never built, for a run where no
+    selected task has an image, and with ``cfg.strict`` for any missing or failed image. With
+    ``write``, saves run.json and the new ``no_image`` records.
+    """
     run_dir = cfg.run_dir()
     load_errors: list[str] = []
     if tasks is None:
@@ -131,33 +169,69 @@ def make_plan(cfg: RunConfig, *, tasks: list[Any] | None = None,
             st = done.get((tid, s))
             if st == OK:
                 ok += 1
-            elif st is not None and not cfg.retry_errors:
+            elif st is not None and st != NO_IMAGE and not cfg.retry_errors:
                 err += 1
             else:
-                if st is not None:
+                if st is not None and st != NO_IMAGE:
                     err += 1
                 todo.append((tid, s))
     need = sorted({tid for tid, _ in todo})
     images: dict[str, Any] = {}
+    no_image: dict[str, str] = {}
+    unbuilt: list[str] = []
     if need:
         lookup = image_lookup or default_image_lookup()
-        missing = []
         for tid in need:
             img = lookup(by_id[tid])
             why = image_missing(img)
-            if why:
-                missing.append(f"{tid} ({why})")
-            images[tid] = img
-        if missing:
-            src = cfg.tasks.source or cfg.tasks.tasks_dir or "SOURCE"
-            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-            raise UserError(f"{len(missing)} task image(s) missing: {shown}; build them first with "
-                            f"'et-hpc build {src}' (add --slurm to build on the cluster)")
-    plan = Plan(cfg=cfg, run_dir=run_dir, tasks=by_id, images=images, units=todo,
-                total=len(by_id) * cfg.samples, done_ok=ok, done_error=err, load_errors=load_errors)
+            if why is None:
+                images[tid] = img
+            elif build_failed(img) and not cfg.strict:
+                no_image[tid] = why
+            else:
+                unbuilt.append(f"{tid} ({why})")
+        src = cfg.tasks.source or cfg.tasks.tasks_dir or "SOURCE"
+        if unbuilt or (no_image and not images and ok + err == 0):
+            # --strict, never-built images, or nothing at all could run: refuse, as before
+            missing = unbuilt + [f"{t} ({w})" for t, w in sorted(no_image.items())]
+            whole = " (no selected task has an image)" if not images and not unbuilt else ""
+            raise UserError(f"{len(missing)} task image(s) missing{whole}: {_shown(missing)}; build them first "
+                            f"with 'et-hpc build {src}' (add --slurm to build on the cluster)")
+    # an error unit whose image is now missing is redone as no_image (--retry-errors): not counted twice
+    err -= sum(1 for u in todo if u[0] in no_image and done.get(u) not in (None, NO_IMAGE))
+    no_image_new = [u for u in todo if u[0] in no_image and done.get(u) != NO_IMAGE]
+    runnable = [u for u in todo if u[0] not in no_image]
+    plan = Plan(cfg=cfg, run_dir=run_dir, tasks=by_id, images=images, units=runnable,
+                total=len(by_id) * cfg.samples, done_ok=ok, done_error=err, load_errors=load_errors,
+                no_image=no_image, no_image_new=no_image_new)
     if write:
         write_run_json(plan)
+        record_no_image(plan, store)
     return plan
+
+
+def no_image_record(plan: Plan, unit: Unit) -> Any:
+    """The record of a unit whose task has no image: status no_image, reward None, the reason."""
+    import socket
+
+    from et_hpc.record import EpisodeRecord
+
+    tid, sample = unit
+    task = plan.tasks[tid]
+    kind = getattr(plan.cfg.policy, "kind", None)
+    return EpisodeRecord(run_name=plan.cfg.run_name(), task_id=tid, sample=sample, status=NO_IMAGE,
+                         split=getattr(task, "split", None), policy_kind=kind, host=socket.gethostname(),
+                         stop_reason=NO_IMAGE, error=f"no image: {plan.no_image[tid]}")
+
+
+def record_no_image(plan: Plan, store: Any) -> int:
+    """Write one ``no_image`` record per unit that lacks one (one shard); returns how many."""
+    if not plan.no_image_new:
+        return 0
+    store.write([no_image_record(plan, u) for u in plan.no_image_new])
+    n = len(plan.no_image_new)
+    plan.no_image_new = []
+    return n
 
 
 def write_run_json(plan: Plan) -> Path:
