@@ -72,7 +72,7 @@ from tqdm import tqdm
 from et_hpc.errors import UserError
 from et_hpc.record import EpisodeRecord
 from et_hpc.store import Group, GroupCounts, RunStore
-from et_hpc.util import atomic_write_bytes
+from et_hpc.util import atomic_open, atomic_write_bytes
 
 log = logging.getLogger(__name__)
 
@@ -254,15 +254,15 @@ def export_atropos(run: RunStore, out: Path | str, *, on_error: str = "mask", dr
     out = _check_out(out)
     groups, counts = selected_groups(run, on_error, drop_zero_variance, progress)
     stats: dict[str, int] = {}
-    lines = [
-        json.dumps(g, ensure_ascii=False, separators=(",", ":"))
+    lines = 0
+    with atomic_open(out) as f:  # streamed: a 10k-episode export is hundreds of MB of JSON
         for g in tqdm(iter_atropos_groups(groups, stats), total=len(groups), desc="atropos", unit="group",
-                      disable=None if progress else True)
-    ]
-    atomic_write_bytes(out, ("\n".join(lines) + ("\n" if lines else "")).encode("utf-8"))
+                      disable=None if progress else True):
+            f.write(json.dumps(g, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n")
+            lines += 1
     return ExportResult(path=str(out), format="atropos", on_error=on_error, drop_zero_variance=drop_zero_variance,
                         episodes=counts.episodes, groups=len(groups), with_tokens=stats.get("with_tokens", 0),
-                        rows=len(lines), counts=counts)
+                        rows=lines, counts=counts)
 
 
 def _msg(m: dict[str, Any]) -> dict[str, str | None]:
