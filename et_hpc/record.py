@@ -284,6 +284,8 @@ def prompt_deltas(prompts: list[list[int]], completions: list[list[int]]) -> lis
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the usual case, compared in C
+        return n
     i = 0
     while i < n and a[i] == b[i]:
         i += 1

@@ -107,17 +107,15 @@ class OpenAIPolicy:
         self.backoff_max_s = backoff_max_s
         self._sleep = sleep
         self._rng = rng or random.Random()
+        self._api_key = api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY"
         self.client = openai.OpenAI(
             base_url=base_url,
-            api_key=api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY",
+            api_key=self._api_key,
             max_retries=0,
             timeout=request_timeout_s,
         )
         root = base_url.rstrip("/")
         self.tokenize_url = (root[:-3] if root.endswith("/v1") else root) + "/tokenize"  # vLLM: at the root
-        self._api_key = api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY"
-        self._timeout_s = request_timeout_s
-        self._http: httpx.Client | None = None
         self._no_tokenize = False  # set once the server answered /tokenize with 404
         self.tokenize_requests = 0
         self.requests = 0  # HTTP requests made (including retried ones)
@@ -150,8 +148,6 @@ class OpenAIPolicy:
     def close(self) -> None:
         """Close the HTTP connections (the policy is unusable afterwards)."""
         self.client.close()
-        if self._http is not None:
-            self._http.close()
 
     def __enter__(self) -> OpenAIPolicy:
         return self
@@ -274,34 +270,35 @@ class OpenAIPolicy:
         """The server's tokenization of a conversation (vLLM ``POST /tokenize``); None if unavailable."""
         if self._no_tokenize:
             return None
-        if self._http is None:
-            self._http = httpx.Client(timeout=self._timeout_s,
-                                      headers={"Authorization": f"Bearer {self._api_key}"})
         body: dict[str, Any] = {"model": self.model, "messages": messages,
                                 "add_generation_prompt": add_generation_prompt}
         if continue_final_message:
             body["continue_final_message"] = True
         if tools:
             body["tools"] = tools
-        for attempt in range(2):
+        for _ in range(2):  # the client's pooled connection and auth; an absolute URL (vLLM: at the root)
             self.tokenize_requests += 1
             try:
-                r = self._http.post(self.tokenize_url, json=body)
-            except httpx.HTTPError as e:
+                r = self.client.post(self.tokenize_url, cast_to=httpx.Response, body=body,
+                                     options={"max_retries": 0})
+            except openai.APIStatusError as e:
+                if e.status_code in (404, 405):
+                    log.warning("%s: not served (HTTP %d); token ids will be absent", self.tokenize_url, e.status_code)
+                    self._no_tokenize = True
+                    return None
+                if e.status_code >= 500 or e.status_code == 429:
+                    continue
+                log.warning("tokenize: HTTP %d: %s", e.status_code, _error_text(e))
+                return None
+            except openai.APIError as e:  # connection trouble, time-outs
                 log.warning("tokenize: %s", e)
                 continue
-            if r.status_code in (404, 405):
-                log.warning("%s: not served (HTTP %d); token ids will be absent", self.tokenize_url, r.status_code)
-                self._no_tokenize = True
-                return None
-            if r.status_code >= 500 or r.status_code == 429:
-                continue
             try:
-                tokens = r.json()["tokens"] if r.status_code == 200 else None
+                tokens = r.json()["tokens"]
             except (ValueError, KeyError, TypeError):
                 tokens = None
             if not isinstance(tokens, list):
-                log.warning("tokenize: unusable answer (HTTP %d)", r.status_code)
+                log.warning("tokenize: unusable answer from %s", self.tokenize_url)
                 return None
             return [int(t) for t in tokens]
         return None
