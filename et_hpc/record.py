@@ -203,12 +203,17 @@ class EpisodeRecord(BaseModel):
 
     @property
     def has_tokens(self) -> bool:
-        """True when the token accounting is complete enough for a trainer (see module doc)."""
+        """True when the token accounting is complete enough for a trainer (see module doc).
+
+        An episode whose ids drift from the server's tokenization (``token_drift``) has no
+        sequence a trainer can use as one: exports then fall back to its messages.
+        """
         return (
             self.token_ids is not None
             and self.prompt_token_ids is not None
             and len(self.token_ids) == len(self.prompt_token_ids)
             and len(self.token_ids) > 0
+            and self.token_drift is None
         )
 
     def token_sequence(self) -> tuple[list[int], list[int], list[float] | None]:
@@ -219,7 +224,8 @@ class EpisodeRecord(BaseModel):
         positions > 0), or ``None`` when logprobs were not recorded.
         """
         if not self.has_tokens:
-            raise ValueError(f"episode {self.episode_id} has no complete token ids")
+            why = f"its token ids drift: {self.token_drift}" if self.token_drift else "no complete token ids"
+            raise ValueError(f"episode {self.episode_id} has {why}")
         assert self.token_ids is not None and self.prompt_token_ids is not None
         with_lp = self.logprobs is not None and len(self.logprobs) == len(self.token_ids)
         tokens: list[int] = []

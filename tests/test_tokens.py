@@ -164,6 +164,10 @@ def test_check_tokens_exact_and_drift():
     assert drift and drift.startswith("end:") and "position 3" in drift
     _, drift = check_tokens([[1], [1, 5, 0]], [[2], [3]], final=[9])
     assert drift and drift.endswith("(+1 more)")
+    drifted = rec.model_copy(update={"token_drift": drift})
+    assert rec.has_tokens and not drifted.has_tokens  # exports fall back to the messages
+    with pytest.raises(ValueError, match="drift"):
+        drifted.token_sequence()
 
 
 # -- the policy through the loop ------------------------------------------------------------------

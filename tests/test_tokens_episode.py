@@ -98,6 +98,7 @@ def test_run_records_drift_and_old_server_fallback(demo_image, tmp_path: Path) -
         rec = _run_one(tmp_path, "tok-drift", srv, "tools")
     assert rec.tokens_source == "server-exact"
     assert rec.token_drift and rec.token_drift.startswith("turn 1:"), rec.token_drift
+    assert rec.token_ids and rec.prompt_token_ids and not rec.has_tokens  # kept, but not one trainable sequence
 
     with ScriptedServer({KEY: [{"command": SOLVE}, "All done."]}, return_token_ids=False) as srv:
         rec = _run_one(tmp_path, "tok-old", srv, "tools", "--set", "policy.logprobs=true")
