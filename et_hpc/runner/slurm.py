@@ -4,17 +4,28 @@ Each array task is a :class:`ChunkJob`: it reaps stale sandboxes, skips units al
 store (so a requeued or rerun task never redoes finished work), and runs the rest with local
 concurrency. On preemption or timeout submitit calls ``checkpoint()``, which interrupts running
 episodes and requeues the same chunk. Submissions are saved in ``<run_dir>/jobs.json``.
+
+Before submitting, :func:`submit_limits` asks Slurm how many more array tasks it accepts (the
+queries of the cluster's limits live here: ``scontrol show config`` for MaxArraySize and
+MaxJobCount, ``sacctmgr`` for the association's and QOS's MaxSubmitJobs limits, ``squeue`` for
+what is queued already). A run that needs more is refused in one line naming the
+``slurm.units_per_task`` that fits, instead of sbatch retrying and failing. Missing answers
+(no accounting, a query that fails) mean "no such limit"; ``slurm.max_submit_jobs`` caps it by hand.
 """
 
 from __future__ import annotations
 
+import getpass
 import json
 import logging
+import math
 import re
+import shutil
 import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -98,14 +109,136 @@ def _result_dict(r: ExecResult, n: int) -> dict[str, Any]:
             "crashed": r.crashed, "dropped": r.dropped, "interrupted": r.interrupted}
 
 
+DEFAULT_MAX_ARRAY_SIZE = 1001  # Slurm's defaults, when scontrol does not answer
+DEFAULT_MAX_JOB_COUNT = 10000
+
+
+def _query(args: list[str], timeout: float = 30) -> str | None:
+    """stdout of a Slurm query, or None when the command is missing, fails or hangs."""
+    if not shutil.which(args[0]):
+        return None
+    try:
+        r = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return r.stdout if r.returncode == 0 else None
+
+
+def parse_scontrol_config(text: str) -> dict[str, str]:
+    """``Key = value`` lines of ``scontrol show config`` -> ``{Key: value}``."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        m = re.match(r"^(\w[\w/.-]*)\s*=\s*(.*?)\s*$", line)
+        if m:
+            out.setdefault(m.group(1), m.group(2))
+    return out
+
+
+def parse_sacctmgr(text: str, fields: list[str]) -> list[dict[str, str]]:
+    """Rows of ``sacctmgr -n -P show ... format=<fields>`` as dicts (empty string: no limit)."""
+    rows = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        cells = line.split("|")
+        rows.append({f: (cells[i].strip() if i < len(cells) else "") for i, f in enumerate(fields)})
+    return rows
+
+
+def _int(v: Any) -> int | None:
+    try:
+        return int(str(v).strip())
+    except (TypeError, ValueError):
+        return None
+
+
 def max_array_size() -> int:
     """Slurm's MaxArraySize (an array holds indices 0..MaxArraySize-1)."""
-    try:
-        out = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        out = ""
-    m = re.search(r"^MaxArraySize\s*=\s*(\d+)", out, re.M)
-    return int(m.group(1)) if m else 1001
+    conf = parse_scontrol_config(_query(["scontrol", "show", "config"]) or "")
+    return _int(conf.get("MaxArraySize")) or DEFAULT_MAX_ARRAY_SIZE
+
+
+def _count_jobs(*filters: str) -> int | None:
+    """Jobs in the queue matching squeue ``filters``, each array task counted (as Slurm does)."""
+    out = _query(["squeue", "-h", "-r", "-o", "%i", *filters])
+    return None if out is None else len([ln for ln in out.splitlines() if ln.strip()])
+
+
+@dataclass
+class SubmitLimits:
+    """How many array tasks Slurm accepts now, and why (the tightest limit)."""
+
+    max_array_size: int
+    free: int | None = None  # array tasks that may still be queued; None: no limit known
+    why: str = ""  # the binding limit, e.g. "MaxJobCount=10000, 9990 jobs queued"
+    limits: list[tuple[int, str]] = field(default_factory=list)  # (free, description) of each limit
+
+    def add(self, limit: int | None, queued: int | None, name: str) -> None:
+        if limit is None:
+            return
+        q = queued or 0
+        self.limits.append((limit - q, f"{name}={limit}" + (f", {q} jobs queued" if q else "")))
+        self.free, self.why = min(self.limits)
+
+
+def submit_limits(cfg: RunConfig) -> SubmitLimits:
+    """Query Slurm for the limits on how many array tasks this run may queue (see module doc)."""
+    s = cfg.slurm
+    conf = parse_scontrol_config(_query(["scontrol", "show", "config"]) or "")
+    real_size = _int(conf.get("MaxArraySize")) or DEFAULT_MAX_ARRAY_SIZE
+    lim = SubmitLimits(max_array_size=min(s.max_array_size, real_size) if s.max_array_size else real_size)
+    if s.max_submit_jobs:
+        lim.add(s.max_submit_jobs, 0, "slurm.max_submit_jobs")
+    if not conf:  # Slurm does not answer: sbatch will say why
+        return lim
+    user = getpass.getuser()
+    lim.add(_int(conf.get("MaxJobCount")) or DEFAULT_MAX_JOB_COUNT, _count_jobs(), "MaxJobCount")
+    mine: int | None = None
+    account, qos = s.account, s.qos
+    users = parse_sacctmgr(_query(["sacctmgr", "-n", "-P", "show", "user", user,
+                                   "format=User,DefaultAccount"]) or "", ["user", "account"])
+    account = account or (users[0]["account"] if users else None)
+    if account:
+        fields = ["account", "user", "partition", "max_submit", "grp_submit", "default_qos"]
+        out = _query(["sacctmgr", "-n", "-P", "show", "assoc", "where", f"user={user}", f"account={account}",
+                      "format=Account,User,Partition,MaxSubmit,GrpSubmit,DefaultQOS"]) or ""
+        for r in parse_sacctmgr(out, fields):
+            if r["user"] != user or r["partition"] not in ("", s.partition or ""):
+                continue
+            if _int(r["max_submit"]) is not None or _int(r["grp_submit"]) is not None:
+                mine = _count_jobs("-u", user) if mine is None else mine
+            lim.add(_int(r["max_submit"]), mine, f"MaxSubmitJobs of association {account}/{user}")
+            lim.add(_int(r["grp_submit"]), mine, f"GrpSubmitJobs of association {account}/{user}")
+            qos = qos or r["default_qos"] or None
+    qos = qos or ("normal" if account else None)
+    if qos:
+        fields = ["name", "max_submit_pu", "max_submit_pa", "grp_submit"]
+        out = _query(["sacctmgr", "-n", "-P", "show", "qos", qos, "format=Name,MaxSubmitPU,MaxSubmitPA,GrpSubmit"]) or ""
+        for r in parse_sacctmgr(out, fields):
+            if r["name"] != qos:
+                continue
+            if _int(r["max_submit_pu"]) is not None:
+                mine = _count_jobs("-u", user) if mine is None else mine
+                lim.add(_int(r["max_submit_pu"]), mine, f"MaxSubmitPU of QOS {qos}")
+            if _int(r["max_submit_pa"]) is not None and account:
+                lim.add(_int(r["max_submit_pa"]), _count_jobs("-A", account), f"MaxSubmitPA of QOS {qos}")
+            if _int(r["grp_submit"]) is not None:
+                lim.add(_int(r["grp_submit"]), _count_jobs("-q", qos), f"GrpSubmitJobs of QOS {qos}")
+    return lim
+
+
+def check_fits(n_units: int, units_per_task: int, limits: SubmitLimits) -> int:
+    """Array tasks the units need; ``UserError`` naming the units_per_task that fits when too many."""
+    n_tasks = math.ceil(n_units / units_per_task)
+    if limits.free is None or n_tasks <= limits.free:
+        return n_tasks
+    if limits.free <= 0:
+        raise UserError(f"Slurm accepts no more jobs now ({limits.why}): wait for queued jobs to end "
+                        f"('squeue --me'), then rerun")
+    fit = math.ceil(n_units / limits.free)
+    raise UserError(f"{n_units} units at slurm.units_per_task={units_per_task} need {n_tasks} array tasks but "
+                    f"Slurm accepts {limits.free} more ({limits.why}): rerun with "
+                    f"--set slurm.units_per_task={fit}")
 
 
 def make_executor(cfg: RunConfig, run_dir: Path) -> Any:
@@ -148,7 +281,9 @@ def submit(plan: Plan) -> list[dict[str, Any]]:
     chunks = chunked(work_items(plan, plan.units), cfg.slurm.units_per_task)
     if not chunks:
         return []
-    per_array = cfg.slurm.max_array_size or max_array_size()
+    limits = submit_limits(cfg)
+    check_fits(len(plan.units), cfg.slurm.units_per_task, limits)
+    per_array = limits.max_array_size
     ex = make_executor(cfg, run_dir)
     jobs_file = load_jobs(run_dir)
     attempt = 1 + max((s["attempt"] for s in jobs_file["submissions"]), default=0)
