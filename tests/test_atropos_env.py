@@ -45,7 +45,7 @@ def _free_port() -> int:
 
 
 def _get(url: str, timeout: float = 10.0):
-    import requests
+    import httpx as requests  # declared (the policy's /tokenize client); same calls as requests
 
     r = requests.get(url, timeout=timeout)
     r.raise_for_status()
@@ -163,7 +163,7 @@ def _check_group_against_episodes(group: dict, records: list, tokenizer) -> None
 @pytest.mark.slow
 def test_serve_to_atropos_api_server_batch(demo_images, tokenizer_dir, model_server, api_server, tmp_path):
     need("apptainer")
-    import requests
+    import httpx as requests  # declared (the policy's /tokenize client); same calls as requests
     from transformers import AutoTokenizer
 
     # the trainer side: register, then pull /batch (the first pull also lets environments register)
