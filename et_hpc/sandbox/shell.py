@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from et_hpc.errors import InfraError
 from et_hpc.sandbox.procfs import ns_ids as _ns_ids
 from et_hpc.sandbox.procfs import session_members as _session_members
 from et_hpc.sandbox.procfs import stat as _stat
@@ -181,8 +182,9 @@ def _killpg(pgid: int) -> None:
         pass
 
 
-class ShellDied(Exception):
-    pass
+class ShellDied(InfraError):
+    """The shell did not start (or restart). Whose fault that is decides the caller, from the host:
+    see ``Sandbox.health`` and ``et_hpc.agent.loop.run_agent``'s ``shell_blame``."""
 
 
 class Shell:
