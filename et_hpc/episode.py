@@ -4,6 +4,13 @@
 will not start, a policy server that keeps failing, or scoring that breaks all become an
 ``EpisodeRecord`` with an error status and ``reward=None`` (never reward 0). Only a reward that
 came out of the task's final tests is recorded as a reward.
+
+Who is to blame decides the status (SECURITY.md): what the agent's own actions cause is status
+``ok`` with reward 0.0 and ``score_note`` saying what happened: tests that hang past the verifier
+timeout, a state pytest cannot run in, an instance ended from inside, and a shell the agent broke
+beyond restart (``stop_reason`` ``shell_broken``: the state it left is scored like any other).
+A shell that breaks while ``Sandbox.health`` reports a host problem, or after we stopped the
+sandbox, stays ``shell_error``.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from et_hpc.agent.policies import PolicyConfig, make_policy
 from et_hpc.errors import InfraError, UserError
 from et_hpc.record import EpisodeRecord, TestResult, Timings
 from et_hpc.sandbox.sandbox import Sandbox
-from et_hpc.scoring import score
+from et_hpc.scoring import GONE_NOTE, score
 from et_hpc.tasks.model import Task
 
 if TYPE_CHECKING:
@@ -83,9 +90,27 @@ def resolve_policy_config(cfg: PolicyConfig) -> PolicyConfig:
         if key not in _ENDPOINTS:
             from et_hpc.agent.endpoint import resolve_endpoint
 
-            ep = resolve_endpoint(cfg.base_url, cfg.endpoint_file, wait_s=cfg.endpoint_wait_s)
-            _ENDPOINTS[key] = cfg.model_copy(update={"base_url": ep.base_url, "model": cfg.model or ep.model})
+            from pydantic import SecretStr
+
+            ep = resolve_endpoint(cfg.base_url, cfg.endpoint_file, wait_s=cfg.endpoint_wait_s,
+                                  api_key=cfg.key_value(), api_key_env=cfg.api_key_env)
+            _ENDPOINTS[key] = cfg.model_copy(update={  # in memory only: the key is never serialised
+                "base_url": ep.base_url, "model": cfg.model or ep.model, "api_key": SecretStr(ep.api_key or "")})
         return _ENDPOINTS[key]
+
+
+def policy_version_fields(policy: Any) -> dict[str, Any]:
+    """``policy_version`` (at the first turn), ``policy_versions`` (each change, in order) and
+    ``crossed_version`` from what the policy saw before and after each turn's request (an episode
+    without turns: the version when the policy was made)."""
+    seen: list[str] = []
+    pairs = getattr(policy, "turn_versions", None) or [(getattr(policy, "start_version", None), None)]
+    for v in [v for pair in pairs for v in pair]:
+        if v is not None and (not seen or seen[-1] != v):
+            seen.append(v)
+    if not seen:
+        return {}
+    return {"policy_version": seen[0], "policy_versions": seen, "crossed_version": len(set(seen)) > 1}
 
 
 def episode_budgets(budgets: Budgets, task: Task) -> Budgets:
@@ -132,8 +157,10 @@ def run_episode(task: Task, sample: int, cfg: RunConfig, image: Any, *, stop: th
         versions=_versions(),
     )
     timings: dict[str, float] = {"start_s": t_start}
+    versions: dict[str, Any] = {}
 
-    def record(status: str, *, error: str | None = None, result: AgentResult | None = None, sc=None) -> EpisodeRecord:
+    def record(status: str, *, error: str | None = None, result: AgentResult | None = None, sc=None,
+               events: list[str] | None = None) -> EpisodeRecord:
         timings["stop_s"] = time.time()
         timings["total_s"] = time.monotonic() - t0
         tok = result.tokens if result else None
@@ -154,8 +181,12 @@ def run_episode(task: Task, sample: int, cfg: RunConfig, image: Any, *, stop: th
             logprobs=tok.logprobs if tok else None,
             tokens_source=tok.tokens_source if tok else None,
             token_drift=tok.token_drift if tok else None,
+            **versions,
             timings=Timings(**timings),
             error=error,
+            score_note=sc.note if sc is not None and status == "ok" else None,
+            interpreter=sc.interpreter if sc is not None else None,
+            events=[*(events or []), *((sc.notes or []) if sc is not None else [])],
         )
 
     if image is None or getattr(image, "path", None) is None:
@@ -179,6 +210,7 @@ def run_episode(task: Task, sample: int, cfg: RunConfig, image: Any, *, stop: th
     t = time.monotonic()
     sandbox.stop()
     timings["teardown_s"] = time.monotonic() - t
+    versions.update(policy_version_fields(policy))
     close = getattr(policy, "close", None)
     if close:
         close()
@@ -199,21 +231,27 @@ def _drive(task, sandbox, policy, pcfg, budgets, cfg, stop, timings) -> tuple[st
         except (InfraError, OSError) as e:
             return "infra_error", {"error": f"sandbox: {e}"}
         t = time.monotonic()
-        result = run_agent(task.prompt, shell, _StopAware(policy, stop), budgets, system_prompt=pcfg.system_prompt)
+        result = run_agent(task.prompt, shell, _StopAware(policy, stop), budgets, system_prompt=pcfg.system_prompt,
+                           shell_blame=lambda e: not stop.is_set() and sandbox.health() in ("alive", "gone"))
         timings["agent_s"] = time.monotonic() - t
         if stop.is_set():
             return "infra_error", {"error": "interrupted by the run", "result": result}
         if result.status != "ok":
             return result.status, {"error": result.error, "result": result}
+        events = [f"shell_broken: {result.error}"] if result.stop_reason == "shell_broken" else []
         t = time.monotonic()
         timeout = cfg.scoring_timeout_s
         if task.limits.verifier_timeout_s:
             timeout = max(timeout, task.limits.verifier_timeout_s)
         sc = score(sandbox, task.final_tests, timeout_s=timeout)
         timings["score_s"] = time.monotonic() - t
+        if stop.is_set() and sc.status != "ok" or sc.note == GONE_NOTE and stop.is_set():
+            return "infra_error", {"error": "interrupted by the run", "result": result, "events": events}
         if sc.status != "ok":
-            return "score_error", {"error": sc.error, "result": result, "sc": sc}
-        return "ok", {"result": result, "sc": sc}
+            return "score_error", {"error": sc.error, "result": result, "sc": sc, "events": events}
+        if events and sc.reward == 0.0 and not sc.note:
+            sc.note = f"the agent broke its shell ({result.error}); the state it left fails the tests"
+        return "ok", {"result": result, "sc": sc, "events": events}
     except Exception as e:  # noqa: BLE001 - an episode must end in a record, whatever broke
         log.exception("episode %s/%s failed", task.id, getattr(sandbox, "name", "?"))
         return "infra_error", {"error": f"{type(e).__name__}: {e}", "result": result}

@@ -22,7 +22,9 @@ ending with ``<|im_end|>`` unless cut by length); ``logprobs`` gives
 and answers ``{count, max_model_len, tokens, token_strs}``; ``POST /detokenize`` the reverse.
 ``return_token_ids=False`` (``--old-vllm``) behaves like vLLM before 0.10.2: the field is ignored
 and the token-id fields are absent; ``tokenize_endpoint=False`` (``--no-tokenize``) like a server
-without ``/tokenize``. Usage:
+without ``/tokenize``. ``api_key`` (``--api-key`` or ``$VLLM_API_KEY``, as ``vllm serve``) makes
+every ``/v1`` route answer 401 without ``Authorization: Bearer KEY``; the endpoint file it writes
+carries the key, mode 0600. Usage:
 
     with ScriptedServer({"create": [{"command": "echo hi > f"}, "all done"]}) as srv:
         OpenAI(base_url=srv.base_url, api_key="x")...
@@ -140,10 +142,20 @@ class _Handler(BaseHTTPRequestHandler):
     def _error(self, code: int, msg: str, kind: str, headers: dict[str, str] | None = None) -> None:
         self._send(code, {"error": {"message": msg, "type": kind, "param": None, "code": code}}, headers)
 
+    def _refused(self, path: str) -> bool:
+        key = self.server.owner.api_key
+        if key and path.startswith("/v1") and self.headers.get("Authorization") != f"Bearer {key}":
+            self.server.owner._count("401")
+            self._send(401, {"error": "Unauthorized"})
+            return True
+        return False
+
     def do_GET(self) -> None:  # noqa: N802
         srv = self.server.owner
         srv._count("GET " + self.path)
         path = self.path.split("?")[0].rstrip("/")
+        if self._refused(path):
+            return
         if path in ("/v1/models", "/models"):
             self._send(200, {"object": "list", "data": [{
                 "id": srv.model, "object": "model", "created": int(srv.started), "owned_by": "et-hpc",
@@ -162,6 +174,8 @@ class _Handler(BaseHTTPRequestHandler):
             req = json.loads(self.rfile.read(n) or b"{}")
         except (ValueError, OSError):
             self._error(400, "request body is not JSON", "BadRequestError")
+            return
+        if self._refused(path):
             return
         if path in ("/tokenize", "/v1/tokenize", "/detokenize", "/v1/detokenize") and srv.tokenize_endpoint:
             srv._tokenize(self, req, path.endswith("/detokenize"))
@@ -191,7 +205,9 @@ class ScriptedServer:
         timeout_sleep_s: float = 30.0,
         return_token_ids: bool = True,
         tokenize_endpoint: bool = True,
+        api_key: str | None = None,
     ):
+        self.api_key = api_key  # like vllm serve --api-key: /v1/* answer 401 without "Bearer KEY"
         self.script = {k: _split_turns(v) for k, v in load_script(script).items()}
         self.model = model
         self.max_model_len = max_model_len
@@ -237,14 +253,13 @@ class ScriptedServer:
     def __exit__(self, *exc: Any) -> None:
         self.stop()
 
-    def write_endpoint_file(self, path: Path, job_id: str | None = None) -> dict:
-        """Write the same endpoint file as ``slurm/vllm.sbatch``."""
-        from et_hpc.agent.endpoint import endpoint_record
-        from et_hpc.util import atomic_write_text
+    def write_endpoint_file(self, path: Path, job_id: str | None = None, model_version: str | None = None) -> dict:
+        """Write the same endpoint file as ``slurm/vllm.sbatch`` (mode 0600, with the key)."""
+        from et_hpc.agent.endpoint import endpoint_record, write_endpoint_file
 
-        rec = endpoint_record(HOST, self.port, self.model, job_id)
-        atomic_write_text(Path(path), json.dumps(rec, indent=2) + "\n")
-        os.chmod(path, 0o644)  # readable like the one vllm.sbatch writes
+        rec = endpoint_record(HOST, self.port, self.model, job_id, api_key=self.api_key,
+                              model_version=model_version)
+        write_endpoint_file(Path(path), rec)
         return rec
 
     # -- serving -----------------------------------------------------------------------------
@@ -444,12 +459,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--old-vllm", action="store_true",
                    help="behave like vLLM before 0.10.2: ignore return_token_ids (no token-id fields)")
     p.add_argument("--no-tokenize", action="store_true", help="serve no /tokenize (like servers other than vLLM)")
+    p.add_argument("--api-key", help="require this key on /v1 (default: $VLLM_API_KEY, as vllm serve; the "
+                   "environment keeps a key out of the process list)")
+    p.add_argument("--model-version", help="model_version to put in the endpoint file")
     args = p.parse_args(argv)
     from et_hpc.errors import UserError
 
     try:
         srv = ScriptedServer(args.script, port=args.port, model=args.model, max_model_len=args.max_model_len,
-                             return_token_ids=not args.old_vllm, tokenize_endpoint=not args.no_tokenize)
+                             return_token_ids=not args.old_vllm, tokenize_endpoint=not args.no_tokenize,
+                             api_key=args.api_key or os.environ.get("VLLM_API_KEY") or None)
     except UserError as e:
         print(f"scripted_server: error: {e}", file=sys.stderr)
         return 2
@@ -461,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: done.set())
     srv.start()
     if args.endpoint_file:
-        srv.write_endpoint_file(args.endpoint_file, os.environ.get("SLURM_JOB_ID"))
+        srv.write_endpoint_file(args.endpoint_file, os.environ.get("SLURM_JOB_ID"), args.model_version)
     print(f"serving {srv.base_url} (model {srv.model})", flush=True)
     done.wait()
     srv.stop()

@@ -1,10 +1,20 @@
-"""Find the policy server: a given base URL, or the endpoint file a vLLM Slurm job writes.
+"""Find the policy server and its key: a given base URL, or the endpoint file a vLLM Slurm job writes.
 
 The endpoint file (JSON on the shared filesystem, written by ``slurm/vllm.sbatch`` or
-``python -m et_hpc.scripted_server --endpoint-file``) holds
-``{"host", "port", "model", "job_id", "base_url", "started_at"}``. ``resolve_endpoint`` waits,
-bounded, for the file and for ``GET {base_url}/models`` to answer 200, and on give-up raises a
-``UserError`` that names the file, the job and what Slurm says about it.
+``python -m et_hpc.scripted_server --endpoint-file``) holds ``{"host", "port", "base_url", "model",
+"api_key", "model_version", "job_id", "started_at", "written_at"}``. It is written atomically
+(temp file + rename) with mode 0600 in a directory the user owns; ``read_endpoint_file`` refuses a
+file that carries a key and is readable by group or others, or belongs to someone else (one line:
+which file and the ``chmod``), because anyone who can read the key can use our server.
+
+``model_version`` names what the server currently serves (checkpoint path plus step, or a content
+hash); the server republishes the file when it switches checkpoints. ``EndpointWatch`` re-reads the
+file only when its inode, size or mtime changed, so asking for the current version every turn
+costs one ``stat``.
+
+``resolve_endpoint`` waits, bounded, for the file and for ``GET {base_url}/models`` to answer 200,
+and on give-up raises a ``UserError`` that names the file, the job and what Slurm says about it.
+``Endpoint.api_key`` is excluded from dumps and its repr; nothing here writes or logs the key.
 """
 
 from __future__ import annotations
@@ -13,41 +23,91 @@ import json
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from et_hpc.errors import UserError
 
 log = logging.getLogger(__name__)
+
+DEFAULT_KEY_ENV = "OPENAI_API_KEY"
 
 
 class Endpoint(BaseModel):
     base_url: str
     model: str | None = None
     job_id: str | None = None
+    model_version: str | None = None
+    api_key: str | None = Field(default=None, exclude=True, repr=False)
 
 
-def endpoint_record(host: str, port: int, model: str | None, job_id: str | None = None) -> dict:
+def endpoint_record(
+    host: str,
+    port: int,
+    model: str | None,
+    job_id: str | None = None,
+    *,
+    api_key: str | None = None,
+    model_version: str | None = None,
+    started_at: str | None = None,
+) -> dict:
     """The endpoint file's content, as every writer must produce it."""
+    now = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     return {
         "host": host,
         "port": int(port),
-        "model": model,
-        "job_id": job_id,
         "base_url": f"http://{host}:{int(port)}/v1",
-        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "model": model,
+        "api_key": api_key,
+        "model_version": model_version,
+        "job_id": job_id,
+        "started_at": started_at or now,
+        "written_at": now,
     }
 
 
-def _read_file(path: Path) -> dict | None:
+def write_endpoint_file(path: Path, record: dict) -> None:
+    """Publish ``record`` at ``path``: mode 0600, temp file + rename in a 0700 directory if new."""
+    path = Path(path)
+    if not path.parent.exists():
+        path.parent.mkdir(parents=True, mode=0o700)
+    tmp = path.parent / f".endpoint.{os.getpid()}.{time.monotonic_ns()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(json.dumps(record, indent=2) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def check_endpoint_file(path: Path, st: os.stat_result, has_key: bool) -> None:
+    """Refuse an endpoint file with a key that others could read, or that is not ours."""
+    if not has_key:
+        return
+    if st.st_uid != os.getuid():
+        raise UserError(f"endpoint file {path} holds an API key but belongs to uid {st.st_uid}, not you: "
+                        f"use an endpoint file your own server job wrote")
+    if st.st_mode & 0o077:
+        raise UserError(f"endpoint file {path} holds an API key and is readable by others "
+                        f"(mode {stat.S_IMODE(st.st_mode):04o}): run `chmod 600 {path}` and restart the server "
+                        f"job (its key may be known)")
+
+
+def _parse(text: str) -> dict | None:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
         return None
     if not isinstance(data, dict):
         return None
@@ -56,9 +116,57 @@ def _read_file(path: Path) -> dict | None:
     return data if data.get("base_url") else None
 
 
-def probe_models(base_url: str, timeout: float = 5.0) -> tuple[bool, str | None, str]:
+def read_endpoint_file(path: Path) -> dict | None:
+    """The endpoint record, or None while the file is missing or half-written (see ``check_endpoint_file``)."""
+    path = Path(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            st = os.fstat(f.fileno())
+            text = f.read()
+    except OSError:
+        return None
+    data = _parse(text)
+    if data is not None:
+        check_endpoint_file(path, st, bool(data.get("api_key")))
+    return data
+
+
+class EndpointWatch:
+    """The endpoint file's current record, re-read only when its inode, size or mtime change."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._sig: tuple[int, int, int] | None = None
+        self._record: dict | None = None
+
+    def current(self) -> dict | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return self._record  # between a job's end and the next one: the last one known
+        sig = (st.st_ino, st.st_size, st.st_mtime_ns)
+        if sig != self._sig:
+            fresh = read_endpoint_file(self.path)
+            if fresh is not None:  # a torn write: keep the old record, look again next time
+                self._record, self._sig = fresh, sig
+        return self._record
+
+    def version(self) -> str | None:
+        rec = self.current()
+        v = rec.get("model_version") if rec else None
+        return None if v is None else str(v)
+
+
+def resolve_api_key(explicit: str | None = None, env_name: str | None = None,
+                    endpoint: dict | Endpoint | None = None) -> str:
+    """The key to send: the endpoint file's, else the configured one, else ``$env_name``, else "EMPTY"."""
+    from_file = endpoint.get("api_key") if isinstance(endpoint, dict) else getattr(endpoint, "api_key", None)
+    return from_file or explicit or os.environ.get(env_name or DEFAULT_KEY_ENV) or "EMPTY"
+
+
+def probe_models(base_url: str, timeout: float = 5.0, api_key: str | None = None) -> tuple[bool, str | None, str]:
     """``GET {base_url}/models``: (answered 200, first model id, what happened)."""
-    key = os.environ.get("OPENAI_API_KEY") or "EMPTY"
+    key = api_key or os.environ.get(DEFAULT_KEY_ENV) or "EMPTY"
     req = urllib.request.Request(base_url.rstrip("/") + "/models", headers={"Authorization": f"Bearer {key}"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -66,6 +174,8 @@ def probe_models(base_url: str, timeout: float = 5.0) -> tuple[bool, str | None,
             if r.status != 200:
                 return False, None, f"HTTP {r.status}"
     except urllib.error.HTTPError as e:
+        if e.code == 401:
+            return False, None, "HTTP 401 (the server wants another API key: check policy.api_key / the endpoint file)"
         return False, None, f"HTTP {e.code}"
     except (urllib.error.URLError, OSError) as e:
         return False, None, f"not reachable ({getattr(e, 'reason', e)})"
@@ -111,8 +221,14 @@ def resolve_endpoint(
     wait_s: float = 600.0,
     *,
     poll_s: float = 2.0,
+    api_key: str | None = None,
+    api_key_env: str | None = None,
 ) -> Endpoint:
-    """Wait (at most ``wait_s``) until the server answers, and say where it is and what it serves."""
+    """Wait (at most ``wait_s``) until the server answers, and say where it is, what it serves and its key.
+
+    The key is the endpoint file's when it has one, else ``api_key``, else ``$api_key_env``
+    (default ``OPENAI_API_KEY``), else "EMPTY" (``resolve_api_key``).
+    """
     if not base_url and endpoint_file is None:
         raise UserError("no policy server given: pass --base-url URL or --endpoint-file FILE (from slurm/vllm.sbatch)")
     deadline = time.monotonic() + wait_s
@@ -121,17 +237,19 @@ def resolve_endpoint(
     url = base_url.rstrip("/") if base_url else None
     while True:
         if not base_url and endpoint_file is not None:
-            fresh = _read_file(Path(endpoint_file))  # re-read: a restarted job rewrites it
+            fresh = read_endpoint_file(Path(endpoint_file))  # re-read: a restarted job rewrites it
             if fresh is not None:
                 record = fresh
                 url = str(record["base_url"]).rstrip("/")
         if url is not None:
-            ok, model, last = probe_models(url, timeout=max(1.0, min(10.0, poll_s * 2)))
+            key = resolve_api_key(api_key, api_key_env, record)
+            ok, model, last = probe_models(url, timeout=max(1.0, min(10.0, poll_s * 2)), api_key=key)
             if ok:
-                rec_model = record.get("model") if record else None
-                job = record.get("job_id") if record else None
-                return Endpoint(base_url=url, model=rec_model or model,
-                                job_id=None if job is None else str(job))
+                rec: dict[str, Any] = record or {}
+                job, version = rec.get("job_id"), rec.get("model_version")
+                return Endpoint(base_url=url, model=rec.get("model") or model,
+                                job_id=None if job is None else str(job),
+                                model_version=None if version is None else str(version), api_key=key)
         if time.monotonic() + poll_s > deadline:
             break
         time.sleep(poll_s)

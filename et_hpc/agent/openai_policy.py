@@ -13,6 +13,10 @@ instead, and for the completion when logprobs carry no ``token_id:N``; with neit
 absent. ``capture_tokens`` (called by the loop at the end) turns the turns into per-turn deltas and
 checks them against ``/tokenize`` of the whole conversation: ``tokens_source`` and ``token_drift``
 say how they were obtained and whether they agree. Token accounting never fails an episode.
+
+Policy versions: with an endpoint file, the file's ``model_version`` is read (stat-cached) before
+and after each turn's request into ``turn_versions``; a server republished at another address or
+with another key is followed on the next attempt. The API key is held in memory only.
 """
 
 from __future__ import annotations
@@ -22,11 +26,13 @@ import os
 import random
 import re
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import httpx
 import openai
 
+from et_hpc.agent.endpoint import EndpointWatch, resolve_api_key
 from et_hpc.agent.policies import Action, ContextLengthError, PolicyError, text_action
 from et_hpc.agent.protocols import TERMINAL_TOOL, Mode, ToolArgsError, parse_tool_arguments
 
@@ -92,6 +98,7 @@ class OpenAIPolicy:
         backoff_max_s: float = 30.0,
         sleep: Callable[[float], None] = time.sleep,
         rng: random.Random | None = None,
+        endpoint_file: Path | None = None,
     ):
         self.mode: Mode = mode
         self.model = model
@@ -120,6 +127,12 @@ class OpenAIPolicy:
         self.tokenize_requests = 0
         self.requests = 0  # HTTP requests made (including retried ones)
         self.retries = 0  # of which retries
+        # Policy versions: the endpoint file's model_version before and after each turn's request
+        # (they differ when the server switched checkpoints during it); None without a file.
+        self._watch = EndpointWatch(endpoint_file) if endpoint_file is not None else None
+        self._served = {"base_url": base_url, "api_key": self._api_key}  # what the client talks to
+        self.start_version = self._watch.version() if self._watch else None
+        self.turn_versions: list[tuple[str | None, str | None]] = []
 
     @classmethod
     def from_config(cls, cfg: PolicyConfig) -> OpenAIPolicy:
@@ -130,7 +143,7 @@ class OpenAIPolicy:
         return cls(
             cfg.base_url,
             cfg.model,
-            api_key=cfg.api_key,
+            api_key=resolve_api_key(cfg.key_value(), cfg.api_key_env),
             mode=cfg.mode,
             temperature=cfg.temperature,
             top_p=cfg.top_p,
@@ -143,6 +156,7 @@ class OpenAIPolicy:
             retry_budget_s=cfg.retry_budget_s,
             backoff_base_s=cfg.backoff_base_s,
             backoff_max_s=cfg.backoff_max_s,
+            endpoint_file=cfg.endpoint_file,
         )
 
     def close(self) -> None:
@@ -231,18 +245,34 @@ class OpenAIPolicy:
             kwargs["extra_body"] = extra
 
         def create() -> Any:
+            self._follow_endpoint()
             resp = self.client.chat.completions.create(**kwargs)
             if not getattr(resp, "choices", None):
                 raise _Retryable("the server returned no choices")
             return resp
 
         retries_before = self.retries
+        before = self._watch.version() if self._watch else None
         resp = self._call("chat completion", create)
+        self.turn_versions.append((before, self._watch.version() if self._watch else None))
         action = self._to_action(resp)
         action.retries = self.retries - retries_before
         if self.return_token_ids:
             self._fill_tokens(action, resp, messages)
         return action
+
+    def _follow_endpoint(self) -> None:
+        """A server republished elsewhere or with a new key (a restarted job): talk to that one."""
+        rec = self._watch.current() if self._watch else None
+        if rec is None:
+            return
+        old, self._served = self._served, rec
+        if rec.get("base_url") != old.get("base_url") or rec.get("api_key") not in (None, old.get("api_key")):
+            log.info("policy server moved to %s; following it", rec.get("base_url"))
+            self._api_key = rec.get("api_key") or self._api_key
+            self.client = self.client.with_options(base_url=rec["base_url"], api_key=self._api_key)
+            root = str(rec["base_url"]).rstrip("/")
+            self.tokenize_url = (root[:-3] if root.endswith("/v1") else root) + "/tokenize"
 
     # -- tokens ------------------------------------------------------------------------------
     def _fill_tokens(self, action: Action, resp: Any, messages: list[dict[str, Any]]) -> None:

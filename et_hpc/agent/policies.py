@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from et_hpc.agent.protocols import COULD_NOT_PARSE, DONE_TEXT, Mode, parse_text_reply
 from et_hpc.errors import InfraError, TaskError, UserError
@@ -205,7 +205,10 @@ class PolicyConfig(BaseModel):
     endpoint_file: Path | None = None  # written by slurm/vllm.sbatch; gives base_url and model
     endpoint_wait_s: float = 600.0  # how long to wait for the endpoint file and /v1/models
     system_prompt: str | None = None  # default: Endless Terminals' prompt for the mode
-    api_key: str | None = None  # default: $OPENAI_API_KEY, else "EMPTY"
+    # The key: the endpoint file's, else api_key, else $api_key_env (default OPENAI_API_KEY), else
+    # "EMPTY". api_key is never written (run.json, pickles for Slurm, records): see SECURITY.md.
+    api_key: SecretStr | None = Field(default=None, exclude=True)
+    api_key_env: str | None = None
     model: str | None = None  # default: the first model the server lists
     mode: Mode = "tools"
     temperature: float = 0.7
@@ -224,6 +227,15 @@ class PolicyConfig(BaseModel):
     replay_file: Path | None = None  # default: the task's first recorded-runs file
     # oracle
     oracle_timeout_s: float = ORACLE_TIMEOUT_S
+
+    def __getstate__(self) -> dict[Any, Any]:
+        """Pickles (submitit's job files) never carry the key: it travels by reference (api_key_env)."""
+        state = super().__getstate__()
+        state["__dict__"] = {**state["__dict__"], "api_key": None}
+        return state
+
+    def key_value(self) -> str | None:
+        return self.api_key.get_secret_value() if self.api_key is not None else None
 
 
 def make_policy(cfg: PolicyConfig, task: Task | None = None, *, max_tokens: int | None = None) -> Policy:

@@ -19,6 +19,7 @@ import getpass
 import json
 import logging
 import math
+import os
 import re
 import shutil
 import subprocess
@@ -271,6 +272,23 @@ def make_executor(cfg: RunConfig, run_dir: Path) -> Any:
     return ex
 
 
+KEY_ENV = "ET_HPC_POLICY_API_KEY"
+
+
+def key_by_reference(cfg: RunConfig) -> RunConfig:
+    """A config whose policy key travels to the array tasks in the job's environment, not in a file.
+
+    sbatch exports the submitting environment (``--export=ALL``, Slurm's default), so the key given
+    as ``policy.api_key`` is put in ``$ET_HPC_POLICY_API_KEY`` here and the pickled config names only
+    that variable (``PolicyConfig`` pickles without its key anyway).
+    """
+    key = cfg.policy.key_value()
+    if not key:
+        return cfg
+    os.environ[KEY_ENV] = key
+    return cfg.model_copy(update={"policy": cfg.policy.model_copy(update={"api_key": None, "api_key_env": KEY_ENV})})
+
+
 def chunked(seq: list[Any], n: int) -> list[list[Any]]:
     return [seq[i:i + n] for i in range(0, len(seq), n)]
 
@@ -284,6 +302,7 @@ def submit(plan: Plan) -> list[dict[str, Any]]:
     limits = submit_limits(cfg)
     check_fits(len(plan.units), cfg.slurm.units_per_task, limits)
     per_array = limits.max_array_size
+    cfg = key_by_reference(cfg)
     ex = make_executor(cfg, run_dir)
     jobs_file = load_jobs(run_dir)
     attempt = 1 + max((s["attempt"] for s in jobs_file["submissions"]), default=0)
