@@ -245,7 +245,7 @@ def _drive(task, sandbox, policy, pcfg, budgets, cfg, stop, timings) -> tuple[st
             timeout = max(timeout, task.limits.verifier_timeout_s)
         sc = score(sandbox, task.final_tests, timeout_s=timeout)
         timings["score_s"] = time.monotonic() - t
-        if stop.is_set() and sc.status != "ok" or sc.note == GONE_NOTE and stop.is_set():
+        if stop.is_set() and (sc.status != "ok" or sc.note == GONE_NOTE):
             return "infra_error", {"error": "interrupted by the run", "result": result, "events": events}
         if sc.status != "ok":
             return "score_error", {"error": sc.error, "result": result, "sc": sc, "events": events}

@@ -4,6 +4,12 @@
 ``policy_error`` / ``shell_error``. Budgets (turns, wall time, context, tokens) end it with status
 ``ok`` and a ``stop_reason`` saying which budget ran out. The loop knows only ``shell.run``.
 
+A shell that cannot be (re)started is blamed by ``shell_blame(exc)`` when the caller gives it:
+``True`` means the agent broke it from inside (``chmod 000 /bin/bash``, ``rm -rf /.singularity.d``,
+an ``exec`` that kills every new shell): the episode ends with status ``ok``, ``stop_reason``
+``"shell_broken"`` and ``error`` saying what failed, and the caller scores the state it left.
+``False`` (or no ``shell_blame``) keeps ``shell_error``, an infrastructure status.
+
 Tokens: each ``Turn`` keeps what the policy reported (the full prompt ids of its request, the
 completion ids and logprobs); at the end a policy with ``capture_tokens(turns, messages)`` (the
 OpenAI policy) turns them into the record's per-turn deltas, ``tokens_source`` and ``token_drift``.
@@ -22,7 +28,8 @@ from et_hpc.agent.protocols import default_system_prompt, format_observation
 
 log = logging.getLogger(__name__)
 
-StopReason = Literal["done", "max_turns", "wall_time", "context", "token_budget", "policy_error", "shell_error"]
+StopReason = Literal["done", "max_turns", "wall_time", "context", "token_budget", "policy_error", "shell_error",
+                     "shell_broken"]
 Status = Literal["ok", "policy_error", "shell_error"]
 
 NOT_RUN = (
@@ -97,6 +104,14 @@ class AgentResult(BaseModel):
     tokens: TokenCapture = Field(default_factory=TokenCapture)
 
 
+def _blame(shell_blame: Callable[[Exception], bool], e: Exception) -> bool:
+    try:
+        return bool(shell_blame(e))
+    except Exception:  # noqa: BLE001 - undecided: not the agent's
+        log.exception("deciding who broke the shell failed")
+        return False
+
+
 def _observation_message(mode: str, action: Action, content: str) -> dict[str, Any]:
     if mode == "tools" and action.tool_call_id:
         return {"role": "tool", "tool_call_id": action.tool_call_id, "content": content}
@@ -111,6 +126,7 @@ def run_agent(
     *,
     system_prompt: str | None = None,
     clock: Callable[[], float] = time.monotonic,
+    shell_blame: Callable[[Exception], bool] | None = None,
 ) -> AgentResult:
     """Run one episode's agent part; the caller scores the shell's state afterwards."""
     budgets = budgets or Budgets()
@@ -203,9 +219,15 @@ def run_agent(
             try:
                 res = shell.run(action.command or "", timeout=timeout)
             except Exception as e:
-                log.exception("shell failed")
                 turn.exec_s = clock() - t1
-                stop, status, error = "shell_error", "shell_error", f"{type(e).__name__}: {e}"
+                error = f"{type(e).__name__}: {e}"
+                if shell_blame is not None and _blame(shell_blame, e):
+                    log.info("the agent broke its shell: %s", error)
+                    stop = "shell_broken"
+                    turn.observation = f"[the shell could not be started again: {e}]"
+                    break
+                log.exception("shell failed")
+                stop, status = "shell_error", "shell_error"
                 break
             turn.exec_s = clock() - t1
             turn.exit_code = res.exit_code
