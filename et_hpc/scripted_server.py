@@ -208,6 +208,7 @@ class ScriptedServer:
         api_key: str | None = None,
     ):
         self.api_key = api_key  # like vllm serve --api-key: /v1/* answer 401 without "Bearer KEY"
+        self.log_requests = False  # print "served chat turn=N" on stdout after each reply
         self.script = {k: _split_turns(v) for k, v in load_script(script).items()}
         self.model = model
         self.max_model_len = max_model_len
@@ -304,6 +305,8 @@ class ScriptedServer:
             return
         entry["served"] = "reply"
         h._send(200, self._completion(reply, req, prompt_ids))
+        if self.log_requests:
+            print(f"served chat turn={turn}", flush=True)
 
     def _context_error(self, h: _Handler, prompt_tokens: int, req: dict) -> None:
         want = prompt_tokens + int(req.get("max_tokens") or req.get("max_completion_tokens") or 0)
@@ -462,6 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--api-key", help="require this key on /v1 (default: $VLLM_API_KEY, as vllm serve; the "
                    "environment keeps a key out of the process list)")
     p.add_argument("--model-version", help="model_version to put in the endpoint file")
+    p.add_argument("--log-requests", action="store_true", help="print 'served chat turn=N' after each reply")
     args = p.parse_args(argv)
     from et_hpc.errors import UserError
 
@@ -475,6 +479,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         print(f"scripted_server: error: cannot listen on {HOST}:{args.port}: {e.strerror}", file=sys.stderr)
         return 2
+    srv.log_requests = args.log_requests
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())

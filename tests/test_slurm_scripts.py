@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -24,37 +25,127 @@ def test_sbatch_syntax(script: Path) -> None:
     assert "#SBATCH --job-name=" in script.read_text()
 
 
-def test_vllm_script_writes_and_removes_endpoint(tmp_path: Path) -> None:
+def _shim(tmp_path: Path, script_json: dict, *, log_requests: bool = False) -> Path:
+    """Stands in for 'vllm serve WEIGHTS --served-model-name NAME ... --port P': same flags, same API
+    (the scripted server takes the key from $VLLM_API_KEY, as vLLM does)."""
     script = tmp_path / "s.json"
-    script.write_text(json.dumps({"hi": ["hello"]}))
-    shim = tmp_path / "vllm"  # stands in for 'vllm serve MODEL ... --port P': same flags, same API
+    script.write_text(json.dumps(script_json))
+    shim = tmp_path / "vllm"
+    extra = " --log-requests" if log_requests else ""
     shim.write_text(f"""#!/bin/bash
-model=$2; port=""
-while [ $# -gt 0 ]; do [ "$1" = --port ] && port=$2; shift; done
-exec {sys.executable} -m et_hpc.scripted_server --script {script} --port "$port" --model "$model"
+weights=$2; name=$2; port=""
+while [ $# -gt 0 ]; do
+  [ "$1" = --port ] && port=$2
+  [ "$1" = --served-model-name ] && name=$2
+  shift
+done
+echo "shim serving $weights" >&2
+exec {sys.executable} -m et_hpc.scripted_server --script {script} --port "$port" --model "$name"{extra}
 """)
     shim.chmod(0o755)
+    return shim
+
+
+def _wait_for(pred, proc: subprocess.Popen, what: str, tries: int = 600) -> None:
+    for _ in range(tries):
+        if pred() or proc.poll() is not None:
+            break
+        time.sleep(0.1)
+    assert pred(), proc.stdout.read() if proc.poll() is not None else f"timed out waiting for {what}"
+
+
+def _get(url: str, key: str | None) -> int:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_vllm_script_writes_and_removes_endpoint(tmp_path: Path) -> None:
+    shim = _shim(tmp_path, {"hi": ["hello"]})
     ep = tmp_path / "shared" / "endpoint.json"
     env = dict(os.environ, VLLM=str(shim), HEALTH_EVERY_S="1", SLURM_JOB_ID="4242")
+    env.pop("VLLM_API_KEY", None)
     proc = subprocess.Popen(["bash", str(REPO / "slurm" / "vllm.sbatch"), "my-model", str(ep)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        for _ in range(300):
-            if ep.exists() or proc.poll() is not None:
-                break
-            time.sleep(0.1)
-        assert ep.exists(), proc.stdout.read() if proc.poll() is not None else "no endpoint file"
+        _wait_for(ep.exists, proc, "the endpoint file")
         data = json.loads(ep.read_text())
-        assert set(data) == {"host", "port", "model", "job_id", "base_url", "started_at"}
-        assert data["model"] == "my-model" and data["job_id"] == "4242"
+        assert set(data) == {"host", "port", "base_url", "model", "api_key", "model_version", "job_id",
+                             "started_at", "written_at"}
+        assert data["model"] == "my-model" and data["job_id"] == "4242" and data["model_version"] == "my-model"
         assert data["base_url"] == f"http://{data['host']}:{data['port']}/v1"
+        assert ep.stat().st_mode & 0o777 == 0o600 and ep.parent.stat().st_mode & 0o777 == 0o700
+        key = data["api_key"]
+        assert isinstance(key, str) and len(key) >= 32
         url = f"http://127.0.0.1:{data['port']}/v1/models"
-        with urllib.request.urlopen(url, timeout=10) as r:
-            assert "my-model" in r.read().decode()
+        assert _get(url, key) == 200  # the key from the file opens the server ...
+        assert _get(url, None) == 401 and _get(url, "EMPTY") == 401  # ... and nothing else does
         assert not list(ep.parent.glob(".endpoint.*"))  # no temp file left beside it
+        cmdline = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+        assert "scripted_server" in cmdline and key not in cmdline  # not on any command line
     finally:
         proc.send_signal(signal.SIGTERM)
         out = proc.communicate(timeout=60)[0]
     assert proc.returncode != 0 and not ep.exists(), out
+    assert key not in out  # nor in the job's log
     with pytest.raises(OSError):
         urllib.request.urlopen(url, timeout=3)
+
+
+def test_vllm_script_refuses_a_shared_directory(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o755)
+    r = subprocess.run(["bash", str(REPO / "slurm" / "vllm.sbatch"), "m", str(shared / "ep.json")],
+                       env=dict(os.environ, VLLM="/bin/false"), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "must be yours alone" in r.stderr and "chmod 700" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (shared / "ep.json").exists()
+
+
+@pytest.mark.parametrize("switch", ["restart", "reload"])
+def test_vllm_script_switches_checkpoints(tmp_path: Path, switch: str) -> None:
+    shim = _shim(tmp_path, {"hi": ["hello"]})
+    ckpts = tmp_path / "ckpts"
+    (ckpts / "step-10").mkdir(parents=True)
+    (ckpts / "step-10" / "model.safetensors").write_text("weights 10")
+    (ckpts / "step-20").mkdir()
+    (ckpts / "step-20" / "model.safetensors").write_text("weights 20")
+    ep = tmp_path / "private" / "endpoint.json"
+    reloads = tmp_path / "reloads.log"
+    reload_cmd = tmp_path / "reload"
+    reload_cmd.write_text(f'#!/bin/bash\necho "$1 port=$ET_VLLM_PORT" >> {reloads}\n')
+    reload_cmd.chmod(0o755)
+    env = dict(os.environ, VLLM=str(shim), POLL_S="1", HEALTH_EVERY_S="1", SWITCH=switch,
+               RELOAD_CMD=str(reload_cmd))
+    proc = subprocess.Popen(["bash", str(REPO / "slurm" / "vllm.sbatch"), "--checkpoint-dir", str(ckpts),
+                             "policy", str(ep)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        time.sleep(1.5)
+        assert not ep.exists() and proc.poll() is None  # no pointer yet: waits for the trainer's first one
+        (ckpts / "latest").write_text("step-10 10\n")
+        _wait_for(ep.exists, proc, "the endpoint file")
+        first = json.loads(ep.read_text())
+        assert first["model"] == "policy" and first["model_version"] == f"{ckpts}/step-10@step-10"
+        tmp = ckpts / ".latest.tmp"  # the trainer's atomic pointer update
+        tmp.write_text("step-20\n")
+        tmp.rename(ckpts / "latest")
+        _wait_for(lambda: json.loads(ep.read_text())["model_version"] != first["model_version"], proc,
+                  "the republished endpoint")
+        second = json.loads(ep.read_text())
+        assert second["model_version"].startswith(f"{ckpts}/step-20@files-")  # no step: a listing hash
+        assert second["port"] == first["port"] and second["api_key"] == first["api_key"]
+        assert ep.stat().st_mode & 0o777 == 0o600
+        assert _get(f"http://127.0.0.1:{second['port']}/v1/models", second["api_key"]) == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=60)[0]
+    served = [ln.split()[-1] for ln in out.splitlines() if ln.startswith("shim serving")]
+    if switch == "restart":
+        assert served == [str(ckpts / "step-10"), str(ckpts / "step-20")], out
+    else:  # one server process; the reload command got the new checkpoint and the port
+        assert served == [str(ckpts / "step-10")], out
+        assert reloads.read_text().split() == [str(ckpts / "step-20"), f"port={first['port']}"]
+    assert "switched (" + switch + ")" in out and first["api_key"] not in out
