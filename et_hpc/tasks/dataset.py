@@ -87,6 +87,10 @@ def _open(source: str | Path, *, hub: bool, split: str | None):
                 f"(huggingface-cli download {source} --repo-type dataset) and pass the parquet file"
             ) from None
     try:
+        import pyarrow.parquet as pq
+
+        for f in sorted(Path(source).glob("*.parquet")) if Path(source).is_dir() else [Path(source)]:
+            pq.read_schema(f)  # a broken file fails here, before datasets logs its own warning lines
         return datasets.load_dataset("parquet", data_files=str(source), split="train")
     except Exception as e:  # noqa: BLE001
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
