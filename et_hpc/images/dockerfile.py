@@ -236,6 +236,8 @@ class _Converter:
         toks = [t for t in ins.args.split() if not t.startswith("--")]
         if not toks:
             raise self.err(ins, "without an image; name one, e.g. FROM ubuntu:22.04")
+        if len(toks) not in (1, 3) or (len(toks) == 3 and toks[1].lower() != "as"):
+            raise self.err(ins, f"{ins.args.strip()[:60]!r} is not 'IMAGE' or 'IMAGE AS NAME'; fix the line")
         image = substitute(toks[0], self.args)
         found = lookup_base(image, self.base_map)
         if found is not None:
