@@ -167,8 +167,8 @@ def resolve_api_key(explicit: str | None = None, env_name: str | None = None,
 def probe_models(base_url: str, timeout: float = 5.0, api_key: str | None = None) -> tuple[bool, str | None, str]:
     """``GET {base_url}/models``: (answered 200, first model id, what happened)."""
     key = api_key or os.environ.get(DEFAULT_KEY_ENV) or "EMPTY"
-    req = urllib.request.Request(base_url.rstrip("/") + "/models", headers={"Authorization": f"Bearer {key}"})
     try:
+        req = urllib.request.Request(base_url.rstrip("/") + "/models", headers={"Authorization": f"Bearer {key}"})
         with urllib.request.urlopen(req, timeout=timeout) as r:
             body = r.read()
             if r.status != 200:
@@ -179,6 +179,8 @@ def probe_models(base_url: str, timeout: float = 5.0, api_key: str | None = None
         return False, None, f"HTTP {e.code}"
     except (urllib.error.URLError, OSError) as e:
         return False, None, f"not reachable ({getattr(e, 'reason', e)})"
+    except ValueError as e:  # not an http(s) URL, a bad port, ...
+        return False, None, f"not a usable URL ({e})"
     try:
         data = json.loads(body).get("data") or []
         model = data[0].get("id") if data else None
