@@ -75,6 +75,26 @@ def _retry_after(e: openai.APIStatusError) -> float | None:
         return None
 
 
+def _malformed(resp: Any) -> str | None:
+    """What makes a chat completion unusable (the client does not validate it), or None."""
+    choices = getattr(resp, "choices", None)
+    if not isinstance(choices, list) or not hasattr(choices[0], "message"):
+        return "choices is not a list of choice objects"
+    msg = choices[0].message
+    if not hasattr(msg, "content") or not isinstance(getattr(msg, "content", None), (str, type(None))):
+        return "choices[0].message has no text content"
+    calls = getattr(msg, "tool_calls", None)
+    if calls is not None:
+        if not isinstance(calls, list):
+            return "tool_calls is not a list"
+        for c in calls:
+            fn = getattr(c, "function", None)
+            if not isinstance(getattr(fn, "name", None), str) or \
+                    not isinstance(getattr(fn, "arguments", None), (str, type(None))):
+                return "a tool call has no function name and arguments"
+    return None
+
+
 class OpenAIPolicy:
     """Ask a served model for the next command, in tool-call (``tools``) or ET text (``text``) mode."""
 
@@ -249,6 +269,9 @@ class OpenAIPolicy:
             resp = self.client.chat.completions.create(**kwargs)
             if not getattr(resp, "choices", None):
                 raise _Retryable("the server returned no choices")
+            why = _malformed(resp)
+            if why:
+                raise _Retryable(f"malformed response: {why}")
             return resp
 
         retries_before = self.retries
