@@ -22,6 +22,7 @@ _AREAS = [
     "et_hpc.images.cli",
     "et_hpc.sandbox.cli",
     "et_hpc.runner.cli",
+    "et_hpc.rollouts.cli",
     "et_hpc.store_cli",
     "et_hpc.demo",
     "et_hpc.report",

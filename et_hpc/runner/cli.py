@@ -82,6 +82,11 @@ def register(sub: Any) -> None:
     p.add_argument("--no-compact", action="store_true",
                    help="do not merge the store's shards when the run ends")
     p.add_argument("--json", action="store_true", help="print the final summary as JSON")
+    p.add_argument("--continuous", action="store_true",
+                   help="keep producing groups from a work queue until stopped (et_hpc.rollouts; "
+                   "'et-hpc rollouts --help')")
+    p.add_argument("--target-groups", type=int, help="--continuous: stop once the stream holds N groups")
+    p.add_argument("--workers", type=int, help="--continuous with slurm: long-lived worker array tasks")
     p.set_defaults(func=cmd_run)
 
     s = sub.add_parser("status", help="progress of a run: units done, array tasks, pass rate",
@@ -143,6 +148,12 @@ def _print_summary(title: str, info: dict[str, Any], as_json: bool) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
+    if args.continuous or cfg.continuous.enabled:
+        from et_hpc.rollouts.cli import cmd_continuous
+
+        if args.workers:
+            cfg = cfg.model_copy(update={"continuous": cfg.continuous.model_copy(update={"workers": args.workers})})
+        return cmd_continuous(cfg, args)
     plan = make_plan(cfg)
     if plan.units:
         _refuse_if_jobs_live(plan)
@@ -293,6 +304,11 @@ def status_info(run_dir: Path) -> dict[str, Any]:
     }
     if no_img:
         info["no_image_tasks"] = no_image_reasons(store)
+    from et_hpc.rollouts.cli import queue_status
+
+    queue = queue_status(run_dir)
+    if queue is not None:
+        info["queue"] = queue
     subs = latest_submissions(run_dir)
     if subs:
         states = watch.task_states(task_ids(subs))
@@ -322,5 +338,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     if tasks:
         info = dict(info)
         info["array_tasks (q/r/done/failed)"] = f"{tasks['queued']}/{tasks['running']}/{tasks['done']}/{tasks['failed']}"
+    queue = info.pop("queue", None)
+    if queue:  # a continuous run: its work queue
+        info = dict(info)
+        for k, v in queue.items():
+            info[f"queue.{k}"] = "-" if v is None else v
     _print_summary(f"run {info['run']}", info, False)
     return 0

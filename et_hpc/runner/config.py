@@ -14,6 +14,7 @@ from et_hpc.agent.loop import Budgets
 from et_hpc.agent.policies import PolicyConfig
 from et_hpc.errors import UserError
 from et_hpc.paths import store_dir
+from et_hpc.rollouts.options import ContinuousOptions
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9._-]+$")
 
@@ -79,6 +80,7 @@ class RunConfig(BaseModel):
     executor: Literal["local", "slurm"] = "local"
     concurrency: int | None = Field(default=None, ge=1)  # episodes at once per node
     slurm: SlurmOptions = Field(default_factory=SlurmOptions)
+    continuous: ContinuousOptions = Field(default_factory=ContinuousOptions)  # et_hpc.rollouts
     retry_errors: bool = False
     strict: bool = False  # refuse to start when any task image is missing or failed to build
     unit_runner: str = "et_hpc.runner.local:episode_runner"  # module:function

@@ -1,0 +1,213 @@
+"""``et-hpc run --continuous``: keep a run's work queue full and its workers running until told to stop.
+
+The controller loads the tasks, checks their images, writes ``run.json``, clears an old stop
+file and starts the workers: one in-process worker with the local executor, or
+``continuous.workers`` long-lived submitit array tasks with the Slurm executor; both run the same
+:class:`~et_hpc.rollouts.worker.Worker`. Then, every ``continuous.poll_s``, it enqueues the next
+epoch when fewer than ``queue_low_water`` units are pending (each epoch is every task once, in a
+fresh shuffled order: the seed environment's ``get_next_item``), sweeps the queue, and checks the
+stop conditions: the stop file (``et-hpc rollouts stop``, ``RolloutStream.request_stop``),
+SIGTERM/SIGINT, ``--target-groups N`` (the stream holds N groups).
+
+On stop it writes the stop file (workers give their units back to the queue), waits up to
+``stop_grace_s`` for the workers to exit, and cancels (its own) array tasks that are still there.
+The queue stays: running the same command again continues it, epochs included. If the
+controller itself dies, the workers finish what is queued and keep their leases honest; a new
+controller picks up from the queue's state.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from et_hpc.errors import UserError
+from et_hpc.rollouts.queue import WorkQueue
+from et_hpc.rollouts.worker import Worker
+from et_hpc.runner.config import RunConfig
+
+log = logging.getLogger(__name__)
+
+
+def prepare(cfg: RunConfig) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+    """Tasks by id, their images (UserError when one is missing), task load errors."""
+    from et_hpc.runner.plan import default_image_lookup, image_missing, load_run_tasks
+
+    tasks, errors = load_run_tasks(cfg)
+    if not tasks:
+        raise UserError("no tasks were selected: check the source and the ids/glob/split filters")
+    by_id = {t.id: t for t in tasks}
+    lookup = default_image_lookup()
+    images, missing = {}, []
+    for tid, t in by_id.items():
+        img = lookup(t)
+        why = image_missing(img)
+        if why:
+            missing.append(f"{tid} ({why})")
+        images[tid] = img
+    if missing:
+        src = cfg.tasks.source or cfg.tasks.tasks_dir or "SOURCE"
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise UserError(f"{len(missing)} task image(s) missing: {shown}; build them first with "
+                        f"'et-hpc build {src}'")
+    return by_id, images, errors
+
+
+def write_run_json(cfg: RunConfig, run_dir: Path, n_tasks: int) -> None:
+    import json
+
+    from et_hpc.util import atomic_write_text
+
+    data = {"name": cfg.run_name(), "run_dir": str(run_dir), "planned_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "config": cfg.model_dump(mode="json"),
+            "plan": {"continuous": True, "tasks": n_tasks, "samples": cfg.samples, "units_total": 0}}
+    atomic_write_text(run_dir / "run.json", json.dumps(data, indent=2) + "\n")
+
+
+class Controller:
+    def __init__(self, cfg: RunConfig, tasks: dict[str, Any], images: dict[str, Any], *, progress: bool = True):
+        self.cfg = cfg
+        self.opts = cfg.continuous
+        self.run_dir = cfg.run_dir()
+        self.tasks, self.images = tasks, images
+        self.queue = WorkQueue(self.run_dir, lease_s=self.opts.lease_s)
+        self.progress = progress
+        self.stop = threading.Event()
+        self.job_ids: list[str] = []
+        self._local: tuple[threading.Thread, threading.Event] | None = None
+
+    def slots(self) -> int:
+        per = self.cfg.node_concurrency()
+        return per * (self.opts.workers if self.cfg.executor == "slurm" else 1)
+
+    def start_workers(self) -> None:
+        if self.cfg.executor == "local":
+            wstop = threading.Event()
+            w = Worker(self.cfg, self.run_dir, self.tasks, self.images, 0)
+            t = threading.Thread(target=w.run, args=(wstop,), name="worker", daemon=True)
+            t.start()
+            self._local = (t, wstop)
+            return
+        from et_hpc.runner.slurm import load_jobs, make_executor, save_jobs
+
+        ex = make_executor(self.cfg, self.run_dir)
+        try:
+            jobs = ex.submit_array([Worker(self.cfg, self.run_dir, self.tasks, self.images, i)
+                                    for i in range(self.opts.workers)])
+        except Exception as e:  # sbatch refused: say why, in one line
+            msg = str(e).strip().splitlines()
+            raise UserError(f"sbatch refused the worker array: {msg[-1] if msg else e}") from None
+        self.job_ids = [str(j.job_id) for j in jobs]
+        data = load_jobs(self.run_dir)
+        attempt = 1 + max((s["attempt"] for s in data["submissions"]), default=0)
+        data["submissions"].append({"attempt": attempt, "array_id": self.job_ids[0].split("_")[0],
+                                    "tasks": len(jobs), "job_ids": self.job_ids, "units": 0,
+                                    "continuous": True, "submitted_at": time.time(),
+                                    "folder": str(self.run_dir / "slurm")})
+        save_jobs(self.run_dir, data)
+        print(f"submitted {len(jobs)} continuous workers: array {self.job_ids[0].split('_')[0]}",
+              file=sys.stderr, flush=True)
+
+    def workers_ended(self) -> bool:
+        if self._local is not None:
+            return not self._local[0].is_alive()
+        if not self.job_ids:
+            return True
+        from et_hpc.runner import watch
+
+        states = watch.task_states(self.job_ids)
+        return all(watch.ended(s) for s in states.values())
+
+    def refill(self) -> None:
+        low = self.opts.queue_low_water or max(2 * self.slots(), 2)
+        if len(self.queue.pending_names()) < low:
+            e = self.queue.enqueue_epoch(sorted(self.tasks), self.cfg.samples, self.cfg.tasks.seed)
+            log.info("epoch %d enqueued (%d units)", e, len(self.tasks))
+
+    def run(self, target_groups: int | None = None) -> dict[str, Any]:
+        from et_hpc.runner.local import stop_on_signals
+
+        self.queue.init()
+        self.queue.clear_stop()
+        self.refill()
+        self.start_workers()
+        t0 = time.monotonic()
+        start_pub = self.queue.published()
+        last_print = 0.0
+        reason = None
+        with stop_on_signals(self.stop):
+            while True:
+                try:
+                    self.refill()
+                    self.queue.sweep()
+                except OSError as e:  # a shared filesystem hiccup: try again next round
+                    log.warning("queue upkeep failed: %s", e)
+                pub = self.queue.published()
+                if target_groups and pub >= target_groups:
+                    reason = f"target of {target_groups} groups reached"
+                    self.queue.request_stop(reason)
+                if self.stop.is_set():
+                    reason = reason or "signal"
+                    self.queue.request_stop(reason)
+                if self.queue.stopped():
+                    reason = self.queue.stop_reason() or reason
+                    break
+                if self.workers_ended():
+                    reason = "every worker ended"
+                    print("et-hpc: every worker ended before the run was told to stop: see "
+                          f"{self.run_dir / 'slurm'} for their logs; rerun to continue the queue",
+                          file=sys.stderr)
+                    break
+                if self.progress and time.monotonic() - last_print >= 10:
+                    last_print = time.monotonic()
+                    st = self.queue.status()
+                    print(f"[{time.monotonic() - t0:6.0f}s] groups {pub} (+{pub - start_pub}) pending "
+                          f"{st['pending']} leased {st['leased']} workers {st['workers_live']} "
+                          f"epochs {st['epochs']}", file=sys.stderr, flush=True)
+                self.stop.wait(self.opts.poll_s)
+            self.shutdown()
+        info = self.queue.status()
+        info.update({"run_dir": str(self.run_dir), "stop_reason": reason,
+                     "groups_this_session": info["published"] - start_pub,
+                     "seconds": round(time.monotonic() - t0, 1)})
+        return info
+
+    def shutdown(self) -> None:
+        """Workers give their units back and exit; what is still there after the grace is cancelled."""
+        if not self.queue.stopped():
+            self.queue.request_stop("controller stopping")
+        end = time.monotonic() + self.opts.stop_grace_s
+        if self._local is not None:
+            t, wstop = self._local
+            wstop.set()
+            t.join(self.opts.stop_grace_s)
+        else:
+            while self.job_ids and time.monotonic() < end and not self.workers_ended():
+                time.sleep(min(2.0, self.opts.poll_s))
+            if self.job_ids and not self.workers_ended():
+                log.warning("workers still running after %.0f s: cancelling them", self.opts.stop_grace_s)
+                subprocess.run(["scancel", *self.job_ids], capture_output=True, timeout=60)
+        try:
+            self.queue.sweep()
+        except OSError:
+            pass
+
+
+def run_continuous(cfg: RunConfig, target_groups: int | None = None, progress: bool = True) -> dict[str, Any]:
+    """Run ``cfg`` continuously (see the module docstring); returns the final queue status."""
+    tasks, images, errors = prepare(cfg)
+    for e in errors[:5]:
+        print(f"et-hpc: warning: task skipped: {e}", file=sys.stderr)
+    run_dir = cfg.run_dir()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_run_json(cfg, run_dir, len(tasks))
+    target = target_groups or cfg.continuous.target_groups
+    print(f"continuous run {cfg.run_name()} in {run_dir}: {len(tasks)} tasks x {cfg.samples} samples per "
+          f"group, {cfg.executor} executor" + (f", until {target} groups" if target else ""),
+          file=sys.stderr, flush=True)
+    return Controller(cfg, tasks, images, progress=progress).run(target)

@@ -1,0 +1,220 @@
+"""The trainer's side of a continuous run: complete groups in arrival order, each once per consumer.
+
+``RolloutStream(run_dir, consumer="trainer-0")`` reads the stream slots
+``<run_dir>/part-s<seq>.parquet`` (seq 0, 1, 2, ... without gaps; one committed group each, see
+``et_hpc.rollouts.queue``). Its cursor, the next seq to read, lives in
+``<run_dir>/consumers/<consumer>.json`` with the counts and an optional trainer ``state``.
+
+Exactly once across restarts: ``next_batch`` returns groups and moves the cursor in memory; the
+cursor is written (atomically) by ``commit(state=...)``, or at the start of the next
+``next_batch`` call (``auto_commit``, the default). A consumer that dies after getting a batch
+but before committing gets the same groups again when it restarts; one that committed never sees
+them again. Saving the trainer's own progress in ``state`` (step number, checkpoint path) makes
+the two move together. One process per consumer name at a time (a lock file refuses a second).
+
+Cost: a poll stats the next slot and reads only new slots, whatever the size of the store.
+
+Filters (counted in the cursor, never silent):
+
+- ``max_staleness=k``: a group whose ``policy_version`` is older than the run's current version
+  (``version.json``) minus ``k`` is discarded (``discarded_stale``);
+- ``on_error="mask"`` (default): a group with a member whose status is not ``ok`` (an error
+  outside the agent's reach that survived the worker's retries) is discarded
+  (``discarded_masked``); ``"keep-ok"`` hands out its ok members only.
+
+A compaction of the store (``et-hpc store compact``) merges the slots away: do not compact a
+continuous run while consumers read it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import filelock
+import pyarrow.parquet as pq
+
+from et_hpc.errors import UserError
+from et_hpc.record import EpisodeRecord, records_from_table
+from et_hpc.rollouts.queue import WorkQueue, slot_name
+from et_hpc.rollouts.versions import PolicyVersion, publish_version, read_version
+from et_hpc.util import atomic_write_text
+
+
+@dataclass
+class RolloutGroup:
+    """One complete group: the episodes of one task in one epoch under one policy version."""
+
+    seq: int
+    group_id: str
+    task_id: str
+    policy_version: str | None
+    records: list[EpisodeRecord]
+    committed_at: float  # when the slot appeared (its file's mtime)
+    received_at: float = field(default_factory=time.time)
+
+    @property
+    def rewards(self) -> list[float | None]:
+        return [r.reward for r in self.records]
+
+    @property
+    def version(self) -> int | None:
+        try:
+            return int(self.policy_version) if self.policy_version is not None else None
+        except ValueError:
+            return None
+
+    def scored_data(self) -> dict[str, Any]:
+        """Atropos-shaped: ``tokens``, ``masks`` (-100 off the completions), ``scores``,
+        ``inference_logprobs`` per member. Members without complete token ids are left out."""
+        out: dict[str, Any] = {"tokens": [], "masks": [], "scores": [], "inference_logprobs": []}
+        for r in self.records:
+            if r.status != "ok" or not r.has_tokens:
+                continue
+            tokens, masks, lps = r.token_sequence()
+            out["tokens"].append(tokens)
+            out["masks"].append(masks)
+            out["scores"].append(float(r.reward or 0.0))
+            out["inference_logprobs"].append(lps)
+        return out
+
+
+class RolloutStream:
+    """Complete groups of a run for one consumer (see the module docstring)."""
+
+    def __init__(self, run_dir: Path | str, consumer: str = "trainer-0", *, auto_commit: bool = True,
+                 poll_s: float = 0.2):
+        self.run_dir = Path(run_dir)
+        if not consumer or "/" in consumer or consumer.startswith("."):
+            raise UserError(f"consumer name {consumer!r}: use letters, digits, '-', '_' and '.'")
+        self.consumer = consumer
+        self.auto_commit = auto_commit
+        self.poll_s = poll_s
+        self.queue = WorkQueue(self.run_dir)
+        cdir = self.run_dir / "consumers"
+        cdir.mkdir(parents=True, exist_ok=True)
+        self.cursor_path = cdir / f"{consumer}.json"
+        self._lock = filelock.FileLock(str(cdir / f".{consumer}.lock"))
+        try:
+            self._lock.acquire(timeout=0)
+        except filelock.Timeout:
+            raise UserError(f"consumer {consumer!r} of {self.run_dir} is open in another process: "
+                            "use another consumer name, or stop that process") from None
+        saved = self._read_cursor()
+        self.committed: dict[str, Any] = saved
+        self.next_seq = int(saved["next_seq"])
+        self.counts = {k: int(saved.get(k, 0)) for k in ("delivered", "discarded_stale", "discarded_masked")}
+        self.state: Any = saved.get("state")
+        self._dirty = False
+
+    def close(self) -> None:
+        if self._lock.is_locked:
+            self._lock.release()
+
+    def __enter__(self) -> RolloutStream:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ cursor
+    def _read_cursor(self) -> dict[str, Any]:
+        try:
+            d = json.loads(self.cursor_path.read_text())
+            int(d["next_seq"])
+            return d
+        except FileNotFoundError:
+            return {"next_seq": 0}
+        except (ValueError, KeyError, TypeError) as e:
+            raise UserError(f"cursor {self.cursor_path} is unreadable ({e}): delete it to start this "
+                            "consumer from the first group") from None
+
+    def commit(self, state: Any = None) -> None:
+        """Persist the cursor (and ``state``, JSON): groups handed out so far are never handed out again."""
+        if state is not None:
+            self.state = state
+        data = {"consumer": self.consumer, "next_seq": self.next_seq, **self.counts,
+                "state": self.state, "committed_at": time.time()}
+        atomic_write_text(self.cursor_path, json.dumps(data) + "\n")
+        self.committed = data
+        self._dirty = False
+
+    # ------------------------------------------------------------ reading
+    def _read_slot(self, seq: int) -> RolloutGroup | None:
+        p = self.run_dir / slot_name(seq)
+        try:
+            mtime = os.stat(p).st_mtime
+            table = pq.read_table(p)
+        except FileNotFoundError:
+            return None
+        recs = records_from_table(table)
+        recs.sort(key=lambda r: r.sample)
+        first = recs[0]
+        return RolloutGroup(seq=seq, group_id=first.group_id, task_id=first.task_id,
+                            policy_version=first.policy_version, records=recs, committed_at=mtime)
+
+    def current_version(self) -> PolicyVersion | None:
+        return read_version(self.run_dir)
+
+    def next_batch(self, n_groups: int, timeout_s: float | None = None, max_staleness: int | None = None,
+                   on_error: str = "mask") -> list[RolloutGroup]:
+        """Up to ``n_groups`` complete groups, oldest first; waits up to ``timeout_s`` (None: until
+        there are ``n_groups``, or the run stopped and the stream is drained). May return fewer."""
+        if on_error not in ("mask", "keep-ok"):
+            raise UserError(f"on_error {on_error!r}: use mask or keep-ok")
+        if n_groups < 1:
+            raise UserError(f"n_groups {n_groups}: ask for at least 1")
+        if self.auto_commit and self._dirty:
+            self.commit()
+        end = None if timeout_s is None else time.monotonic() + timeout_s
+        out: list[RolloutGroup] = []
+        while len(out) < n_groups:
+            g = self._read_slot(self.next_seq)
+            if g is None:
+                if end is not None and time.monotonic() >= end:
+                    break
+                if end is None and self.queue.stopped() and not self._producing():
+                    break
+                time.sleep(self.poll_s if end is None else max(0.0, min(self.poll_s, end - time.monotonic())))
+                continue
+            self.next_seq += 1
+            self._dirty = True
+            if max_staleness is not None:
+                cur = self.current_version()
+                if cur is not None and g.version is not None and g.version < cur.version - max_staleness:
+                    self.counts["discarded_stale"] += 1
+                    continue
+            bad = [r for r in g.records if r.status != "ok"]
+            if bad:
+                if on_error == "mask":
+                    self.counts["discarded_masked"] += 1
+                    continue
+                g.records = [r for r in g.records if r.status == "ok"]
+                if not g.records:
+                    self.counts["discarded_masked"] += 1
+                    continue
+            self.counts["delivered"] += 1
+            out.append(g)
+        return out
+
+    def _producing(self) -> bool:
+        """Leased units may still commit after a stop request was written."""
+        return self.queue.count()["leased"] > 0
+
+    def stats(self) -> dict[str, Any]:
+        return {"consumer": self.consumer, "next_seq": self.next_seq, **self.counts,
+                "published": self.queue.published()}
+
+    # ------------------------------------------------------------ talking to producers
+    def publish_version(self, version: int | None = None, *, model: str | None = None,
+                        checkpoint: str | None = None) -> PolicyVersion:
+        """A new checkpoint (trainer-owned switch): groups started from now on carry it."""
+        return publish_version(self.run_dir, version, model=model, checkpoint=checkpoint)
+
+    def request_stop(self, reason: str = "the trainer has enough") -> None:
+        """Ask the run to stop: workers give their units back, the controller ends the run."""
+        self.queue.request_stop(f"{self.consumer}: {reason}")

@@ -1,0 +1,302 @@
+"""The long-lived worker of a continuous run: claim units, run their episodes, commit groups.
+
+A ``Worker`` runs ``concurrency`` slots. Each slot claims one unit (one group) from the
+:class:`~et_hpc.rollouts.queue.WorkQueue`, stamps it with the run's current policy version (read
+just before the claim, so no unit starts under a version older than the current one), runs its
+``samples`` episodes one after another through the run's unit runner
+(``et_hpc.episode.run_episode`` by default), reruns an episode that ended with an error status up
+to ``continuous.retries`` times, and commits the group. A heartbeat thread renews every lease the
+worker holds, sweeps the queue (expired leases of dead workers, unfinished publications), and
+interrupts a unit when it must not finish:
+
+- its lease is gone (expired while this worker was cut off): the records are discarded;
+- the run is stopping (stop file, SIGTERM, Slurm checkpoint): the unit is given back;
+- ``on_version_change: abandon`` and the version moved more than ``max_staleness`` past the one
+  the unit started under: the unit is given back and restarts under the new version.
+
+With ``finish`` (default), a unit in flight during a switch finishes and its records say so
+(``policy_version`` = the start version, ``policy_versions`` = every version seen, in order,
+``crossed_version``). Only whole groups are ever committed; an interrupted unit's episodes are
+dropped and the unit is done again from its start.
+
+On Slurm the worker is a submitit array task (``__call__``). SIGTERM (scancel) makes it give
+its units back at once; after SIGKILL or a node failure its leases expire after ``lease_s`` and
+any other worker requeues them. On preemption or timeout submitit calls ``checkpoint()``, which
+does the same and requeues the worker, which then picks up wherever the queue is.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from submitit.helpers import Checkpointable, DelayedSubmission
+
+from et_hpc.record import EpisodeRecord, records_to_table
+from et_hpc.rollouts.queue import Lease, WorkQueue, new_worker_id
+from et_hpc.rollouts.versions import PolicyVersion, VersionReader
+from et_hpc.runner.config import RunConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _InFlight:
+    lease: Lease
+    start_version: PolicyVersion | None
+    stop: threading.Event = field(default_factory=threading.Event)
+    why: str | None = None  # "lost" | "stopping" | "abandoned"
+    seen_versions: list[int] = field(default_factory=list)
+
+
+@dataclass
+class WorkerStats:
+    claimed: int = 0
+    committed: int = 0
+    discarded: int = 0  # lease lost: another attempt does the unit
+    released: int = 0  # given back: stopping or abandoned
+    abandoned: int = 0
+    episodes: int = 0
+    retried: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+class Worker(Checkpointable):
+    """One worker process (a Slurm array task, or a thread of the local controller)."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, tasks: dict[str, Any], images: dict[str, Any],
+                 index: int = 0, concurrency: int | None = None):
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.tasks = tasks
+        self.images = images
+        self.index = index
+        self.concurrency = concurrency
+        self._stop: threading.Event | None = None
+        self._done: threading.Event | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["_stop"] = d["_done"] = None
+        return d
+
+    # ------------------------------------------------------------ entry points
+    def __call__(self) -> dict[str, Any]:
+        """Slurm array task: reap dead sandboxes, then run until the run stops."""
+        import signal
+
+        from et_hpc.runner.local import stop_on_signals
+        from et_hpc.runner.slurm import _reap
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        _reap()
+        stop = threading.Event()
+        with stop_on_signals(stop, (signal.SIGTERM,)):
+            return self.run(stop)
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> DelayedSubmission:
+        if self._stop is not None:
+            log.warning("checkpoint: giving units back before requeue")
+            self._stop.set()
+            if self._done is not None:
+                self._done.wait(60.0)
+        return DelayedSubmission(Worker(self.cfg, self.run_dir, self.tasks, self.images, self.index,
+                                        self.concurrency))
+
+    # ------------------------------------------------------------ the loop
+    def run(self, stop: threading.Event) -> dict[str, Any]:
+        from et_hpc.runner.local import resolve_runner
+
+        opts = self.cfg.continuous
+        self._stop, self._done = stop, threading.Event()
+        self.queue = WorkQueue(self.run_dir, lease_s=opts.lease_s).init()
+        self.versions = VersionReader(self.run_dir)
+        self.runner = resolve_runner(self.cfg.unit_runner)
+        self.wid = new_worker_id()
+        self.stats = WorkerStats()
+        self.lock = threading.Lock()
+        self.inflight: dict[str, _InFlight] = {}
+        self.started_at = time.time()
+        n = self.concurrency or self.cfg.node_concurrency()
+        slots = [threading.Thread(target=self._slot, args=(stop,), name=f"slot-{i}", daemon=True) for i in range(n)]
+        beat = threading.Thread(target=self._beat, args=(stop,), name="heartbeat", daemon=True)
+        log.info("worker %s: %d slot(s) on %s", self.wid, n, self.run_dir)
+        self._write_worker()
+        beat.start()
+        for t in slots:
+            t.start()
+        try:
+            for t in slots:
+                while t.is_alive():
+                    t.join(0.5)
+        finally:
+            stop.set()
+            beat.join(5.0)
+            self._write_worker(exited=True)
+            self._done.set()
+        log.info("worker %s exits: %s", self.wid, self.stats.as_dict())
+        return self.stats.as_dict()
+
+    def _slot(self, stop: threading.Event) -> None:
+        idle = self.cfg.continuous.poll_s
+        while not stop.is_set():
+            if self.queue.stopped():
+                stop.set()
+                break
+            version = self.versions.current()  # read before the claim: the unit starts under it
+            lease = self.queue.claim(self.wid)
+            if lease is None:
+                stop.wait(idle * (0.5 + random.random()))
+                continue
+            with self.lock:
+                self.stats.claimed += 1
+                fl = _InFlight(lease=lease, start_version=version,
+                               seen_versions=[version.version] if version else [])
+                self.inflight[lease.unit.uid] = fl
+            try:
+                self._run_unit(fl, stop)
+            except Exception:  # a bug: give the unit back, keep the worker alive
+                log.exception("unit %s failed in the worker", lease.unit.uid)
+                self.queue.release(lease)
+            finally:
+                with self.lock:
+                    self.inflight.pop(lease.unit.uid, None)
+
+    def _unit_cfg(self, fl: _InFlight) -> RunConfig:
+        v = fl.start_version
+        if v is not None and v.model:
+            return self.cfg.model_copy(update={"policy": self.cfg.policy.model_copy(update={"model": v.model})})
+        return self.cfg
+
+    def _run_unit(self, fl: _InFlight, stop: threading.Event) -> None:
+        unit = fl.lease.unit
+        task = self.tasks.get(unit.task_id)
+        if task is None:
+            log.error("unit %s names task %s, which this run does not have: given back", unit.uid, unit.task_id)
+            self.queue.release(fl.lease)
+            time.sleep(self.cfg.continuous.poll_s)
+            return
+        image = self.images.get(unit.task_id)
+        cfg = self._unit_cfg(fl)
+        recs: list[EpisodeRecord] = []
+        for i in range(unit.samples):
+            tries = 0
+            while True:
+                if fl.stop.is_set():
+                    break
+                rec = self.runner(task, unit.sample_index(i), cfg, image, fl.stop)
+                if not isinstance(rec, EpisodeRecord):
+                    rec = EpisodeRecord.model_validate(rec)
+                with self.lock:
+                    self.stats.episodes += 1
+                if rec.status != "ok" and not fl.stop.is_set() and tries < self.cfg.continuous.retries:
+                    tries += 1
+                    with self.lock:
+                        self.stats.retried += 1
+                    continue
+                break
+            if fl.stop.is_set():
+                break
+            recs.append(self._tag(rec, unit, fl))
+        if fl.stop.is_set():
+            self._interrupted(fl)
+            return
+        slot = self.queue.commit(fl.lease, records_to_table(recs))
+        with self.lock:
+            if slot is None and not (self.queue.done / f"{unit.uid}~{fl.lease.attempt}.json").exists():
+                self.stats.discarded += 1
+                log.warning("unit %s: lease lost before the commit; its records are discarded", unit.uid)
+            else:
+                self.stats.committed += 1
+        self._write_worker()
+
+    def _interrupted(self, fl: _InFlight) -> None:
+        with self.lock:
+            why = fl.why
+        if why == "lost":
+            with self.lock:
+                self.stats.discarded += 1
+            log.warning("unit %s: lease lost; its episodes are discarded", fl.lease.unit.uid)
+            return
+        if self.queue.release(fl.lease):
+            with self.lock:
+                self.stats.released += 1
+                self.stats.abandoned += why == "abandoned"
+            log.info("unit %s given back (%s)", fl.lease.unit.uid, why or "stopping")
+
+    def _tag(self, rec: EpisodeRecord, unit: Any, fl: _InFlight) -> EpisodeRecord:
+        upd: dict[str, Any] = {"group_id": unit.group_id}
+        if fl.start_version is not None:  # the trainer owns versions: the group's start version
+            with self.lock:
+                seen = list(dict.fromkeys(fl.seen_versions))
+            upd["policy_version"] = str(fl.start_version.version)
+            upd["policy_versions"] = [str(v) for v in seen]
+            upd["crossed_version"] = len(seen) > 1
+        return rec.model_copy(update=upd)
+
+    # ------------------------------------------------------------ heartbeat
+    def _beat(self, stop: threading.Event) -> None:
+        opts = self.cfg.continuous
+        next_sweep = time.monotonic() + random.uniform(0, opts.heartbeat_s)
+        while True:
+            stopping = stop.is_set() or self.queue.stopped()
+            version = self.versions.current()
+            with self.lock:
+                items = list(self.inflight.values())
+            for fl in items:
+                if fl.stop.is_set():
+                    continue
+                if not self.queue.heartbeat(fl.lease):
+                    self._interrupt(fl, "lost")
+                    continue
+                if version is not None:
+                    with self.lock:
+                        if not fl.seen_versions or fl.seen_versions[-1] != version.version:
+                            fl.seen_versions.append(version.version)
+                    start = fl.start_version.version if fl.start_version else 0
+                    if opts.on_version_change == "abandon" and version.version - start > opts.max_staleness:
+                        self._interrupt(fl, "abandoned")
+                        continue
+                if stopping:
+                    self._interrupt(fl, "stopping")
+            if stopping:
+                stop.set()
+                with self.lock:
+                    if not self.inflight:
+                        return
+            if time.monotonic() >= next_sweep:
+                try:
+                    self.queue.sweep()
+                except OSError as e:
+                    log.warning("queue sweep failed: %s", e)
+                next_sweep = time.monotonic() + opts.heartbeat_s * random.uniform(1.5, 2.5)
+                self._write_worker()
+            stop.wait(min(opts.heartbeat_s, 1.0) if stopping else opts.heartbeat_s)
+
+    def _interrupt(self, fl: _InFlight, why: str) -> None:
+        with self.lock:
+            if fl.why is None:
+                fl.why = why
+        fl.stop.set()
+
+    def _write_worker(self, exited: bool = False) -> None:
+        with self.lock:
+            running = sorted(self.inflight)
+            stats = self.stats.as_dict()
+        self.queue.write_worker(self.wid, {
+            "worker": self.wid, "index": self.index, "host": socket.gethostname(), "pid": os.getpid(),
+            "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+            "slurm_array": f"{os.environ.get('SLURM_ARRAY_JOB_ID')}_{os.environ.get('SLURM_ARRAY_TASK_ID')}"
+            if os.environ.get("SLURM_ARRAY_JOB_ID") else None,
+            "started_at": self.started_at, "beat_at": time.time(), "running": running,
+            "exited": exited, **stats,
+        })
