@@ -3,6 +3,7 @@ and any change to the recipe, a copied file or the base invalidates it. No appta
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -12,6 +13,7 @@ from et_hpc.images import recipe as recipe_mod
 from et_hpc.images.store import ImageStore
 from et_hpc.tasks.model import Recipe, Task
 
+EMPTY_SHA = hashlib.sha256(b"").hexdigest()
 OLD = time.time() - 3600  # mtimes in the past: the index never trusts files changed just now
 
 
@@ -81,12 +83,12 @@ def test_status_comes_from_the_cache(tmp_path: Path) -> None:
     k0, k1 = store.lookup(tasks[0]).key, store.lookup(tasks[1]).key
     store.sif_path(k0).parent.mkdir(parents=True)
     store.sif_path(k0).write_bytes(b"")
-    store.meta_path(k0).write_text(json.dumps({"digest": "d" * 64}))
+    store.meta_path(k0).write_text(json.dumps({"digest": EMPTY_SHA}))
     store.failed_path(k1).parent.mkdir(parents=True)
     store.failed_path(k1).write_text(json.dumps({"reason": "E: Unable to locate package x"}))
     got = ImageStore(cache, base_map=bm).lookup_many(tasks)
     assert [(r.status, r.digest, r.reason) for r in got] == [
-        ("cached", "d" * 64, None), ("failed", None, "E: Unable to locate package x"), ("missing", None, None)]
+        ("cached", EMPTY_SHA, None), ("failed", None, "E: Unable to locate package x"), ("missing", None, None)]
     assert got[0].path == store.sif_path(k0)
     # ensure(build=False) never builds: a missing image stays missing.
     assert ImageStore(cache, base_map=bm).ensure(tasks[2], build=False).status == "missing"
@@ -100,3 +102,30 @@ def test_bad_recipe_is_a_failed_lookup_not_an_exception(tmp_path: Path) -> None:
     missing_base = ImageStore(cache, base_map={"./ubuntu_22.04.sif": tmp_path / "nope.sif"})
     r = missing_base.lookup(make_task(tmp_path / "more", "t9"))
     assert r.status == "failed" and r.reason.startswith("base image ") and "et-hpc base build" in r.reason
+
+
+def test_swapped_image_is_refused(tmp_path: Path) -> None:
+    """A SIF changed after its build (someone with write access to the cache) is refused in one line."""
+    cache, bm, tasks = setup(tmp_path, n=1)
+    store = ImageStore(cache, base_map=bm)
+    key = store.lookup(tasks[0]).key
+    sif, meta = store.sif_path(key), store.meta_path(key)
+    sif.parent.mkdir(parents=True)
+    sif.write_bytes(b"the real image" * 100)
+    digest = hashlib.sha256(sif.read_bytes()).hexdigest()
+    meta.write_text(json.dumps({"key": key, "digest": digest, "size": sif.stat().st_size}))  # older meta: no stat
+    r = ImageStore(cache, base_map=bm).lookup(tasks[0])
+    assert r.status == "cached" and r.digest == digest
+    st = sif.stat()  # verified in full once, then the stat is recorded for the cheap check
+    assert json.loads(meta.read_text())["mtime_ns"] == st.st_mtime_ns
+    assert json.loads(meta.read_text())["ino"] == st.st_ino
+
+    fake = sif.with_name("swap.tmp")
+    fake.write_bytes(b"a trojan image" * 100)  # same size, other content
+    os.replace(fake, sif)
+    r = ImageStore(cache, base_map=bm).lookup(tasks[0])
+    assert r.status == "missing" and r.path is None
+    assert str(sif) in r.reason and "does not match its recorded digest" in r.reason and "\n" not in r.reason
+    from et_hpc.runner.plan import image_missing
+
+    assert "does not match its recorded digest" in image_missing(r)  # et-hpc run refuses with this line

@@ -43,6 +43,63 @@ def test_doctor_without_apptainer_fails_with_fix(tmp_path):
     assert "Traceback" not in r.stderr
 
 
+def _doctor_checks(env: dict) -> tuple[int, dict[str, dict]]:
+    r = et("doctor", "--json", env=env)
+    assert "Traceback" not in r.stderr, r.stderr
+    return r.returncode, {c["name"]: c for c in json.loads(r.stdout)}
+
+
+def test_doctor_warns_about_a_cache_others_can_write(tmp_path):
+    cache = tmp_path / "cache"
+    (cache / "images" / "ab").mkdir(parents=True)
+    sif = cache / "images" / "ab" / "abcd.sif"
+    sif.write_bytes(b"image")
+    for p in (cache, cache / "images", cache / "images" / "ab"):
+        p.chmod(0o700)
+    sif.chmod(0o644)
+    env = dict(os.environ, ET_HPC_CACHE=str(cache), ET_HPC_SCRATCH=str(tmp_path / "scratch"))
+    _, checks = _doctor_checks(env)
+    assert checks["image cache"]["status"] == "OK", checks["image cache"]  # private: no warning
+    sif.chmod(0o666)
+    (cache / "images").chmod(0o775)
+    _, checks = _doctor_checks(env)
+    c = checks["image cache"]
+    assert c["status"] == "WARN" and "swap a SIF" in c["detail"] and f"chmod -R go-w {cache}" in c["fix"]
+    assert str(cache / "images") in c["detail"] and "and 1 more" in c["detail"]
+
+
+def test_scratch_of_others_or_open_to_them_is_refused(tmp_path):
+    import getpass
+
+    from et_hpc.errors import UserError
+    from et_hpc.paths import check_private_dir
+
+    base = tmp_path / "scratch"
+    mine = base / f"et-hpc-{getpass.getuser()}"
+    env = dict(os.environ, ET_HPC_SCRATCH=str(base))
+    _, checks = _doctor_checks(env)
+    assert checks["node-local scratch"]["status"] == "OK" and mine.stat().st_mode & 0o777 == 0o700
+    mine.chmod(0o777)  # as if another user had made it first on a shared /tmp
+    rc, checks = _doctor_checks(env)
+    c = checks["node-local scratch"]
+    assert rc == 2 and c["status"] == "FAIL" and "writable by others" in c["detail"] and "chmod 700" in c["fix"]
+    r = et("run", "defs/demo", "--policy", "null", "--store", str(tmp_path / "store"), "--run-name", "x",
+           env=env)  # run refuses it too, in one line, before any episode
+    err = [ln for ln in r.stderr.splitlines() if ln.startswith("et-hpc: error:")]
+    assert r.returncode == 2 and len(err) == 1 and "writable by others" in err[0], r.stderr
+    assert "Traceback" not in r.stderr and not list((tmp_path / "store").rglob("part-*.parquet"))
+    mine.rmdir()
+    mine.symlink_to(tmp_path)
+    _, checks = _doctor_checks(env)
+    assert checks["node-local scratch"]["status"] == "FAIL" and "not a plain directory" in checks["node-local scratch"]["detail"]
+    try:  # someone else's directory (root's here)
+        check_private_dir(Path("/usr"), "node-local scratch")
+    except UserError as e:
+        assert "belongs to uid 0, not you" in str(e) and "\n" not in str(e)
+    else:
+        assert os.getuid() == 0
+
+
 def test_base_build_second_run_is_cached(base_sif):
     r = et("base", "build", "--source", "debian", "--json")
     assert r.returncode == 0, r.stderr

@@ -12,6 +12,11 @@ base SIF it starts from, the content of every file it copies in). Layout under t
 Many processes on many nodes may ``ensure`` the same key at once: one builds, the others wait
 for the lock and then find the image. ``lookup`` never builds and is cheap (per-file and base
 digests are cached by path, size and mtime).
+
+An image is checked against the sha256 recorded at build time before it is handed out: cheaply
+(size, mtime and inode as recorded) and in full when those changed. One that no longer matches
+(someone with write access to the cache swapped it) is refused as ``missing`` with a one-line
+reason; ``et-hpc build`` rebuilds it.
 """
 
 from __future__ import annotations
@@ -391,6 +396,9 @@ class ImageStore:
         sif = self.sif_path(key)
         if sif.exists():
             meta = self._read_json(self.meta_path(key)) or {}
+            bad = self._changed_since_build(sif, meta)
+            if bad:
+                return ImageResult(task_id=task_id, key=key, status="missing", reason=bad, log_path=None)
             return ImageResult(task_id=task_id, key=key, status="cached", path=sif, digest=meta.get("digest"),
                                log_path=self.log_path(key))
         failed = self._read_json(self.failed_path(key))
@@ -398,6 +406,30 @@ class ImageStore:
             return ImageResult(task_id=task_id, key=key, status="failed", reason=failed.get("reason"),
                                log_path=self.log_path(key))
         return ImageResult(task_id=task_id, key=key, status="missing", log_path=None)
+
+    def _changed_since_build(self, sif: Path, meta: dict) -> str | None:
+        """None when ``sif`` is the image that was built (cheap: size, mtime and inode as recorded;
+        in full, sha256, when those changed), else the one-line reason it is refused."""
+        want = meta.get("digest")
+        if not want:
+            return None  # an image from before digests were recorded: nothing to compare with
+        try:
+            st = os.stat(sif)
+        except OSError:
+            return None
+        if [meta.get("size"), meta.get("mtime_ns"), meta.get("ino")] == [st.st_size, st.st_mtime_ns, st.st_ino]:
+            return None
+        got = self._digests.file(sif)  # memoised by path, size, mtime and inode
+        if got != want:
+            return (f"image {sif} does not match its recorded digest (sha256 {got[:12]}, built as {want[:12]}): "
+                    f"it was changed after the build; remove it and rebuild with 'et-hpc build'")
+        if meta.get("key"):  # verified in full: record the stat so the next lookup is cheap again
+            try:
+                atomic_write_text(self.meta_path(meta["key"]), json.dumps(
+                    {**meta, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino}, indent=1))
+            except OSError:
+                pass  # a read-only cache: verified again by the next process
+        return None
 
     def _resolve(self, task: Any) -> tuple[str, Any, ImageResult | None]:
         """(key, normalised recipe, None) or ("", None, result) for prebuilt or unbuildable tasks."""
@@ -539,8 +571,10 @@ class ImageStore:
                 os.replace(tmp_out, sif)
                 fsync_dir(sif.parent)
                 seconds = time.monotonic() - t0
+                st = sif.stat()
                 meta = {"key": key, "format": FORMAT, "task_ids": [tid], "built_at": _now(), "host": host,
-                        "seconds": round(seconds, 2), "digest": digest, "size": sif.stat().st_size,
+                        "seconds": round(seconds, 2), "digest": digest, "size": st.st_size,
+                        "mtime_ns": st.st_mtime_ns, "ino": st.st_ino,  # the cheap check at lookup
                         "rewrites": list(getattr(recipe, "rewrites", None) or []),
                         "base": str(getattr(recipe, "base", None) or "") or None}
                 atomic_write_text(self.meta_path(key), json.dumps(meta, indent=1))

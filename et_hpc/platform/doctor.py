@@ -2,6 +2,11 @@
 
 Each check returns OK, WARN or FAIL with a one-line detail and, when not OK, the fix. The machine is
 usable when no check FAILs (exit 0); otherwise the command exits 2.
+
+Safety checks: the image cache WARNs when its directories or SIFs are writable by group or others
+or belong to another user (someone could swap an image; lookups also verify digests); node-local
+scratch FAILs when it is a symlink, someone else's, or writable by others (``paths.scratch_dir``
+refuses to use it then).
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ import getpass
 import os
 import re
 import shutil
+import stat
 import subprocess
 import tempfile
 from dataclasses import asdict, dataclass
@@ -17,6 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 from et_hpc import paths
+from et_hpc.errors import UserError
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
 MIN_APPTAINER = (1, 3)
@@ -185,6 +192,9 @@ def check_scratch() -> Check:
         d = paths.scratch_dir()
     except OSError as e:
         return Check("node-local scratch", FAIL, str(e), "set ET_HPC_SCRATCH (or TMPDIR) to a writable local directory")
+    except UserError as e:  # someone else's, or writable by others: refused
+        return Check("node-local scratch", FAIL, str(e).split(": refusing")[0] + ": refused",
+                     str(e).split("; ", 1)[-1])
     gb = _free_gb(d)
     detail = f"{d}: {gb:.1f} GB free"
     if gb < 1:
@@ -203,7 +213,49 @@ def check_cache() -> Check:
     except OSError as e:
         return Check("image cache", FAIL, f"{d} not writable: {e.strerror}",
                      "set ET_HPC_CACHE to a writable directory on shared storage")
+    loose = cache_exposure(d)
+    if loose:
+        p, why = loose[0]
+        more = f" and {len(loose) - 1} more" if len(loose) > 1 else ""
+        return Check("image cache", WARN, f"{p} is {why}{more}: someone else could swap a SIF (lookups check "
+                     "images against their recorded digests and refuse changed ones)",
+                     f"chmod -R go-w {d} (a cache shared with a group: only with people you trust)")
     return Check("image cache", OK, f"{d} writable, {_free_gb(d):.1f} GB free")
+
+
+def cache_exposure(d: Path, limit: int = 20000) -> list[tuple[Path, str]]:
+    """Paths of the image cache that someone else could change: the cache and image directories,
+    and the SIFs, that are writable by group or others or belong to another user (at most ``limit``
+    entries are looked at; one ``lstat`` each)."""
+    out: list[tuple[Path, str]] = []
+    uid = os.getuid()
+    todo = [d, d / "images", d / "base"]
+    for sub in (d / "images", d / "base"):
+        try:
+            todo += sorted(sub.iterdir())
+        except OSError:
+            pass
+    seen = 0
+    while todo and seen < limit:
+        p = todo.pop(0)
+        try:
+            st = os.lstat(p)
+        except OSError:
+            continue
+        seen += 1
+        if stat.S_ISDIR(st.st_mode) and p.parent.name == "images" and p.parent.parent == d:
+            try:
+                todo += [c for c in sorted(p.iterdir()) if c.suffix == ".sif"]
+            except OSError:
+                pass
+        elif not stat.S_ISDIR(st.st_mode) and p.suffix != ".sif":
+            continue
+        mode = stat.S_IMODE(st.st_mode)
+        if st.st_uid != uid:
+            out.append((p, f"owned by uid {st.st_uid}"))
+        elif mode & 0o022 and not (mode & 0o1000 and p == d):
+            out.append((p, f"writable by {'others' if mode & 0o002 else 'its group'} (mode {mode:04o})"))
+    return out
 
 
 def check_base() -> Check:

@@ -190,6 +190,10 @@ def run_local(plan: Plan, runner: UnitRunner | None = None, *, store: Any = None
     store = store if store is not None else open_store(plan.run_dir)
     stop = stop or threading.Event()
     items = work_items(plan, plan.units)
+    if items and cfg.unit_runner == RunConfig.model_fields["unit_runner"].default:
+        from et_hpc.paths import scratch_dir
+
+        scratch_dir()  # a scratch directory we must not use: one line and exit 2 before any episode
     bar = tqdm(total=len(items), desc=f"run {cfg.run_name()}", unit="ep", file=sys.stderr,
                disable=not progress, dynamic_ncols=True)
     pool = UnitPool(items, runner, cfg, store, cfg.node_concurrency(), stop, bar)
