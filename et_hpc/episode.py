@@ -5,6 +5,11 @@ will not start, a policy server that keeps failing, or scoring that breaks all b
 ``EpisodeRecord`` with an error status and ``reward=None`` (never reward 0). Only a reward that
 came out of the task's final tests is recorded as a reward.
 
+The run config's sandbox limits apply throughout: ``ulimit`` lines in the agent's shell, scoring
+rlimits, and a memory/process watchdog (et_hpc.sandbox.watchdog) over the agent loop and the
+final tests. A watchdog kill is the agent's doing: the killed command returns "Killed" with a
+note, the episode is scored as usual, and the kill is in the record's ``events``.
+
 Who is to blame decides the status (SECURITY.md): what the agent's own actions cause is status
 ``ok`` with reward 0.0 and ``score_note`` saying what happened: tests that hang past the verifier
 timeout, a state pytest cannot run in, an instance ended from inside, and a shell the agent broke
@@ -30,6 +35,7 @@ from et_hpc.agent.policies import PolicyConfig, make_policy
 from et_hpc.errors import InfraError, UserError
 from et_hpc.record import EpisodeRecord, TestResult, Timings
 from et_hpc.sandbox.sandbox import Sandbox
+from et_hpc.sandbox.watchdog import PHASE_SCORING, Watchdog
 from et_hpc.scoring import GONE_NOTE, score
 from et_hpc.tasks.model import Task
 
@@ -204,6 +210,9 @@ def run_episode(task: Task, sample: int, cfg: RunConfig, image: Any, *, stop: th
         overlay_mb=None if cfg.sandbox.writable_tmpfs else max(storage, 64),
         writable_tmpfs=cfg.sandbox.writable_tmpfs,
         network_none=cfg.sandbox.network == "none",
+        nproc=cfg.sandbox.max_pids + PIDS_HEADROOM,
+        vmem_mb=cfg.sandbox.vmem_mb,
+        fsize_mb=cfg.sandbox.fsize_mb,
     )
     outcome = _drive(task, sandbox, policy, pcfg, budgets, cfg, stop, timings)
     base["model"] = getattr(policy, "model", None) or base["model"]  # a served model is named on first use
@@ -221,12 +230,14 @@ def run_episode(task: Task, sample: int, cfg: RunConfig, image: Any, *, stop: th
 def _drive(task, sandbox, policy, pcfg, budgets, cfg, stop, timings) -> tuple[str, dict[str, Any]]:
     """Start the sandbox, run the agent, score. Returns (status, record fields); never raises."""
     result: AgentResult | None = None
+    wd: Watchdog | None = None
     try:
         try:
             t = time.monotonic()
             sandbox.start()
             shell = sandbox.shell(output_limit=budgets.output_limit_chars)
             shell.run(f"umask {AGENT_UMASK}", timeout=30)
+            wd = start_watchdog(sandbox, shell, cfg.sandbox)
             timings["setup_s"] = time.monotonic() - t
         except (InfraError, OSError) as e:
             return "infra_error", {"error": f"sandbox: {e}"}
@@ -243,15 +254,49 @@ def _drive(task, sandbox, policy, pcfg, budgets, cfg, stop, timings) -> tuple[st
         timeout = cfg.scoring_timeout_s
         if task.limits.verifier_timeout_s:
             timeout = max(timeout, task.limits.verifier_timeout_s)
+        if wd is not None:
+            wd.phase, wd.protect = PHASE_SCORING, set  # scoring closes the shells
         sc = score(sandbox, task.final_tests, timeout_s=timeout)
         timings["score_s"] = time.monotonic() - t
+        if wd is not None:
+            wd.stop()
+            events += wd.events
+            sc = watchdog_blame(wd, sc)
         if stop.is_set() and (sc.status != "ok" or sc.note == GONE_NOTE):
             return "infra_error", {"error": "interrupted by the run", "result": result, "events": events}
         if sc.status != "ok":
             return "score_error", {"error": sc.error, "result": result, "sc": sc, "events": events}
-        if events and sc.reward == 0.0 and not sc.note:
+        if result.stop_reason == "shell_broken" and sc.reward == 0.0 and not sc.note:
             sc.note = f"the agent broke its shell ({result.error}); the state it left fails the tests"
         return "ok", {"result": result, "sc": sc, "events": events}
     except Exception as e:  # noqa: BLE001 - an episode must end in a record, whatever broke
         log.exception("episode %s/%s failed", task.id, getattr(sandbox, "name", "?"))
         return "infra_error", {"error": f"{type(e).__name__}: {e}", "result": result}
+    finally:
+        if wd is not None:
+            wd.stop()
+
+
+# ``ulimit -u`` sits this far above ``sandbox.max_pids``, so the watchdog sees a fork bomb reach
+# max_pids and kills it, instead of the bomb saturating just under the rlimit until the timeout.
+PIDS_HEADROOM = 64
+
+
+def start_watchdog(sandbox: Sandbox, shell: Any, opts: Any) -> Watchdog | None:
+    """The episode's memory/process watchdog (None when ``watchdog_interval_s`` is 0). The agent's
+    shell is spared at first (the command that blew up returns killed) and gets the note."""
+    if not opts.watchdog_interval_s:
+        return None
+    return Watchdog(sandbox, memory_mb=opts.memory_mb, max_pids=opts.max_pids,
+                    interval_s=opts.watchdog_interval_s, protect=lambda: {shell.host_pid},
+                    on_event=shell.add_note).start()
+
+
+def watchdog_blame(wd: Watchdog, sc: Any) -> Any:
+    """A watchdog kill during the final tests is the agent's doing (it left a /dev/zero symlink, a
+    huge sparse file, a full /dev/shm): a score that failed because of it becomes ok, reward 0."""
+    if sc.status == "ok" or not wd.tripped_in(PHASE_SCORING):
+        return sc
+    line = next(e for e in wd.events if PHASE_SCORING in e)
+    return sc.model_copy(update={"status": "ok", "reward": 0.0, "error": None,
+                                 "note": f"the final tests hit a limit: {line}"})

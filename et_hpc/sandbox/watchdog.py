@@ -342,6 +342,7 @@ class Watchdog:
 
     def _trip(self, reason: str, s: Sample) -> str:
         assert self.ns is not None and self.init_pid is not None
+        phase = self.phase  # a long kill (a fork bomb) may outlast the phase
         if self.on_event is not None:
             try:  # before killing, so the command that dies gets the note with its result
                 self.on_event(f"[{reason}: the sandbox's processes were killed]")
@@ -360,11 +361,11 @@ class Watchdog:
         if keep and (self._over(s) or (self.max_pids and len(s.pids) >= self.max_pids)):
             killed += self.kill_all(set())
             notes.append("the shell was killed too")
-        line = f"{reason} during {self.phase}: killed {killed} processes"
+        line = f"{reason} during {phase}: killed {killed} processes"
         if notes:
             line += "; " + "; ".join(notes)
         self.trips += 1
-        self.trips_by_phase[self.phase] = self.trips_by_phase.get(self.phase, 0) + 1
+        self.trips_by_phase[phase] = self.trips_by_phase.get(phase, 0) + 1
         self.killed += killed
         self.events.append(line)
         log.info("watchdog %s: %s", getattr(self.sandbox, "name", self.init_pid), line)
