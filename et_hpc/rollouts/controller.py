@@ -113,11 +113,16 @@ class Controller:
         print(f"submitted {len(jobs)} continuous workers: array {self.job_ids[0].split('_')[0]}",
               file=sys.stderr, flush=True)
 
-    def workers_ended(self) -> bool:
+    def workers_ended(self, every_s: float = 0.0) -> bool:
+        """True when no worker is left (Slurm is asked at most every ``every_s``)."""
         if self._local is not None:
             return not self._local[0].is_alive()
         if not self.job_ids:
             return True
+        now = time.monotonic()
+        if now - getattr(self, "_asked", -1e9) < every_s:
+            return False
+        self._asked = now
         from et_hpc.runner import watch
 
         states = watch.task_states(self.job_ids)
@@ -157,7 +162,7 @@ class Controller:
                 if self.queue.stopped():
                     reason = self.queue.stop_reason() or reason
                     break
-                if self.workers_ended():
+                if self.workers_ended(every_s=15.0):
                     reason = "every worker ended"
                     print("et-hpc: every worker ended before the run was told to stop: see "
                           f"{self.run_dir / 'slurm'} for their logs; rerun to continue the queue",
