@@ -64,3 +64,47 @@ def test_dead_server_names_file_and_job(tmp_path):
 def test_needs_something():
     with pytest.raises(UserError, match="--base-url"):
         resolve_endpoint(None, None)
+
+
+def test_key_and_version_from_file_and_a_file_others_can_read_is_refused(tmp_path):
+    from et_hpc.agent.endpoint import read_endpoint_file
+
+    ep = tmp_path / "private" / "ep.json"
+    with ScriptedServer({"": ["hi"]}, api_key="k-123456") as srv:
+        srv.write_endpoint_file(ep, job_id="5", model_version="ckpt@step-3")
+        assert ep.stat().st_mode & 0o777 == 0o600 and ep.parent.stat().st_mode & 0o777 == 0o700
+        e = resolve_endpoint(None, ep, wait_s=10, poll_s=0.1, api_key="ignored", api_key_env="NOPE_NOT_SET")
+        assert e.api_key == "k-123456" and e.model_version == "ckpt@step-3" and srv.requests.get("401", 0) == 0
+        assert "k-123456" not in repr(e) and "api_key" not in e.model_dump()
+        ep.chmod(0o644)  # readable by others: the key may be known
+        with pytest.raises(UserError) as err:
+            read_endpoint_file(ep)
+        assert "readable by others" in str(err.value) and f"chmod 600 {ep}" in str(err.value)
+        assert "\n" not in str(err.value)
+        # without the key the server says so, and the give-up message names the 401
+        ep.chmod(0o600)
+        rec = json.loads(ep.read_text())
+        rec.pop("api_key")
+        ep.write_text(json.dumps(rec))
+        ep.chmod(0o644)  # no key in it: nothing to protect, read fine
+        with pytest.raises(UserError, match="401"):
+            resolve_endpoint(None, ep, wait_s=0.3, poll_s=0.1, api_key_env="NOPE_NOT_SET")
+
+
+def test_watch_rereads_only_on_change(tmp_path):
+    import os
+
+    from et_hpc.agent.endpoint import EndpointWatch, write_endpoint_file
+
+    ep = tmp_path / "ep.json"
+    write_endpoint_file(ep, endpoint_record("127.0.0.1", 1, "m", model_version="v1"))
+    w = EndpointWatch(ep)
+    assert w.version() == "v1"
+    st = ep.stat()
+    ep.write_text(ep.read_text().replace("v1", "v9"))  # same size; put the old mtime back
+    os.utime(ep, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert w.version() == "v1"  # same inode, size and mtime: not re-read (one stat per turn)
+    write_endpoint_file(ep, endpoint_record("127.0.0.1", 1, "m", model_version="v2"))  # rename: new inode
+    assert w.version() == "v2"
+    ep.unlink()
+    assert w.version() == "v2"  # between jobs: the last one known
