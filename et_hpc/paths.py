@@ -44,7 +44,7 @@ def scratch_dir() -> Path:
 def check_private_dir(d: Path, what: str) -> None:
     """Raise ``UserError`` unless ``d`` is a real directory of ours that only we can write."""
     st = os.lstat(d)
-    fix = f"remove it (or ask an admin to) or set ET_HPC_SCRATCH to a directory of your own"
+    fix = "remove it (or ask an admin to) or set ET_HPC_SCRATCH to a directory of your own"
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         raise UserError(f"{what} {d} is not a plain directory (a symlink?): refusing to use it; {fix}")
     if st.st_uid != os.getuid():

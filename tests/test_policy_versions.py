@@ -6,7 +6,6 @@ switch flagged ``crossed_version``.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
