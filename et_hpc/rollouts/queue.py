@@ -192,7 +192,7 @@ class WorkQueue:
         return c
 
     # ------------------------------------------------------------ claim / heartbeat / release / commit
-    def claim(self, worker: str, spread: int = 8) -> Lease | None:
+    def claim(self, worker: str, spread: int = 2) -> Lease | None:
         """Take one pending unit (about the oldest); None when the queue is empty or stopped."""
         if self.stopped():
             return None
