@@ -44,6 +44,7 @@ import os
 import random
 import secrets
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +60,7 @@ log = logging.getLogger(__name__)
 SLOT_PREFIX = "part-s"
 SLOT_DIGITS = 10
 SEP = "~"
+LIST_TTL_S = 5.0
 
 
 def slot_name(seq: int) -> str:
@@ -124,6 +126,9 @@ class WorkQueue:
         self.workers = self.root / "workers"
         self.lease_s = float(lease_s)
         self.grace_s = float(grace_s if grace_s is not None else lease_s)
+        self._cand: list[str] = []
+        self._cand_at = 0.0
+        self._claim_lock = threading.Lock()
 
     # ------------------------------------------------------------ setup
     def exists(self) -> bool:
@@ -196,9 +201,27 @@ class WorkQueue:
         """Take one pending unit (about the oldest); None when the queue is empty or stopped."""
         if self.stopped():
             return None
-        names = self.pending_names()
-        while names:
-            # the first few in order, picked at random, so racing workers rarely collide
+        with self._claim_lock:  # the cached listing is shared by a worker's slots
+            return self._claim(worker, spread)
+
+    def _claim(self, worker: str, spread: int) -> Lease | None:
+        # The listing is cached (a claim costs one rename, not a directory listing) and refreshed
+        # when used up or older than LIST_TTL_S; a name another worker took fails with ENOENT.
+        now = time.monotonic()
+        if not self._cand or now - self._cand_at > LIST_TTL_S:
+            self._cand, self._cand_at = self.pending_names(), now
+        names = self._cand
+        relisted = False
+        while True:
+            if not names:
+                if relisted:
+                    return None
+                relisted = True
+                names = self._cand = self.pending_names()
+                self._cand_at = time.monotonic()
+                if not names:
+                    return None
+            # one of the oldest few, picked at random, so racing workers rarely collide
             i = random.randrange(min(spread, len(names)))
             name = names.pop(i)
             uid = name[:-5]
