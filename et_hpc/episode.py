@@ -91,7 +91,7 @@ def resolve_policy_config(cfg: PolicyConfig) -> PolicyConfig:
     """Fill ``base_url``/``model`` of an openai policy from the endpoint file (once per process)."""
     if cfg.kind != "openai" or (cfg.base_url and not cfg.endpoint_file):
         return cfg
-    key = (cfg.base_url, str(cfg.endpoint_file))
+    key = (cfg.base_url, str(cfg.endpoint_file), cfg.model)  # the model: a trainer-owned switch names a new one
     with _ENDPOINT_LOCK:
         if key not in _ENDPOINTS:
             from et_hpc.agent.endpoint import resolve_endpoint
