@@ -204,8 +204,10 @@ def run_episode(task: Task, sample: int, cfg: RunConfig, image: Any, *, stop: th
     except (UserError, InfraError) as e:
         return record("policy_error", error=str(e))
     storage = task.limits.storage_mb or cfg.sandbox.overlay_mb
+    from et_hpc.images.local_copy import episode_image
+    sif = episode_image(image, cfg.sandbox)  # node-local copy when configured; its lease lives as long as `sif`
     sandbox = Sandbox(
-        image.path,
+        sif,
         run_prefix=f"et-{cfg.run_name()}"[:24],
         overlay_mb=None if cfg.sandbox.writable_tmpfs else max(storage, 64),
         writable_tmpfs=cfg.sandbox.writable_tmpfs,

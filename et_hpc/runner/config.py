@@ -51,6 +51,10 @@ class SandboxOptions(BaseModel):
     vmem_mb: int = Field(default=8192, ge=64)
     fsize_mb: int = Field(default=4096, ge=1)
     watchdog_interval_s: float = Field(default=0.25, ge=0)
+    # node-local SIF copies (et_hpc.images.local_copy): auto copies only when the image cache and
+    # scratch are on different filesystems; always forces it; never starts from the cache
+    local_copy: Literal["auto", "always", "never"] = "auto"
+    local_copy_budget_gb: float = Field(default=20.0, gt=0)
 
 
 class SlurmOptions(BaseModel):
