@@ -1,0 +1,366 @@
+"""A cold sandbox lifecycle side by side: et-hpc vs hermes-agent's and mini-swe-agent's Apptainer
+environments, in one run; et-hpc's memory per live sandbox; starts from a node-local image copy.
+
+Run as an unprivileged user (apptainer refuses root here):
+    python bench/bench_peers.py [--reps 10] [--sif PATH] [--peers-venv DIR] [--mem-sandboxes 4] [--markdown]
+
+One lifecycle = a new sandbox on the base SIF, the same 10 shell commands (each checked), teardown.
+- et-hpc: ``Sandbox(sif).start()``, ``sandbox.shell()``, ``shell.run`` x10, ``sandbox.stop()``.
+- hermes-agent: ``tools.terminal_tool._create_environment("singularity", sif, ...)`` (what its
+  terminal tool calls), ``env.execute`` x10, ``env.cleanup()``. Its default container limits
+  (``container_cpu=1``, ``container_memory=5120``) make apptainer ask for cgroups, which a rootless
+  node without systemd refuses, so they are set to 0 (what a user there must do); the rest is its
+  defaults (persistent overlay directory, a fresh ``task_id`` per lifecycle so each one is cold).
+- mini-swe-agent: ``minisweagent.environments.singularity.SingularityEnvironment(image=sif,
+  executable="apptainer")`` (``build --sandbox``, then ``exec --writable`` per command),
+  ``env.execute({"command": ...})`` x10, ``env.cleanup()``.
+
+The peers live in their own virtualenv (default ``~/peers-venv``; created with
+``python3 -m venv DIR && DIR/bin/pip install hermes-agent mini-swe-agent`` when missing; they are
+not et-hpc dependencies). Each peer runs in a long-lived driver process (this file with
+``--driver NAME`` under the peers' interpreter) that times one lifecycle per request, so imports are
+not counted, and the three are interleaved round by round (order rotated) so machine noise hits all
+alike. One warm-up round is not counted. Times are wall-clock inside the process doing the lifecycle.
+
+Memory: ``--mem-sandboxes`` et-hpc sandboxes live at once, each with its shell; the processes a
+sandbox adds are its instance's session (monitor, appinit, squashfuse/fuse2fs/fuse-overlayfs) and
+its shell's ``apptainer exec`` subtree; RSS and PSS (``smaps_rollup``) summed, per sandbox.
+
+Local copy: the cost of making a node-local copy (``et_hpc.images.local_copy.local_image``) of the
+SIF and sandbox starts from the cache path vs from the copy, interleaved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+COMMANDS = [
+    ("echo hello", "hello"),
+    ("uname -s", "Linux"),
+    ("head -n 1 /etc/os-release", "NAME="),
+    ("mkdir -p /opt/w && echo made", "made"),
+    ("printf 'a\\nb\\nc\\n' > /opt/w/f.txt && echo wrote", "wrote"),
+    ("wc -l < /opt/w/f.txt", "3"),
+    ("grep -c b /opt/w/f.txt", "1"),
+    ("ls /opt/w", "f.txt"),
+    ("sort -r /opt/w/f.txt | head -n 1", "c"),
+    ("rm -rf /opt/w && echo done", "done"),
+]
+PEERS = ("hermes", "mini")
+PEER_PACKAGES = ["hermes-agent", "mini-swe-agent"]
+
+
+def _check(outputs: list[str]) -> list[str]:
+    return [f"{cmd!r}: {out.strip()[-200:]!r}" for (cmd, want), out in zip(COMMANDS, outputs) if want not in out]
+
+
+# -- peer drivers (run under the peers' interpreter) -----------------------------------------
+
+def _hermes_lifecycle(sif: str) -> tuple[float, float, float, list[str]]:
+    from tools.terminal_tool import _create_environment
+
+    t0 = time.perf_counter()
+    env = _create_environment("singularity", sif, "/", 60, task_id=f"bench-{uuid.uuid4().hex[:8]}",
+                              container_config={"container_cpu": 0, "container_memory": 0})
+    t1 = time.perf_counter()
+    outs = [env.execute(cmd)["output"] for cmd, _ in COMMANDS]
+    t2 = time.perf_counter()
+    env.cleanup()
+    return t1 - t0, t2 - t1, time.perf_counter() - t2, outs
+
+
+def _mini_lifecycle(sif: str) -> tuple[float, float, float, list[str]]:
+    from minisweagent.environments.singularity import SingularityEnvironment
+
+    t0 = time.perf_counter()
+    env = SingularityEnvironment(image=sif, executable="apptainer")
+    t1 = time.perf_counter()
+    outs = [env.execute({"command": cmd})["output"] for cmd, _ in COMMANDS]
+    t2 = time.perf_counter()
+    env.cleanup()
+    return t1 - t0, t2 - t1, time.perf_counter() - t2, outs
+
+
+def driver(name: str, sif: str) -> None:
+    """Serve lifecycles: one JSON line per ``run`` line on stdin, until EOF."""
+    out = os.fdopen(os.dup(1), "w")  # ours; whatever the peers print goes to stderr
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    home = tempfile.mkdtemp(prefix=f"bench-{name}-home-")
+    os.environ["HERMES_HOME"] = home  # hermes keeps overlays and snapshots under its home
+    os.environ["MSWEA_GLOBAL_CONFIG_DIR"] = home
+    fn = _hermes_lifecycle if name == "hermes" else _mini_lifecycle
+    import importlib.metadata as md
+
+    pkg = "hermes-agent" if name == "hermes" else "mini-swe-agent"
+    print(json.dumps({"version": md.version(pkg)}), file=out, flush=True)
+    try:
+        for line in sys.stdin:
+            if line.strip() != "run":
+                continue
+            try:
+                setup, cmds, stop, outs = fn(sif)
+                print(json.dumps({"setup_s": setup, "cmds_s": cmds, "stop_s": stop, "bad": _check(outs)}), file=out, flush=True)
+            except Exception as e:  # noqa: BLE001 - reported to the parent
+                print(json.dumps({"error": f"{type(e).__name__}: {str(e)[-500:]}"}), file=out, flush=True)
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+class Peer:
+    def __init__(self, name: str, python: Path, sif: Path) -> None:
+        self.name = name
+        self.proc = subprocess.Popen([str(python), __file__, "--driver", name, "--sif", str(sif)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.version = json.loads(self._line())["version"]
+
+    def _line(self) -> str:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{self.name} driver exited ({self.proc.wait()})")
+        return line
+
+    def run(self) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("run\n")
+        self.proc.stdin.flush()
+        return json.loads(self._line())
+
+    def close(self) -> None:
+        if self.proc.stdin:
+            self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def ensure_peers_venv(venv: Path) -> Path:
+    py = venv / "bin" / "python"
+    ok = py.exists() and subprocess.run(
+        [str(py), "-c", "import tools.environments.singularity, minisweagent.environments.singularity"],
+        capture_output=True).returncode == 0
+    if not ok:
+        print(f"installing {' '.join(PEER_PACKAGES)} into {venv} (once)", file=sys.stderr)
+        subprocess.run([sys.executable if not py.exists() else str(py), "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(py), "-m", "pip", "install", "-q", *PEER_PACKAGES], check=True)
+    return py
+
+
+# -- et-hpc ----------------------------------------------------------------------------------
+
+def et_lifecycle(sif: Path, scratch: Path) -> dict[str, Any]:
+    from et_hpc.sandbox.sandbox import Sandbox
+
+    t0 = time.perf_counter()
+    sb = Sandbox(sif, run_prefix="bench", scratch=scratch)
+    sb.start()
+    sh = sb.shell()
+    t1 = time.perf_counter()
+    outs = [sh.run(cmd, timeout=60).output for cmd, _ in COMMANDS]
+    t2 = time.perf_counter()
+    sb.stop()
+    t3 = time.perf_counter()
+    return {"setup_s": t1 - t0, "cmds_s": t2 - t1, "stop_s": t3 - t2, "bad": _check(outs)}
+
+
+def _proc_mem_kb(pid: int) -> tuple[int, int]:
+    rss = pss = 0
+    try:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("VmRSS:"):
+                rss = int(line.split()[1])
+        for line in open(f"/proc/{pid}/smaps_rollup"):
+            if line.startswith("Pss:"):
+                pss = int(line.split()[1])
+    except OSError:
+        pass
+    return rss, pss
+
+
+def _procs() -> dict[int, tuple[int, int]]:
+    """pid -> (ppid, sid) for every process we can see."""
+    out = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            s = open(f"/proc/{d}/stat").read()
+        except OSError:
+            continue
+        f = s[s.rindex(")") + 2:].split()
+        out[int(d)] = (int(f[1]), int(f[3]))
+    return out
+
+
+def sandbox_memory(sif: Path, scratch: Path, n: int) -> dict[str, Any]:
+    from et_hpc.sandbox.sandbox import Sandbox
+
+    boxes = []
+    try:
+        for _ in range(n):
+            sb = Sandbox(sif, run_prefix="bench", scratch=scratch).start()
+            sh = sb.shell()
+            assert sh.run("echo up").output.strip() == "up"
+            boxes.append(sb)
+        time.sleep(1.0)  # let the FUSE helpers settle
+        procs = _procs()
+        me = os.getpid()
+        pids: set[int] = set()
+        for sb in boxes:
+            init, _ = sb.init_process()
+            monitor = procs[init][0]
+            pids |= {p for p, (_, sid) in procs.items() if sid == monitor}
+        # the shells' `apptainer exec` subtrees: our descendants
+        kids = {me}
+        grew = True
+        while grew:
+            new = {p for p, (pp, _) in procs.items() if pp in kids} - kids
+            grew = bool(new)
+            kids |= new
+        pids |= kids - {me}
+        mem = [_proc_mem_kb(p) for p in pids]
+        rss, pss = sum(m[0] for m in mem), sum(m[1] for m in mem)
+        return {"sandboxes": n, "processes": len(pids), "rss_mb_per_sandbox": rss / 1024 / n,
+                "pss_mb_per_sandbox": pss / 1024 / n}
+    finally:
+        for sb in boxes:
+            sb.stop()
+
+
+def local_copy_bench(sif: Path, scratch: Path, reps: int) -> dict[str, Any]:
+    from et_hpc.images.local_copy import different_filesystem, local_image
+    from et_hpc.sandbox.sandbox import Sandbox
+
+    from et_hpc.util import sha256_file
+
+    digest = sha256_file(sif)  # what the image cache records for it
+    copy_s = []
+    for _ in range(3):
+        shutil.rmtree(scratch / "images", ignore_errors=True)
+        li = local_image(sif, digest, scratch=scratch)
+        assert li.copied
+        copy_s.append(li.copy_s)
+        li.release()
+    t = time.perf_counter()
+    li = local_image(sif, digest, scratch=scratch)
+    reuse_s = time.perf_counter() - t
+    starts: dict[str, list[float]] = {"cache": [], "local": []}
+    for i in range(reps):
+        for which in (("cache", "local") if i % 2 == 0 else ("local", "cache")):
+            path = sif if which == "cache" else li.path
+            t = time.perf_counter()
+            sb = Sandbox(path, run_prefix="bench", scratch=scratch).start()
+            starts[which].append(time.perf_counter() - t)
+            sb.stop()
+    li.release()
+    return {"same_fs": not different_filesystem(sif, scratch), "size_mb": sif.stat().st_size / 1e6,
+            "copy_s": copy_s, "reuse_s": reuse_s, "starts": starts}
+
+
+# -- report ----------------------------------------------------------------------------------
+
+def _p95(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(0.95 * (len(s) - 1))))]
+
+
+def _row(rs: list[dict[str, Any]]) -> dict[str, float]:
+    tot = [r["setup_s"] + r["cmds_s"] + r["stop_s"] for r in rs]
+    return {"n": len(rs), "median": statistics.median(tot), "p95": _p95(tot),
+            "setup": statistics.median(r["setup_s"] for r in rs),
+            "cmds": statistics.median(r["cmds_s"] for r in rs),
+            "stop": statistics.median(r["stop_s"] for r in rs)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sif", type=Path)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--peers-venv", type=Path, default=Path.home() / "peers-venv")
+    ap.add_argument("--mem-sandboxes", type=int, default=4)
+    ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--driver", choices=PEERS, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.driver:
+        driver(a.driver, str(a.sif))
+        return
+    sif = a.sif
+    if sif is None:
+        from et_hpc.images.base import ensure_base
+
+        sif = ensure_base(source="debian").path
+    sif = Path(sif)
+    load0 = Path("/proc/loadavg").read_text().split()[:3]
+    peers: list[Peer] = []
+    if not a.no_peers:
+        py = ensure_peers_venv(a.peers_venv)
+        peers = [Peer(n, py, sif) for n in PEERS]
+    results: dict[str, list[dict[str, Any]]] = {"et-hpc": [], **{p.name: [] for p in peers}}
+    errors: dict[str, list[str]] = {k: [] for k in results}
+    with tempfile.TemporaryDirectory(prefix="bench-peers-") as d:
+        scratch = Path(d)
+        runners = [("et-hpc", lambda: et_lifecycle(sif, scratch))] + [(p.name, p.run) for p in peers]
+        for rnd in range(a.reps + 1):  # round 0 warms page cache and templates
+            order = runners[rnd % len(runners):] + runners[:rnd % len(runners)]
+            for name, fn in order:
+                r = fn()
+                if rnd == 0:
+                    continue
+                if "error" in r:
+                    errors[name].append(r["error"])
+                elif r["bad"]:
+                    errors[name].append("; ".join(r["bad"]))
+                else:
+                    results[name].append(r)
+        for p in peers:
+            p.close()
+        mem = sandbox_memory(sif, scratch, a.mem_sandboxes)
+        lc = local_copy_bench(sif, scratch, a.reps)
+    load1 = Path("/proc/loadavg").read_text().split()[:3]
+    rows = {k: _row(v) for k, v in results.items() if v}
+    out = {"load_start": load0, "load_end": load1, "rows": rows, "errors": errors, "memory": mem, "local_copy": lc,
+           "versions": {p.name: p.version for p in peers}}
+    if not a.markdown:
+        print(json.dumps(out, indent=2))
+        return
+    print(f"load average at start {' '.join(load0)}, at end {' '.join(load1)}; {a.reps} lifecycles each "
+          f"(after one warm-up round), interleaved; peers: "
+          + ", ".join(f"{k} {v}" for k, v in out["versions"].items()) + "\n")
+    print("| cold lifecycle (new sandbox, 10 commands, teardown) | n | median s | p95 s | setup s | 10 commands s | teardown s |")
+    print("|---|---|---|---|---|---|---|")
+    for k, r in rows.items():
+        print(f"| {k} | {r['n']} | {r['median']:.2f} | {r['p95']:.2f} | {r['setup']:.2f} | {r['cmds']:.3f} | {r['stop']:.2f} |")
+    et = rows.get("et-hpc")
+    if et:
+        for k, target in (("hermes", 6), ("mini", 25)):
+            if k in rows:
+                ratio = rows[k]["median"] / et["median"]
+                print(f"\n{k} / et-hpc (medians): {ratio:.1f}x (target >= {target}x: {'met' if ratio >= target else 'NOT met'})",
+                      end="")
+        print()
+    for k, errs in errors.items():
+        if errs:
+            print(f"\n{k}: {len(errs)} failed lifecycles, first: {errs[0][:300]}")
+    print(f"\nMemory: {mem['sandboxes']} live et-hpc sandboxes (each with its shell), {mem['processes']} processes: "
+          f"{mem['rss_mb_per_sandbox']:.1f} MB RSS, {mem['pss_mb_per_sandbox']:.1f} MB PSS per sandbox.")
+    st = lc["starts"]
+    print(f"\nLocal copy of the {lc['size_mb']:.0f} MB SIF: copy+sha256 {statistics.median(lc['copy_s']):.2f} s "
+          f"(median of {len(lc['copy_s'])}), reuse of a present copy {lc['reuse_s'] * 1000:.1f} ms; "
+          f"sandbox start from the cache {statistics.median(st['cache']):.3f} s vs from the copy "
+          f"{statistics.median(st['local']):.3f} s (medians of {len(st['cache'])}; "
+          f"{'same filesystem here' if lc['same_fs'] else 'different filesystems'}).")
+
+
+if __name__ == "__main__":
+    main()
