@@ -20,7 +20,9 @@ The peers live in their own virtualenv (default ``~/peers-venv``; created with
 not et-hpc dependencies). Each peer runs in a long-lived driver process (this file with
 ``--driver NAME`` under the peers' interpreter) that times one lifecycle per request, so imports are
 not counted, and the three are interleaved round by round (order rotated) so machine noise hits all
-alike. One warm-up round is not counted. Times are wall-clock inside the process doing the lifecycle.
+alike. Before each lifecycle (untimed) ``sync`` flushes the previous one's dirty pages: without
+it, an et-hpc teardown right after mini-swe-agent's (which writes and deletes a ~300 MB sandbox
+directory) waited 1-1.5 s for the disk in its FUSE unmount. One warm-up round is not counted. Times are wall-clock inside the process doing the lifecycle.
 
 Memory: ``--mem-sandboxes`` et-hpc sandboxes live at once, each with its shell; the processes a
 sandbox adds are its instance's session (monitor, appinit, squashfuse/fuse2fs/fuse-overlayfs) and
@@ -290,6 +292,7 @@ def main() -> None:
     ap.add_argument("--mem-sandboxes", type=int, default=4)
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--json-out", type=Path, help="also write every lifecycle's timings here")
     ap.add_argument("--driver", choices=PEERS, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.driver:
@@ -314,6 +317,7 @@ def main() -> None:
         for rnd in range(a.reps + 1):  # round 0 warms page cache and templates
             order = runners[rnd % len(runners):] + runners[:rnd % len(runners)]
             for name, fn in order:
+                os.sync()  # untimed: no lifecycle pays for the previous one's writeback
                 r = fn()
                 if rnd == 0:
                     continue
@@ -331,6 +335,8 @@ def main() -> None:
     rows = {k: _row(v) for k, v in results.items() if v}
     out = {"load_start": load0, "load_end": load1, "rows": rows, "errors": errors, "memory": mem, "local_copy": lc,
            "versions": {p.name: p.version for p in peers}}
+    if a.json_out:
+        a.json_out.write_text(json.dumps({**out, "raw": results}, indent=1))
     if not a.markdown:
         print(json.dumps(out, indent=2))
         return
