@@ -443,3 +443,52 @@ def test_runtime_removed_from_inside_still_scores(task_sif: Path, tmp_path: Path
         assert runs[0].output.strip() == "2"  # the runtime's files are gone
         res = scoring.score(sb, final_test, timeout_s=30)
         assert res.status == "ok" and res.reward == 1.0, res  # an honest solution still counts
+
+
+# -- end to end: the records these make --------------------------------------------------------
+
+def _run_demo(tmp: Path, name: str, script: dict, timeout: float = 600):
+    """``et-hpc run`` on demo_hello_file with the scripted server; returns the run's one record."""
+    import os
+    import sys
+
+    from conftest import REPO
+    from et_hpc.images.store import ImageStore
+    from et_hpc.scripted_server import ScriptedServer
+    from et_hpc.store import open_run
+    from et_hpc.tasks.loader import load_tasks
+
+    demo = REPO / "defs" / "demo"
+    task = next(t for t in load_tasks(str(demo)).tasks if t.id == "demo_hello_file")
+    assert ImageStore().ensure(task).path is not None
+    with ScriptedServer(script) as srv:
+        cmd = [sys.executable, "-m", "et_hpc.cli", "run", str(demo), "--set", "tasks.ids=[demo_hello_file]",
+               "--run-name", name, "--store", str(tmp / "store"), "--concurrency", "1", "--json",
+               "--set", "policy.kind=openai", "--set", f"policy.base_url={srv.base_url}",
+               "--set", "policy.mode=tools", "--set", "scoring_timeout_s=5"]
+        r = subprocess.run(cmd, env=os.environ.copy(), capture_output=True, text=True, timeout=timeout, cwd=tmp)
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = open_run(tmp / "store" / name)
+    recs = run.records()
+    assert len(recs) == 1, recs
+    return recs[0], run.summary()
+
+
+@pytest.mark.parametrize("case", ["shell_broken", "hanging_tests"])
+def test_episode_records_the_agents_failure(case: str, base_sif: Path, tmp_path: Path) -> None:
+    cmds = {
+        "shell_broken": ["chmod 000 /bin/bash; exit", "echo hello > /home/user/greeting.txt"],
+        # the file the final test reads becomes a FIFO: the tests hang until the verifier timeout
+        "hanging_tests": ["mkfifo /home/user/greeting.txt && stat -c %F /home/user/greeting.txt"],
+    }[case]
+    rec, summary = _run_demo(tmp_path, case, {"greeting.txt": [{"command": c} for c in cmds] + ["done"]})
+    assert rec.status == "ok" and rec.reward == 0.0, (rec.status, rec.error, rec.score_note)
+    assert rec.interpreter == "pristine"
+    if case == "shell_broken":
+        assert rec.stop_reason == "shell_broken"
+        assert any(e.startswith("shell_broken:") for e in rec.events), rec.events
+        assert rec.score_note and "broke its shell" in rec.score_note
+    else:
+        assert "fifo" in json.dumps(rec.messages)  # the trick took effect
+        assert rec.score_note == "tests exceeded the verifier timeout (5 s)"
+    assert summary.ok == 1 and summary.pass_rate == 0.0  # in the denominator, not dropped
