@@ -61,3 +61,15 @@ def store_dir() -> Path:
 def repo_root() -> Path:
     """The source checkout (for bundled defs/ and demo tasks)."""
     return Path(__file__).resolve().parent.parent
+
+
+def find_run_dir(run: str, store: Path | None) -> Path:
+    """A run directory from a path or a run name under ``store`` (default ``store_dir()``)."""
+    p = Path(run).expanduser()
+    if (p / "run.json").is_file():
+        return p
+    q = Path(store or store_dir()).expanduser() / run
+    if (q / "run.json").is_file():
+        return q
+    raise UserError(f"no run found at {p} or {q}: give a run directory (it holds run.json) or a run "
+                    "name with --store")

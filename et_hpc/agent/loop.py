@@ -23,7 +23,7 @@ from typing import Any, Callable, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from et_hpc.agent.policies import Action, ContextLengthError, Policy, PolicyError
+from et_hpc.agent.policies import Action, ContextLengthError, Policy, PolicyError, TokenCapture
 from et_hpc.agent.protocols import default_system_prompt, format_observation
 
 log = logging.getLogger(__name__)
@@ -80,16 +80,6 @@ class Turn(BaseModel):
     logprobs: list[float] | None = None
     prompt_token_ids: list[int] | None = None  # the request's whole prompt, as the server tokenized it
     tokens_from: Literal["server", "tokenize"] | None = None  # return_token_ids, or /tokenize after the fact
-
-
-class TokenCapture(BaseModel):
-    """An episode's tokens as the record stores them (see ``et_hpc.record``)."""
-
-    prompt_token_ids: list[list[int]] | None = None  # per turn: the prompt tokens new since the last completion
-    token_ids: list[list[int]] | None = None
-    logprobs: list[list[float]] | None = None
-    tokens_source: Literal["server-exact", "re-tokenized", "absent"] = "absent"
-    token_drift: str | None = None
 
 
 class AgentResult(BaseModel):

@@ -33,11 +33,11 @@ import httpx
 import openai
 
 from et_hpc.agent.endpoint import EndpointWatch, resolve_api_key
-from et_hpc.agent.policies import Action, ContextLengthError, PolicyError, text_action
+from et_hpc.agent.policies import Action, ContextLengthError, PolicyError, TokenCapture, text_action
 from et_hpc.agent.protocols import TERMINAL_TOOL, Mode, ToolArgsError, parse_tool_arguments
 
 if TYPE_CHECKING:
-    from et_hpc.agent.loop import TokenCapture, Turn
+    from et_hpc.agent.loop import Turn
     from et_hpc.agent.policies import PolicyConfig
 
 log = logging.getLogger(__name__)
@@ -358,7 +358,6 @@ class OpenAIPolicy:
 
     def capture_tokens(self, turns: list[Turn], messages: list[dict[str, Any]]) -> TokenCapture:
         """The episode's token record: per-turn deltas, source and drift (see ``record.check_tokens``)."""
-        from et_hpc.agent.loop import TokenCapture
         from et_hpc.record import check_tokens
 
         completions = [t.token_ids for t in turns]

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from et_hpc.agent.protocols import COULD_NOT_PARSE, DONE_TEXT, Mode, parse_text_reply
 from et_hpc.errors import InfraError, TaskError, UserError
+from et_hpc.record import TokensSource
 
 if TYPE_CHECKING:
     from et_hpc.tasks.model import Task
@@ -27,6 +28,16 @@ class PolicyError(InfraError):
 
 class ContextLengthError(PolicyError):
     """The server refused the request because the conversation is longer than its context."""
+
+
+class TokenCapture(BaseModel):
+    """An episode's tokens as the record stores them (see ``et_hpc.record``)."""
+
+    prompt_token_ids: list[list[int]] | None = None  # per turn: the prompt tokens new since the last completion
+    token_ids: list[list[int]] | None = None
+    logprobs: list[list[float]] | None = None
+    tokens_source: TokensSource = "absent"
+    token_drift: str | None = None
 
 
 class Action(BaseModel):

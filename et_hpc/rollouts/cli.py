@@ -67,7 +67,7 @@ def _run_args(p: argparse.ArgumentParser) -> None:
 
 
 def _run_dir(args: argparse.Namespace) -> Path:
-    from et_hpc.runner.cli import find_run_dir
+    from et_hpc.paths import find_run_dir
 
     return find_run_dir(args.run, args.store)
 

@@ -11,7 +11,7 @@ from typing import Any
 from tqdm import tqdm
 
 from et_hpc.errors import UserError
-from et_hpc.paths import store_dir
+from et_hpc.paths import find_run_dir
 from et_hpc.runner import watch
 from et_hpc.runner.config import RunConfig, load_config, parse_set
 from et_hpc.runner.plan import NO_IMAGE, OK, Plan, make_plan, open_store, read_run_json
@@ -273,17 +273,6 @@ def _run_slurm(plan: Plan, store: Any, detach: bool) -> int:
               f"et-hpc status {plan.run_dir}", file=sys.stderr)
         return 3
     return 0
-
-
-def find_run_dir(run: str, store: Path | None) -> Path:
-    p = Path(run).expanduser()
-    if (p / "run.json").is_file():
-        return p
-    q = Path(store or store_dir()).expanduser() / run
-    if (q / "run.json").is_file():
-        return q
-    raise UserError(f"no run found at {p} or {q}: give a run directory (it holds run.json) or a run "
-                    "name with --store")
 
 
 def status_info(run_dir: Path) -> dict[str, Any]:
