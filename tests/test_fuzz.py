@@ -30,7 +30,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import need
 from et_hpc.cli import main
 from et_hpc.errors import UserError
 

@@ -48,7 +48,6 @@ before the pristine interpreter runs the tests):
 from __future__ import annotations
 
 import ctypes
-import errno
 import json
 import os
 import select
@@ -428,7 +427,7 @@ def _enter(cfg: dict) -> None:
     except OSError as e:
         raise Infra(f"instance init {pid} is gone ({e.strerror})") from None
     try:
-        with open(f"stat", opener=lambda p, fl: os.open(p, fl, dir_fd=dfd)) as f:
+        with open("stat", opener=lambda p, fl: os.open(p, fl, dir_fd=dfd)) as f:
             fields = _stat_fields(f.read())
         if cfg.get("starttime") and fields[19] != str(cfg["starttime"]):
             raise Infra(f"instance init {pid} is gone (the pid now belongs to another process)")
