@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -61,3 +63,40 @@ def base_sif() -> Path:
     from et_hpc.images.base import ensure_base
 
     return ensure_base(source=os.environ.get("ET_HPC_BASE_SOURCE", "debian")).path
+
+
+def build_user_sif(base_sif: Path, d: Path, post: str = "") -> Path:
+    """Build ``d/task.sif`` on the base image: a ``user`` account owning ``/home/user``, plus ``post``."""
+    need("apptainer")
+    extra = textwrap.indent(textwrap.dedent(post).strip(), "    ") + "\n" if post.strip() else ""
+    (d / "task.def").write_text(
+        "Bootstrap: localimage\n"
+        f"From: {base_sif}\n"
+        "%post\n"
+        "    useradd -m -s /bin/bash user 2>/dev/null || true\n"
+        "    mkdir -p /home/user\n"
+        f"{extra}"
+        "    chown -R user:user /home/user\n"
+    )
+    sif = d / "task.sif"
+    cp = subprocess.run(["apptainer", "-s", "build", "--fakeroot", str(sif), str(d / "task.def")],
+                        capture_output=True, text=True, cwd=d)
+    assert cp.returncode == 0, cp.stderr[-2000:]
+    return sif
+
+
+@pytest.fixture(scope="session")
+def task_sif(base_sif: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A task image for the red-team tests: /home/user/notes.txt holds 'keep me'."""
+    return build_user_sif(base_sif, tmp_path_factory.mktemp("redteam-image"), r"printf 'keep me\n' > /home/user/notes.txt")
+
+
+def until(what: str, fn, timeout_s: float, every_s: float = 0.5):
+    """Poll ``fn`` until it returns something truthy; fail naming ``what`` after ``timeout_s``."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        got = fn()
+        if got:
+            return got
+        time.sleep(every_s)
+    pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}")

@@ -20,7 +20,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import REPO, need
+from conftest import REPO, need, until
 from et_hpc.runner import watch
 from et_hpc.runner.slurm import load_jobs, task_ids
 from et_hpc.store import RunStore
@@ -37,17 +37,6 @@ ARGS = ["run", str(DEMO), "--policy", "oracle", "--samples", str(SAMPLES), "--ru
         "--set", "slurm.units_per_task=10", "--set", "slurm.array_parallelism=4",
         "--set", "slurm.cpus_per_task=1", "--set", "slurm.time_min=15", "--set", "slurm.poll_s=1",
         "--set", "slurm.wait_timeout_min=8"]
-
-
-def _until(what: str, fn, timeout_s: float, every_s: float = 0.5):
-    """Poll ``fn`` until it returns something truthy; fail naming ``what`` after ``timeout_s``."""
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        got = fn()
-        if got:
-            return got
-        time.sleep(every_s)
-    pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
 def _running(tids: list[str]) -> list[str]:
@@ -95,12 +84,12 @@ def test_200_episodes_survive_scancel_and_sigkill(base_sif: Path, tmp_path: Path
     t0 = time.monotonic()
     p1 = subprocess.Popen(ET_HPC + ARGS, env=env, stdout=out1, stderr=err1)
     try:
-        subs = _until("the arrays to be submitted", lambda: load_jobs(run_dir)["submissions"], 120)
+        subs = until("the arrays to be submitted", lambda: load_jobs(run_dir)["submissions"], 120)
         tids = task_ids(subs)
         assert len(tids) == UNITS // 10
         # mid-run: a few episodes are in the store and several array tasks run at once
-        _until("10 episodes in the store", lambda: len(store.units()) >= 10, 300)
-        running = _until("3 array tasks running at once", lambda: (r := _running(tids)) and len(r) >= 3 and r, 120)
+        until("10 episodes in the store", lambda: len(store.units()) >= 10, 300)
+        running = until("3 array tasks running at once", lambda: (r := _running(tids)) and len(r) >= 3 and r, 120)
         cancelled = running[:2]
         subprocess.run(["scancel", *cancelled], check=True, timeout=30)
 
@@ -111,7 +100,7 @@ def test_200_episodes_survive_scancel_and_sigkill(base_sif: Path, tmp_path: Path
                     return tid, pid
             return None
 
-        killed, pid = _until("a running worker to kill", victim, 120, every_s=0.2)
+        killed, pid = until("a running worker to kill", victim, 120, every_s=0.2)
         os.kill(pid, signal.SIGKILL)
 
         rc1 = p1.wait(timeout=480)  # returns once every array task ended: it does not hang on them

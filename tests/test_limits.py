@@ -14,7 +14,6 @@ that the episode is the agent's failure: status ok, reward 0.0, with a watchdog 
 from __future__ import annotations
 
 import re
-import subprocess
 import textwrap
 import threading
 import time
@@ -24,7 +23,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import need
+from conftest import build_user_sif
 from et_hpc.episode import run_episode
 from et_hpc.record import EpisodeRecord
 from et_hpc.runner.config import RunConfig
@@ -61,21 +60,7 @@ MAX_PIDS = 128
 
 @pytest.fixture(scope="session")
 def limits_sif(base_sif: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    need("apptainer")
-    d = tmp_path_factory.mktemp("limits-image")
-    (d / "task.def").write_text(textwrap.dedent(f"""\
-        Bootstrap: localimage
-        From: {base_sif}
-        %post
-            useradd -m -s /bin/bash user 2>/dev/null || true
-            mkdir -p /home/user
-            chown -R user:user /home/user
-        """))
-    sif = d / "task.sif"
-    cp = subprocess.run(["apptainer", "-s", "build", "--fakeroot", str(sif), str(d / "task.def")],
-                        capture_output=True, text=True, cwd=d)
-    assert cp.returncode == 0, cp.stderr[-2000:]
-    return sif
+    return build_user_sif(base_sif, tmp_path_factory.mktemp("limits-image"))
 
 
 @pytest.fixture(scope="session")

@@ -7,13 +7,11 @@ Shell, then the episode is scored the way the runner scores it.
 
 from __future__ import annotations
 
-import subprocess
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from conftest import need
 from et_hpc import scoring
 from et_hpc.sandbox.sandbox import Sandbox
 
@@ -27,26 +25,6 @@ FINAL_TEST = textwrap.dedent('''\
     def test_notes_untouched():
         assert Path("/home/user/notes.txt").read_text() == "keep me\\n"
     ''')
-
-
-@pytest.fixture(scope="session")
-def task_sif(base_sif: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    need("apptainer")
-    d = tmp_path_factory.mktemp("redteam-image")
-    (d / "task.def").write_text(textwrap.dedent(f"""\
-        Bootstrap: localimage
-        From: {base_sif}
-        %post
-            useradd -m -s /bin/bash user 2>/dev/null || true
-            mkdir -p /home/user
-            printf 'keep me\\n' > /home/user/notes.txt
-            chown -R user:user /home/user
-        """))
-    sif = d / "task.sif"
-    cp = subprocess.run(["apptainer", "-s", "build", "--fakeroot", str(sif), str(d / "task.def")],
-                        capture_output=True, text=True, cwd=d)
-    assert cp.returncode == 0, cp.stderr[-2000:]
-    return sif
 
 
 @pytest.fixture

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 
-from conftest import need
 from et_hpc import scoring
 from et_hpc.agent.loop import Budgets, run_agent
 from et_hpc.agent.policies import Action
@@ -107,26 +106,6 @@ def legacy_score(sb: Sandbox, final: Path, timeout: float = 20) -> scoring.Score
     if res.get("timed_out") or not res.get("junit"):
         return scoring.ScoreResult(status="error", reward=None, error=str(res)[-500:])  # the old blame
     return scoring._result(res, 0.0)
-
-
-@pytest.fixture(scope="session")
-def task_sif(base_sif: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    need("apptainer")
-    d = tmp_path_factory.mktemp("redteam-entry-image")
-    (d / "task.def").write_text(textwrap.dedent(f"""\
-        Bootstrap: localimage
-        From: {base_sif}
-        %post
-            useradd -m -s /bin/bash user 2>/dev/null || true
-            mkdir -p /home/user
-            printf 'keep me\\n' > /home/user/notes.txt
-            chown -R user:user /home/user
-        """))
-    sif = d / "task.sif"
-    cp = subprocess.run(["apptainer", "-s", "build", "--fakeroot", str(sif), str(d / "task.def")],
-                        capture_output=True, text=True, cwd=d)
-    assert cp.returncode == 0, cp.stderr[-2000:]
-    return sif
 
 
 @pytest.fixture(scope="session")

@@ -12,12 +12,11 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, need
+from conftest import REPO, need, until
 from et_hpc.rollouts.queue import WorkQueue
 from et_hpc.runner import watch
 from et_hpc.runner.slurm import load_jobs
@@ -25,16 +24,6 @@ from et_hpc.runner.slurm import load_jobs
 ET_HPC = [sys.executable, "-m", "et_hpc.cli"]
 DEMO = REPO / "defs" / "demo"
 SOLVE = "printf 'Hello, et-hpc!\\n' > /home/user/greeting.txt"
-
-
-def _until(what, fn, timeout_s, every_s=0.5):
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        got = fn()
-        if got:
-            return got
-        time.sleep(every_s)
-    pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
 @pytest.mark.slurm
@@ -55,7 +44,7 @@ def test_training_session_from_the_slurm_readme(base_sif: Path, tmp_path: Path) 
                             "--endpoint-file", str(ep)], env=env, stdout=subprocess.PIPE, text=True)
     ctl_job = None
     try:
-        _until("the endpoint file", ep.exists, 60)
+        until("the endpoint file", ep.exists, 60)
         cfg = tmp_path / "train.yaml"
         cfg.write_text(f"""\
 name: grpo-live
@@ -74,7 +63,7 @@ continuous: {{workers: 2, lease_s: 30, heartbeat_s: 2, poll_s: 1, on_version_cha
         ctl_job = sb.stdout.strip().split(";")[0]
         run_dir = store / "grpo-live"
         q = WorkQueue(run_dir)
-        _until("the first group", lambda: q.exists() and q.published() >= 1, 300)
+        until("the first group", lambda: q.exists() and q.published() >= 1, 300)
 
         st = subprocess.run(ET_HPC + ["status", "grpo-live"], env=env, capture_output=True, text=True, timeout=60)
         assert st.returncode == 0 and "queue.pending" in st.stdout and "queue.workers_live" in st.stdout, st.stdout

@@ -15,13 +15,12 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, need
+from conftest import REPO, need, until
 from et_hpc.rollouts.queue import WorkQueue, slot_name
 from et_hpc.runner import watch
 from et_hpc.runner.slurm import load_jobs
@@ -30,16 +29,6 @@ ET_HPC = [sys.executable, "-m", "et_hpc.cli"]
 DEMO = REPO / "defs" / "demo"
 TRAIN = [sys.executable, str(REPO / "slurm" / "train_loop.py")]
 BATCHES = 20
-
-
-def _until(what: str, fn, timeout_s: float, every_s: float = 0.5):
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        got = fn()
-        if got:
-            return got
-        time.sleep(every_s)
-    pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
 def _workers(array_id: str) -> dict[str, int]:
@@ -101,12 +90,12 @@ def test_continuous_run_survives_worker_faults(base_sif: Path, tmp_path: Path, k
     tlog = tmp_path / "trainer.log"
     trainer = None
     try:
-        subs = _until("the worker array", lambda: load_jobs(run_dir)["submissions"], 120)
+        subs = until("the worker array", lambda: load_jobs(run_dir)["submissions"], 120)
         tids = subs[0]["job_ids"]
         array_id = subs[0]["array_id"]
         assert len(tids) == 4
         trainer = _start_trainer(run_dir, env, tlog)
-        _until("2 groups in the stream", lambda: q.published() >= 2, 300)
+        until("2 groups in the stream", lambda: q.published() >= 2, 300)
 
         def victim():  # a worker in the middle of an episode (it holds a lease)
             for tid, pid in _workers(array_id).items():
@@ -114,10 +103,10 @@ def test_continuous_run_survives_worker_faults(base_sif: Path, tmp_path: Path, k
                     return tid, pid
             return None
 
-        killed, pid = _until("a busy worker to SIGKILL", victim, 180, every_s=0.2)
+        killed, pid = until("a busy worker to SIGKILL", victim, 180, every_s=0.2)
         held = {n.split("~")[0] for n in os.listdir(q.leased) if f"-{pid}-" in n}
         os.kill(pid, signal.SIGKILL)
-        live = _until("two more running workers", lambda: (r := [t for t, s in watch.task_states(tids).items()
+        live = until("two more running workers", lambda: (r := [t for t, s in watch.task_states(tids).items()
                                                                   if s == "RUNNING" and t != killed]) and len(r) >= 2 and r, 120)
         cancelled, requeued = live[0], live[1]
         subprocess.run(["scancel", cancelled], check=True, timeout=30)
@@ -129,7 +118,7 @@ def test_continuous_run_survives_worker_faults(base_sif: Path, tmp_path: Path, k
                 lines = tlog.read_text().splitlines() if tlog.exists() else []
                 got = [ln for ln in lines if ln.startswith("step ")]
                 return got if len(got) >= 5 else None
-            got = _until("the trainer at step 5", mid_step, 300, every_s=0.05)
+            got = until("the trainer at step 5", mid_step, 300, every_s=0.05)
             trainer.kill()
             trainer.wait(30)
             last_got = got[-1]
