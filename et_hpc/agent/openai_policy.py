@@ -29,6 +29,7 @@ does the turn fail with ``PolicyError``. ``turn_versions`` come from the serving
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -39,8 +40,6 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import httpx
 import openai
-
-import contextlib
 
 from et_hpc.agent.endpoint import EndpointWatch, resolve_api_key
 from et_hpc.agent.policies import Action, ContextLengthError, PolicyError, TokenCapture, text_action
