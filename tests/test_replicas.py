@@ -234,6 +234,35 @@ def test_same_turn_fails_over_to_another_server(three) -> None:
     assert "-> none: connection failed" in p.events[-1], p.events
 
 
+def test_a_restarted_server_takes_its_episode_back(tmp_path: Path) -> None:
+    """One server whose job restarts (a checkpoint switch): the turn waits for the republished file."""
+    import threading
+
+    from et_hpc.agent.endpoint import endpoint_record, write_endpoint_file
+    from et_hpc.agent.openai_policy import OpenAIPolicy
+    from et_hpc.agent.replicas import ReplicaSet
+    from et_hpc.scripted_server import ScriptedServer
+
+    d, (only,) = _servers(tmp_path, {"": [{"command": "ls"}, {"command": "pwd"}, "done"]}, n=1)
+    rs = ReplicaSet(d)
+    p = OpenAIPolicy(None, replicas=rs, max_retries=3, backoff_base_s=0.05, retry_budget_s=60)
+    conv = [{"role": "user", "content": "task"}]
+    a = p.act(conv)
+    conv += [a.message, {"role": "tool", "tool_call_id": a.tool_call_id, "content": "x"}]
+    only.kill()
+    with ScriptedServer({"": [{"command": "ls"}, {"command": "pwd"}, "done"]}) as new:
+        later = threading.Timer(1.0, lambda: write_endpoint_file(
+            only.path, endpoint_record("127.0.0.1", new.port, "scripted", model_version="v2")))
+        later.start()
+        a = p.act(conv)
+        later.join()
+        assert a.command == "pwd" and new.chat_requests == 1
+    assert len(p.events) == 1, p.events
+    assert p.events[0].startswith(f"failover: {only.name} ({only.base_url}) -> {only.name} ({new.base_url}): "
+                                  "connection failed"), p.events
+    assert p.turn_versions == [("v1", "v1"), ("v1", "v2")]  # the version from the file of the server that answered
+
+
 def test_vllm_script_writes_into_an_endpoint_dir(tmp_path: Path) -> None:
     from et_hpc.agent.replicas import ReplicaSet
 

@@ -235,12 +235,12 @@ class OpenAIPolicy:
     def _fail_over(self, why: str) -> bool:
         """Mark the episode's replica dead and move to another live one (False: none within the budget)."""
         assert self._replicas is not None and self._replica is not None
-        old = self._replica
+        old, was = self._replica, self._replica.label()  # the same replica may come back at a new address
         self._replicas.mark_dead(old, why)
         new = self._replicas.acquire(wait_s=self.retry_budget_s)
         self._replicas.release(old)
         self._replica = new
-        self.events.append(f"failover: {old.label()} -> {new.label() if new else 'none'}: {why}")
+        self.events.append(f"failover: {was} -> {new.label() if new else 'none'}: {why}")
         if new is None:
             return False
         if not self._fixed_model and new.model:
