@@ -88,7 +88,19 @@ _ENDPOINT_LOCK = threading.Lock()
 
 
 def resolve_policy_config(cfg: PolicyConfig) -> PolicyConfig:
-    """Fill ``base_url``/``model`` of an openai policy from the endpoint file (once per process)."""
+    """Fill ``base_url``/``model`` of an openai policy from the endpoint file (once per process).
+
+    With ``endpoint_dir``, wait (once per process, at most ``endpoint_wait_s``) until one replica of
+    the process's replica set answers; each episode's policy then takes a replica of its own."""
+    if cfg.kind == "openai" and cfg.endpoint_dir is not None:
+        from et_hpc.agent.replicas import replica_set
+
+        rs = replica_set(cfg.endpoint_dir, api_key=cfg.key_value(), api_key_env=cfg.api_key_env)
+        with _ENDPOINT_LOCK:
+            if ("dir", id(rs)) not in _ENDPOINTS:
+                rs.wait_live(cfg.endpoint_wait_s)
+                _ENDPOINTS[("dir", id(rs))] = cfg
+        return cfg
     if cfg.kind != "openai" or (cfg.base_url and not cfg.endpoint_file):
         return cfg
     key = (cfg.base_url, str(cfg.endpoint_file), cfg.model)  # the model: a trainer-owned switch names a new one
@@ -226,6 +238,8 @@ def run_episode(task: Task, sample: int, cfg: RunConfig, image: Any, *, stop: th
     if close:
         close()
     status, kw = outcome
+    if getattr(policy, "events", None):  # failovers between policy servers
+        kw["events"] = [*policy.events, *kw.get("events", [])]
     return record(status, **kw)
 
 

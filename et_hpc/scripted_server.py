@@ -30,6 +30,10 @@ carries the key, mode 0600. Usage:
         OpenAI(base_url=srv.base_url, api_key="x")...
 
     python -m et_hpc.scripted_server --script s.json --port 0 --endpoint-file ep.json
+    python -m et_hpc.scripted_server --script s.json --port 0 --endpoint-dir replicas/   # one of many
+
+``--endpoint-dir DIR`` writes ``DIR/<$SLURM_JOB_ID or scripted-PORT>.json`` instead, as
+``slurm/vllm.sbatch --endpoint-dir`` does, so several servers can serve one run (``policy.endpoint_dir``).
 """
 
 from __future__ import annotations
@@ -458,7 +462,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (0: any free port)")
     p.add_argument("--model", default="scripted", help="model name to report (default: scripted)")
     p.add_argument("--max-model-len", type=int, default=32768, help="context length to enforce")
-    p.add_argument("--endpoint-file", type=Path, help="write the endpoint JSON here (as slurm/vllm.sbatch does)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--endpoint-file", type=Path, help="write the endpoint JSON here (as slurm/vllm.sbatch does)")
+    where.add_argument("--endpoint-dir", type=Path,
+                       help="write the endpoint JSON as DIR/<$SLURM_JOB_ID or scripted-PORT>.json (one of many servers)")
     p.add_argument("--old-vllm", action="store_true",
                    help="behave like vLLM before 0.10.2: ignore return_token_ids (no token-id fields)")
     p.add_argument("--no-tokenize", action="store_true", help="serve no /tokenize (like servers other than vLLM)")
@@ -484,15 +491,17 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
     srv.start()
-    if args.endpoint_file:
-        srv.write_endpoint_file(args.endpoint_file, os.environ.get("SLURM_JOB_ID"), args.model_version)
+    job = os.environ.get("SLURM_JOB_ID")
+    ep = args.endpoint_file or (args.endpoint_dir / f"{job or f'scripted-{srv.port}'}.json" if args.endpoint_dir else None)
+    if ep:
+        srv.write_endpoint_file(ep, job, args.model_version)
     print(f"serving {srv.base_url} (model {srv.model})", flush=True)
     done.wait()
     srv.stop()
-    if args.endpoint_file:
+    if ep:
         try:
-            if json.loads(args.endpoint_file.read_text()).get("port") == srv.port:
-                args.endpoint_file.unlink()
+            if json.loads(ep.read_text()).get("port") == srv.port:
+                ep.unlink()
         except (OSError, ValueError):
             pass
     return 0

@@ -17,10 +17,19 @@ say how they were obtained and whether they agree. Token accounting never fails 
 Policy versions: with an endpoint file, the file's ``model_version`` is read (stat-cached) before
 and after each turn's request into ``turn_versions``; a server republished at another address or
 with another key is followed on the next attempt. The API key is held in memory only.
+
+Many servers (``replicas``, from ``policy.endpoint_dir``; ``et_hpc.agent.replicas``): the episode
+gets a replica when the policy is made and keeps it for every turn. When a request to it fails
+``failover_after`` times in a row with a connection error, a time-out or a 5xx (or another episode
+already found it dead, or its file went), the replica is marked dead and the same request goes to
+another live one at once, which the episode keeps from then on; ``events`` gets
+``failover: A -> B: why``. Waiting for a live replica is bounded by ``retry_budget_s``; only then
+does the turn fail with ``PolicyError``. ``turn_versions`` come from the serving replica's own file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -39,6 +48,7 @@ from et_hpc.agent.protocols import TERMINAL_TOOL, Mode, ToolArgsError, parse_too
 if TYPE_CHECKING:
     from et_hpc.agent.loop import Turn
     from et_hpc.agent.policies import PolicyConfig
+    from et_hpc.agent.replicas import Replica, ReplicaSet
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +61,11 @@ _TOKEN_ID_RE = re.compile(r"^token_id:(-?\d+)$")
 
 
 class _Retryable(Exception):
-    def __init__(self, msg: str, retry_after: float | None = None):
+    def __init__(self, msg: str, retry_after: float | None = None, *, dead: bool = False, known: bool = False):
         super().__init__(msg)
         self.retry_after = retry_after
+        self.dead = dead  # a sign the server is down (connection, time-out, 5xx): counts towards failover
+        self.known = known  # the replica is known to be dead already: fail over without trying it
 
 
 def _error_text(e: openai.APIStatusError) -> str:
@@ -100,7 +112,7 @@ class OpenAIPolicy:
 
     def __init__(
         self,
-        base_url: str,
+        base_url: str | None,
         model: str | None = None,
         *,
         api_key: str | None = None,
@@ -119,6 +131,8 @@ class OpenAIPolicy:
         sleep: Callable[[float], None] = time.sleep,
         rng: random.Random | None = None,
         endpoint_file: Path | None = None,
+        replicas: ReplicaSet | None = None,
+        failover_after: int = 2,
     ):
         self.mode: Mode = mode
         self.model = model
@@ -134,6 +148,21 @@ class OpenAIPolicy:
         self.backoff_max_s = backoff_max_s
         self._sleep = sleep
         self._rng = rng or random.Random()
+        self.events: list[str] = []  # failovers, for the episode's record
+        self.failover_after = failover_after
+        self._fixed_model = model is not None
+        self._replicas = replicas
+        self._replica: Replica | None = None
+        if replicas is not None:
+            got = replicas.acquire(wait_s=retry_budget_s)
+            if got is None:
+                raise PolicyError(f"no live policy server in {replicas.directory} within {retry_budget_s:g} s "
+                                  f"({replicas.describe()})")
+            self._replica = got
+            base_url, api_key = got.base_url, got.api_key
+            self.model = model or got.model
+        if not base_url:
+            raise PolicyError("no policy server address")
         self._api_key = api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY"
         self.client = openai.OpenAI(
             base_url=base_url,
@@ -151,12 +180,17 @@ class OpenAIPolicy:
         # (they differ when the server switched checkpoints during it); None without a file.
         self._watch = EndpointWatch(endpoint_file) if endpoint_file is not None else None
         self._served = {"base_url": base_url, "api_key": self._api_key}  # what the client talks to
-        self.start_version = self._watch.version() if self._watch else None
+        self.start_version = self._version()
         self.turn_versions: list[tuple[str | None, str | None]] = []
 
     @classmethod
     def from_config(cls, cfg: PolicyConfig) -> OpenAIPolicy:
-        if not cfg.base_url:
+        replicas = None
+        if cfg.endpoint_dir is not None:
+            from et_hpc.agent.replicas import replica_set
+
+            replicas = replica_set(cfg.endpoint_dir, api_key=cfg.key_value(), api_key_env=cfg.api_key_env)
+        elif not cfg.base_url:
             from et_hpc.errors import UserError
 
             raise UserError("the openai policy needs policy.base_url (or an endpoint file from slurm/vllm.sbatch)")
@@ -177,11 +211,41 @@ class OpenAIPolicy:
             backoff_base_s=cfg.backoff_base_s,
             backoff_max_s=cfg.backoff_max_s,
             endpoint_file=cfg.endpoint_file,
+            replicas=replicas,
+            failover_after=cfg.failover_after,
         )
 
     def close(self) -> None:
-        """Close the HTTP connections (the policy is unusable afterwards)."""
+        """Close the HTTP connections and give the replica back (the policy is unusable afterwards)."""
+        if self._replicas is not None and self._replica is not None:
+            self._replicas.release(self._replica)
+            self._replica = None
         self.client.close()
+
+    def _version(self) -> str | None:
+        if self._replicas is not None and self._replica is not None:
+            return self._replicas.version(self._replica)
+        return self._watch.version() if self._watch else None
+
+    def _inflight(self) -> contextlib.AbstractContextManager:
+        if self._replicas is not None and self._replica is not None:
+            return self._replicas.inflight(self._replica)
+        return contextlib.nullcontext()
+
+    def _fail_over(self, why: str) -> bool:
+        """Mark the episode's replica dead and move to another live one (False: none within the budget)."""
+        assert self._replicas is not None and self._replica is not None
+        old, was = self._replica, self._replica.label()  # the same replica may come back at a new address
+        self._replicas.mark_dead(old, why)
+        new = self._replicas.acquire(wait_s=self.retry_budget_s)
+        self._replicas.release(old)
+        self._replica = new
+        self.events.append(f"failover: {was} -> {new.label() if new else 'none'}: {why}")
+        if new is None:
+            return False
+        if not self._fixed_model and new.model:
+            self.model = new.model
+        return True  # the next attempt re-points the client (_follow_endpoint)
 
     def __enter__(self) -> OpenAIPolicy:
         return self
@@ -192,28 +256,39 @@ class OpenAIPolicy:
     # -- retries -----------------------------------------------------------------------------
     def _call(self, what: str, fn: Callable[[], Any]) -> Any:
         start = time.monotonic()
-        attempt = 0
+        attempt = fails = moves = 0
         while True:
             self.requests += 1
             try:
-                return fn()
+                with self._inflight():
+                    return fn()
             except openai.APIStatusError as e:
                 text = _error_text(e)
                 code = e.status_code
                 if 400 <= code < 500 and code not in (408, 409, 429) and _CONTEXT_RE.search(text):
                     raise ContextLengthError(f"{what}: server says the context is too long ({code}): {text}") from None
                 if code in (408, 409, 429) or code >= 500:
-                    err = _Retryable(f"HTTP {code}: {text}", _retry_after(e))
+                    err = _Retryable(f"HTTP {code}: {text}", _retry_after(e), dead=code >= 500)
                 else:
                     raise PolicyError(f"{what}: server rejected the request (HTTP {code}): {text}") from None
             except openai.APITimeoutError:
-                err = _Retryable("request timed out")
+                err = _Retryable("request timed out", dead=True)
             except openai.APIConnectionError as e:
-                err = _Retryable(f"connection failed: {e.__cause__ or e}")
+                err = _Retryable(f"connection failed: {e.__cause__ or e}", dead=True)
             except _Retryable as e:
                 err = e
             except openai.APIError as e:  # malformed responses and the like
                 err = _Retryable(f"bad response: {e}")
+            if self._replicas is not None and err.dead:
+                fails += 1
+                if err.known or fails >= self.failover_after:
+                    moves += 1
+                    if moves > max(self.max_retries, 1) or not self._fail_over(str(err)):
+                        raise PolicyError(f"{what}: no live policy server within {self.retry_budget_s:g} s after "
+                                          f"{moves} failovers; last error: {err}") from None
+                    attempt = fails = 0  # the same request, at once, on the next server
+                    start = time.monotonic()
+                    continue
             attempt += 1
             elapsed = time.monotonic() - start
             if attempt > self.max_retries or elapsed >= self.retry_budget_s:
@@ -232,6 +307,7 @@ class OpenAIPolicy:
     def _resolve_model(self) -> str:
         if self.model is None:
             def first() -> str:
+                self._follow_endpoint()
                 data = list(self.client.models.list().data)
                 if not data:
                     raise _Retryable("the server lists no models")
@@ -275,9 +351,9 @@ class OpenAIPolicy:
             return resp
 
         retries_before = self.retries
-        before = self._watch.version() if self._watch else None
+        before = self._version()
         resp = self._call("chat completion", create)
-        self.turn_versions.append((before, self._watch.version() if self._watch else None))
+        self.turn_versions.append((before, self._version()))
         action = self._to_action(resp)
         action.retries = self.retries - retries_before
         if self.return_token_ids:
@@ -286,7 +362,13 @@ class OpenAIPolicy:
 
     def _follow_endpoint(self) -> None:
         """A server republished elsewhere or with a new key (a restarted job): talk to that one."""
-        rec = self._watch.current() if self._watch else None
+        if self._replicas is not None and self._replica is not None:
+            r = self._replicas.current(self._replica)
+            if not self._replicas.usable(r):
+                raise _Retryable(f"found dead ({r.why})" if r.state == "dead" else r.why or r.state, dead=True, known=True)
+            rec: dict | None = {"base_url": r.base_url, "api_key": r.api_key}
+        else:
+            rec = self._watch.current() if self._watch else None
         if rec is None:
             return
         old, self._served = self._served, rec

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from et_hpc.agent.protocols import COULD_NOT_PARSE, DONE_TEXT, Mode, parse_text_reply
 from et_hpc.errors import InfraError, TaskError, UserError
@@ -214,7 +214,10 @@ class PolicyConfig(BaseModel):
     # openai
     base_url: str | None = None
     endpoint_file: Path | None = None  # written by slurm/vllm.sbatch; gives base_url and model
+    # many servers: each server job writes <endpoint_dir>/<job id>.json (et_hpc.agent.replicas)
+    endpoint_dir: Path | None = None
     endpoint_wait_s: float = 600.0  # how long to wait for the endpoint file and /v1/models
+    failover_after: int = Field(default=2, ge=1)  # endpoint_dir: failed attempts in a row before another server
     system_prompt: str | None = None  # default: Endless Terminals' prompt for the mode
     # The key: the endpoint file's, else api_key, else $api_key_env (default OPENAI_API_KEY), else
     # "EMPTY". api_key is never written (run.json, pickles for Slurm, records): see SECURITY.md.
@@ -238,6 +241,13 @@ class PolicyConfig(BaseModel):
     replay_file: Path | None = None  # default: the task's first recorded-runs file
     # oracle
     oracle_timeout_s: float = ORACLE_TIMEOUT_S
+
+    @model_validator(mode="after")
+    def _one_source(self) -> PolicyConfig:
+        if self.endpoint_dir is not None and (self.endpoint_file is not None or self.base_url):
+            both = "policy.endpoint_file" if self.endpoint_file is not None else "policy.base_url"
+            raise ValueError(f"policy.endpoint_dir and {both} both name the server: set only one of them")
+        return self
 
     def __getstate__(self) -> dict[Any, Any]:
         """Pickles (submitit's job files) never carry the key: it travels by reference (api_key_env)."""

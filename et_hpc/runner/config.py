@@ -202,7 +202,7 @@ def load_config(path: Path | str | None = None, overrides: list[tuple[list[str],
     except ValidationError as e:
         err = e.errors()[0]
         key = ".".join(str(x) for x in err["loc"]) or "(top level)"
-        msg = err["msg"]
+        msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unknown setting (see 'et-hpc run --help' for the settings)"
         more = f" (and {len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
