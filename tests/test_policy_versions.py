@@ -52,7 +52,8 @@ def test_version_fields_from_turns() -> None:
 
 
 def test_switch_mid_run_is_recorded(demo_image, tmp_path: Path) -> None:
-    script = {"greeting.txt": [{"command": "sleep 3"}, {"command": SOLVE}, "All done."]}
+    # the first command leaves the server time to see the new pointer and restart (1 s polls; more under load)
+    script = {"greeting.txt": [{"command": "sleep 8"}, {"command": SOLVE}, "All done."]}
     shim = _shim(tmp_path, script, log_requests=True)
     ckpts = tmp_path / "ckpts"
     for step in (10, 20):
