@@ -30,7 +30,7 @@ from types import SimpleNamespace
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from et_hpc.runner import watch  # noqa: E402
+from et_hpc.host import slurm as watch  # noqa: E402
 from et_hpc.runner.config import RunConfig, SlurmOptions  # noqa: E402
 from et_hpc.runner.local import run_local  # noqa: E402
 from et_hpc.runner.plan import make_plan, open_store  # noqa: E402

@@ -10,8 +10,8 @@ import pytest
 
 from conftest import need
 from et_hpc.errors import TaskError
-from et_hpc.images.dockerfile import convert_dockerfile, parse_dockerfile
-from et_hpc.images.recipe import normalise, parse_def_text
+from et_hpc.tasks.dockerfile import convert_dockerfile, parse_dockerfile
+from et_hpc.tasks.recipe import normalise, parse_def_text
 from et_hpc.tasks.loader import load_tasks
 
 BASE = Path("/cache/base/ubuntu_22.04.sif")

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import REPO, need, until
-from et_hpc.runner import watch
+from et_hpc.host import slurm as watch
 from et_hpc.runner.slurm import load_jobs, task_ids
 from et_hpc.store import RunStore
 

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from conftest import need
-from et_hpc.sandbox import apptainer
+from et_hpc.host import apptainer
 from et_hpc.sandbox.reaper import reap
 
 WORKER = textwrap.dedent("""\

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from et_hpc.errors import TaskError
-from et_hpc.images.recipe import normalise, parse_def_text
+from et_hpc.tasks.recipe import normalise, parse_def_text
 from et_hpc.tasks.loader import load_tasks
 
 BASE = Path("/cache/base/ubuntu_22.04.sif")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import need
-from et_hpc.sandbox import apptainer
+from et_hpc.host import apptainer
 from et_hpc.sandbox.sandbox import Sandbox, new_instance_name
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from conftest import need
-from et_hpc.images.recipe import normalise
+from et_hpc.tasks.recipe import normalise
 from et_hpc.tasks.loader import load_tasks
 
 DEMO = Path(__file__).resolve().parent.parent / "defs" / "demo"

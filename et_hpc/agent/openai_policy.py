@@ -42,7 +42,7 @@ import httpx
 import openai
 
 from et_hpc.agent.endpoint import EndpointWatch, resolve_api_key
-from et_hpc.agent.policies import Action, ContextLengthError, PolicyError, TokenCapture, text_action
+from et_hpc.agent.base import Action, ContextLengthError, PolicyError, TokenCapture, text_action
 from et_hpc.agent.protocols import TERMINAL_TOOL, Mode, ToolArgsError, parse_tool_arguments
 
 if TYPE_CHECKING:

@@ -28,21 +28,16 @@ from pathlib import Path
 
 from et_hpc import paths
 from et_hpc.errors import UserError
+from et_hpc.host.doctor import OK, WARN, Check
+from et_hpc.tasks.bases import ALIASES, DEFAULT_NAME, base_dir, base_path, default_base_map  # noqa: F401
 from et_hpc.util import atomic_write_text, sha256_file
 
 log = logging.getLogger(__name__)
 
-DEFAULT_NAME = "ubuntu_22.04"
 DEBIAN_PACKAGES = ["python3", "python3-pytest", "python3-pip", "python3-venv", "ca-certificates", "procps"]
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
 DEFAULT_SUITE = "bookworm"
 REGISTRY_PROBE = os.environ.get("ET_HPC_REGISTRY_PROBE", "registry-1.docker.io:443")
-
-# Names under which task recipes refer to the base image.
-ALIASES = {
-    DEFAULT_NAME: ["ubuntu_22.04.sif", "./ubuntu_22.04.sif", "ubuntu:22.04", "docker://ubuntu:22.04"],
-}
-
 
 @dataclass
 class BaseImage:
@@ -57,25 +52,6 @@ class BaseImage:
         d = asdict(self)
         d["path"] = str(self.path)
         return d
-
-
-def base_dir(cache: Path | None = None) -> Path:
-    return Path(cache or paths.cache_dir()) / "base"
-
-
-def base_path(name: str = DEFAULT_NAME, cache: Path | None = None) -> Path:
-    return base_dir(cache) / f"{name}.sif"
-
-
-def default_base_map(cache: Path | None = None) -> dict[str, Path]:
-    """Map every name a recipe may use for a base image to its cached SIF."""
-    out: dict[str, Path] = {}
-    for name, aliases in ALIASES.items():
-        p = base_path(name, cache)
-        out[f"{name}.sif"] = p
-        for a in aliases:
-            out[a] = p
-    return out
 
 
 def registry_reachable(probe: str = REGISTRY_PROBE, timeout: float = 3.0) -> bool:
@@ -237,3 +213,10 @@ def _build_debian(out: Path, *, mirror: str, suite: str) -> None:
             # Files belong to mapped ids: remove them inside the same kind of namespace.
             subprocess.run(["unshare", "--map-auto", "--map-root-user", "rm", "-rf", str(rootfs)],
                            capture_output=True)
+
+
+def check_base() -> Check:
+    b = cached_base()
+    if b is None:
+        return Check("base image", WARN, f"{DEFAULT_NAME}.sif not built yet", "run: et-hpc base build")
+    return Check("base image", OK, f"{b.path} ({b.source}, sha256 {b.digest[:12]})")

@@ -45,7 +45,7 @@ from pydantic import BaseModel, ConfigDict
 from et_hpc import paths
 from et_hpc.errors import UserError
 from et_hpc.images.lock import BuildLock, LockInfo, LockTimeout
-from et_hpc.runner import watch
+from et_hpc.host import slurm as watch
 from et_hpc.util import atomic_write_text, fsync_dir, sha256_file
 
 log = logging.getLogger(__name__)
@@ -267,7 +267,7 @@ class ImageStore:
 
     ``normalise(task, base_map=...)`` turns a task into a ``NormalisedRecipe`` (``text``,
     ``files`` as (source path, name in the build dir), ``base``, ``rewrites``); the default is
-    ``et_hpc.images.recipe.normalise``.
+    ``et_hpc.tasks.recipe.normalise``.
     """
 
     def __init__(
@@ -333,7 +333,7 @@ class ImageStore:
     def normalised(self, task: Any) -> Any:
         fn = self._normalise
         if fn is None:
-            from et_hpc.images.recipe import normalise as fn  # noqa: N813
+            from et_hpc.tasks.recipe import normalise as fn  # noqa: N813
         return fn(task, base_map=self.base_map)
 
     def base_digest(self, base: Path) -> str:

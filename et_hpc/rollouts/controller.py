@@ -123,7 +123,7 @@ class Controller:
         if now - getattr(self, "_asked", -1e9) < every_s:
             return False
         self._asked = now
-        from et_hpc.runner import watch
+        from et_hpc.host import slurm as watch
 
         states = watch.task_states(self.job_ids)
         return all(watch.ended(s) for s in states.values())

@@ -14,7 +14,6 @@ from et_hpc.agent.loop import Budgets
 from et_hpc.agent.policies import PolicyConfig
 from et_hpc.errors import UserError
 from et_hpc.paths import store_dir
-from et_hpc.rollouts.options import ContinuousOptions
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9._-]+$")
 
@@ -82,6 +81,27 @@ class SlurmOptions(BaseModel):
     poll_s: float = Field(default=10.0, gt=0)
 
 
+class ContinuousConfig(BaseModel):
+    """How a continuous run produces groups (see ``et_hpc.rollouts``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = False  # same as 'et-hpc run --continuous'
+    target_groups: int | None = Field(default=None, ge=1)  # stop once the stream holds this many groups
+    workers: int = Field(default=4, ge=1)  # slurm: long-lived array tasks (local: one in-process worker)
+    lease_s: float = Field(default=60.0, gt=0)  # a lease without a heartbeat for this long is requeued
+    heartbeat_s: float = Field(default=10.0, gt=0)
+    queue_low_water: int | None = Field(default=None, ge=1)  # enqueue the next epoch below this many pending
+    on_version_change: Literal["finish", "abandon"] = "finish"  # units in flight when the version changes
+    max_staleness: int = Field(default=1, ge=0)  # 'abandon': versions a unit may fall behind before it is requeued
+    retries: int = Field(default=1, ge=0)  # reruns of an episode that ended with an error status
+    poll_s: float = Field(default=2.0, gt=0)  # idle workers and the controller look again after this long
+    stop_grace_s: float = Field(default=120.0, gt=0)  # how long a stop waits for workers before scancel
+
+
+ContinuousOptions = ContinuousConfig  # its old name
+
+
 class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -96,7 +116,7 @@ class RunConfig(BaseModel):
     executor: Literal["local", "slurm"] = "local"
     concurrency: int | None = Field(default=None, ge=1)  # episodes at once per node
     slurm: SlurmOptions = Field(default_factory=SlurmOptions)
-    continuous: ContinuousOptions = Field(default_factory=ContinuousOptions)  # et_hpc.rollouts
+    continuous: ContinuousConfig = Field(default_factory=ContinuousConfig)  # et_hpc.rollouts
     retry_errors: bool = False  # rerun units whose stored record is an error
     retries: int = Field(default=1, ge=0)  # reruns, at once, of an episode that ended with an error status
     strict: bool = False  # refuse to start when any task image is missing or failed to build

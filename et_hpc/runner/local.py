@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator
 from tqdm import tqdm
 
 from et_hpc.errors import UserError
-from et_hpc.runner import watch
+from et_hpc.host import slurm as watch
 from et_hpc.runner.config import RunConfig
 from et_hpc.runner.plan import OK, Plan, Unit, open_store, rec_get, rec_passed
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from et_hpc.errors import InfraError
-from et_hpc.sandbox import apptainer
+from et_hpc.host import apptainer
 from et_hpc.sandbox.procfs import pid_alive
 from et_hpc.sandbox.sandbox import scratch_paths
 

@@ -31,7 +31,7 @@ from filelock import FileLock
 
 from et_hpc.errors import InfraError
 from et_hpc.paths import scratch_dir
-from et_hpc.sandbox import apptainer
+from et_hpc.host import apptainer
 from et_hpc.sandbox.shell import Shell, kill_session
 
 log = logging.getLogger(__name__)

@@ -43,7 +43,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from et_hpc.errors import InfraError
-from et_hpc.sandbox import apptainer, procfs
+from et_hpc.host import apptainer
+from et_hpc.sandbox import procfs
 
 log = logging.getLogger(__name__)
 

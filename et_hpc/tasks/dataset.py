@@ -39,7 +39,7 @@ def split_from_name(path: Path) -> str | None:
 
 def folder_index(tasks_dir: Path) -> dict[str, Path]:
     """Task folder name -> path, for folders directly in ``tasks_dir`` or one level below."""
-    from et_hpc.tasks.loader import is_task_folder
+    from et_hpc.tasks.folder import is_task_folder
 
     index: dict[str, Path] = {}
     nested: list[Path] = []
@@ -106,7 +106,7 @@ def load_parquet(
     hub: bool = False,
 ) -> tuple[list[Task], list[TaskError], int]:
     """Load one parquet file (or hub data set). Returns (tasks, per-task errors, rows skipped)."""
-    from et_hpc.tasks.loader import load_task_folder
+    from et_hpc.tasks.folder import load_task_folder
 
     ds = _open(source, hub=hub, split=split)
     cols = set(ds.column_names)

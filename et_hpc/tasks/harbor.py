@@ -17,7 +17,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from et_hpc.errors import TaskError
-from et_hpc.images.recipe import read_text
+from et_hpc.tasks.files import read_text
 from et_hpc.tasks.model import Limits, Recipe, Task
 from et_hpc.tasks.native import read_task_json, task_from_folder
 

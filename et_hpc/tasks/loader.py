@@ -16,9 +16,9 @@ from pathlib import Path
 
 from et_hpc.errors import TaskError, UserError
 from et_hpc.tasks import dataset, filters
-from et_hpc.tasks.harbor import is_harbor, load_harbor
+from et_hpc.tasks.bases import default_base_map
+from et_hpc.tasks.folder import is_task_folder, load_task_folder  # noqa: F401  (re-exported)
 from et_hpc.tasks.model import Task
-from et_hpc.tasks.native import is_native, load_native
 
 log = logging.getLogger(__name__)
 
@@ -34,39 +34,11 @@ class LoadResult:
         return next((t for t in self.tasks if t.id == task_id), None)
 
 
-def is_task_folder(folder: Path) -> bool:
-    return is_native(folder) or is_harbor(folder)
-
-
-def load_task_folder(folder: Path) -> Task:
-    """Load one task folder, native or Harbor (Harbor wins when both kinds of files are there)."""
-    folder = Path(folder)
-    if is_harbor(folder):
-        return load_harbor(folder)
-    if is_native(folder):
-        return load_native(folder)
-    raise TaskError(
-        f"{folder}: not a task folder (no task.json/container.def or instruction.md/environment/Dockerfile)"
-    )
-
-
 def validate_recipe(task: Task, base_map: dict[str, Path] | None = None) -> None:
     """Parse (and normalise) the task's recipe; raises ``TaskError`` for def or Dockerfile problems."""
-    from et_hpc.images.recipe import normalise
+    from et_hpc.tasks.recipe import normalise
 
     normalise(task, base_map=base_map if base_map is not None else default_base_map())
-
-
-def default_base_map() -> dict[str, Path]:
-    try:
-        from et_hpc.images.base import default_base_map as dbm
-
-        return dbm()
-    except ImportError:
-        from et_hpc import paths
-
-        p = paths.cache_dir() / "base" / "ubuntu_22.04.sif"
-        return {"ubuntu_22.04.sif": p, "./ubuntu_22.04.sif": p, "ubuntu:22.04": p}
 
 
 def _progress(items: list, desc: str, enabled: bool):

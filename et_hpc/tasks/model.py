@@ -6,6 +6,7 @@ A Task is source-agnostic: native folders, Harbor folders and SkyRL parquet rows
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -51,3 +52,16 @@ class Task(BaseModel):
     source_kind: Literal["native", "harbor", "parquet"] = "native"
     split: str | None = None
     metadata: dict = Field(default_factory=dict)  # e.g. difficulty, category, name
+
+
+@dataclass
+class NormalisedRecipe:
+    text: str  # the def to build, as written to disk
+    files: list[tuple[Path, str]]  # host files the build copies in (%files / COPY): (host abs path, dest)
+    base: Path | None  # the local base SIF it starts from (resolved), if any
+    rewrites: list[str]  # one human line per change made
+    kind: str = "def"  # def | dockerfile | sif (sif: nothing to build, ``files[0][0]`` is the SIF)
+    source: Path | None = None  # the recipe file this came from
+    workdir: str | None = None  # runtime cwd the recipe asks for (Dockerfile WORKDIR)
+    user: str | None = None  # runtime user the recipe asks for (Dockerfile USER); informational
+    env: dict[str, str] = field(default_factory=dict)  # runtime environment set by the recipe (ENV)

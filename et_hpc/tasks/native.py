@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from et_hpc.errors import TaskError
-from et_hpc.images.recipe import read_text
+from et_hpc.tasks.files import read_text
 from et_hpc.tasks.model import Limits, Recipe, Task
 
 MARKERS = ("task.json", "container.def", "container.sif")

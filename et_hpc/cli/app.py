@@ -1,7 +1,7 @@
 """The ``et-hpc`` command line.
 
 Each area registers its own subcommands through a ``register(subparsers)`` function in a
-``cli_*`` module listed in ``_AREAS``; this file only wires them up and turns ``UserError``
+module of this package listed in ``_AREAS``; this file only wires them up and turns ``UserError``
 into one line on stderr with exit status 2.
 """
 
@@ -17,15 +17,15 @@ from et_hpc.errors import UserError
 
 # Modules that provide ``register(subparsers)``; each adds one or more subcommands.
 _AREAS = [
-    "et_hpc.platform.cli",
-    "et_hpc.tasks.cli",
-    "et_hpc.images.cli",
-    "et_hpc.sandbox.cli",
-    "et_hpc.runner.cli",
-    "et_hpc.rollouts.cli",
-    "et_hpc.store_cli",
-    "et_hpc.demo",
-    "et_hpc.report",
+    "et_hpc.cli.host",
+    "et_hpc.cli.tasks",
+    "et_hpc.cli.build",
+    "et_hpc.cli.reap",
+    "et_hpc.cli.run",
+    "et_hpc.cli.rollouts",
+    "et_hpc.cli.store",
+    "et_hpc.cli.demo",
+    "et_hpc.cli.report",
 ]
 
 EPILOG = """\

@@ -69,7 +69,7 @@ class _StopAware:
 
 @functools.lru_cache(maxsize=1)
 def _versions() -> dict[str, str]:
-    from et_hpc.platform.doctor import apptainer_version
+    from et_hpc.host.doctor import apptainer_version
 
     v = apptainer_version()
     return {

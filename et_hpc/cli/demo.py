@@ -1,0 +1,98 @@
+"""``et-hpc demo``: the whole pipeline on the bundled demo tasks, end to end, on this machine.
+
+Checks the machine, builds the base image and the demo tasks' images (cached after the first time),
+runs oracle and null episodes through the local executor and, when Slurm answers, through Slurm
+array jobs, writes everything into a parquet store, and prints a summary table. Each demo run gets
+a fresh run name, so the episodes really run every time.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+from et_hpc.cli import app as et_cli
+from et_hpc import paths
+from et_hpc.errors import UserError
+from et_hpc.util import format_table
+
+DEMO_TASKS = paths.repo_root() / "defs" / "demo"
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="run the whole pipeline on the bundled demo tasks",
+        description="Build the base image and the demo task images, run oracle and null episodes locally "
+        "and through Slurm (when available) into a parquet store, and print a summary. "
+        "Oracle episodes should all pass and null episodes should all fail.",
+        epilog="example: et-hpc demo --store ~/et-hpc-demo --samples 3",
+    )
+    p.add_argument("--store", type=Path, default=Path.home() / "et-hpc-demo",
+                   help="where the demo runs are stored (default: ~/et-hpc-demo)")
+    p.add_argument("--samples", type=int, default=2, help="episodes per task and policy (default 2)")
+    p.add_argument("--no-slurm", action="store_true", help="skip the Slurm part even when Slurm is up")
+    p.add_argument("--base-source", choices=["auto", "docker", "debian"], default="auto",
+                   help="how to make the base image if it is not cached (default auto)")
+    p.set_defaults(func=cmd_demo)
+
+
+def _step(msg: str) -> None:
+    print(f"\n==> {msg}", flush=True)
+
+
+def _slurm_up() -> bool:
+    if not shutil.which("sinfo"):
+        return False
+    r = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=30)
+    return r.returncode == 0 and bool(r.stdout.strip())
+
+
+def cmd_demo(args) -> int:
+    from et_hpc.store import RunStore
+
+    if not DEMO_TASKS.is_dir():
+        raise UserError(f"demo tasks not found at {DEMO_TASKS}: run et-hpc from its source checkout")
+    t_all = time.monotonic()
+    _step("checking the machine (et-hpc doctor)")
+    rc = et_cli.main(["doctor"])
+    if rc != 0:
+        raise UserError("the machine is not ready (see the FAIL lines above and their fixes)")
+    _step("base image (et-hpc base build)")
+    et_cli.main(["base", "build", "--source", args.base_source])
+    _step(f"demo task images (et-hpc build {DEMO_TASKS})")
+    if et_cli.main(["build", str(DEMO_TASKS)]) != 0:
+        raise UserError("building the demo images failed (see the table above)")
+
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    runs = [("local", "oracle"), ("local", "null")]
+    if not args.no_slurm and _slurm_up():
+        runs.append(("slurm", "oracle"))
+    else:
+        print("\n(Slurm is not available here: skipping the Slurm part of the demo)")
+    rows = []
+    failed = False
+    for executor, policy in runs:
+        name = f"demo-{policy}-{executor}-{stamp}"
+        _step(f"{policy} episodes through the {executor} executor (et-hpc run ... --run-name {name})")
+        t0 = time.monotonic()
+        argv = ["run", str(DEMO_TASKS), "--policy", policy, "--samples", str(args.samples),
+                "--executor", executor, "--store", str(args.store), "--run-name", name]
+        if executor == "slurm":
+            argv += ["--set", "slurm.units_per_task=2", "--set", "slurm.time_min=20"]
+        rc = et_cli.main(argv)
+        s = RunStore(args.store / name).summary()
+        expect = 1.0 if policy == "oracle" else 0.0
+        errors = s.units - s.ok
+        good = rc == 0 and errors == 0 and s.ok > 0 and abs((s.solved / s.ok) - expect) < 1e-9
+        failed |= not good
+        rows.append([name, executor, policy, s.units, s.ok, errors,
+                     f"{100 * s.solved / s.ok:.0f}%" if s.ok else "-",
+                     f"{time.monotonic() - t0:.0f}s", "as expected" if good else "UNEXPECTED"])
+    _step("summary")
+    print(format_table(["run", "executor", "policy", "episodes", "ok", "errors", "pass rate", "time", "check"], rows))
+    print(f"\nstore: {args.store}  (read it with: et-hpc store summary {args.store}/<run>)")
+    print(f"demo finished in {time.monotonic() - t_all:.0f}s")
+    return 1 if failed else 0

@@ -1,0 +1,57 @@
+"""The ``et-hpc reap`` command: stop sandboxes left behind by dead workers on this node."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+DESCRIPTION = """\
+Stop apptainer instances and delete overlays left on this node by et-hpc workers that died
+without cleaning up (killed by Slurm, SIGKILL, node trouble). Sandboxes whose worker process is
+still alive are never touched. Workers run this at start, so it is rarely needed by hand.
+"""
+
+EPILOG = """\
+examples:
+  et-hpc reap --dry-run          show what would be stopped and deleted
+  et-hpc reap                    do it
+  et-hpc reap --all --json       also instances named like ours outside this scratch dir
+"""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "reap",
+        help="stop sandboxes left by dead workers on this node",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--dry-run", action="store_true", help="only report what would be done")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--all", dest="all_runs", action="store_true",
+                   help="also stop instances named like et-hpc's whose owner process is dead")
+    p.add_argument("--scratch", type=Path, default=None,
+                   help="node-local scratch dir (default: $ET_HPC_SCRATCH, $SLURM_TMPDIR, $TMPDIR or /tmp)")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from et_hpc.sandbox.reaper import reap
+
+    rep = reap(scratch=args.scratch, all_runs=args.all_runs, dry_run=args.dry_run)
+    if args.json:
+        print(json.dumps(rep.model_dump(), indent=2))
+    else:
+        verb = "would stop" if rep.dry_run else "stopped"
+        print(f"{verb} {len(rep.stopped)} instance(s); "
+              f"{'would delete' if rep.dry_run else 'deleted'} {len(rep.deleted)} file(s); "
+              f"kept {len(rep.kept)} live sandbox(es)")
+        for n in rep.stopped:
+            print(f"  instance {n}")
+        for f in rep.deleted:
+            print(f"  file {f}")
+        for e in rep.errors:
+            print(f"  error: {e}")
+    return 1 if rep.errors else 0

@@ -1,0 +1,340 @@
+"""``et-hpc run`` and ``et-hpc status``: the command-line face of the runner."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from et_hpc.errors import UserError
+from et_hpc.paths import find_run_dir
+from et_hpc.host import slurm as watch
+from et_hpc.runner.config import RunConfig, load_config, parse_set
+from et_hpc.runner.plan import NO_IMAGE, OK, Plan, make_plan, open_store, read_run_json
+from et_hpc.store import RunStore
+from et_hpc.util import format_table
+
+RUN_HELP = """\
+Run agent episodes for every selected task, SAMPLES times each (a unit is one task and sample),
+on this machine or as Slurm array jobs. Task images must be built first ('et-hpc build SOURCE').
+
+Each finished episode is written to the run's store (<store>/<run name>/part-*.parquet) as soon
+as it ends, so an interrupted run loses only the episodes that were running. Rerunning the same
+command resumes: units already ok (and units with an error, unless --retry-errors) are skipped.
+An episode that ends with a sandbox-side error (infra_error, shell_error, score_error: the host, not
+the agent) is run again at once up to 'retries' times (default 1); only its last attempt is stored,
+the earlier ones as events.
+Tasks whose image build failed do not stop the run: the others run, the broken ones are listed
+with their one-line reasons and recorded as status no_image (rerun once they build: they are
+planned again without --retry-errors). Images never built, or none at all, refuse the run;
+--strict refuses on any missing or failed image.
+With --executor slurm the units go in chunks of slurm.units_per_task to array tasks that run
+slurm.array_parallelism at a time; the command waits for them (or returns with --detach) and
+reports array tasks that were cancelled or failed; rerun it to do what they left undone.
+When no episode of the run is running any more, the store's small shards are merged into a few
+large ones (skip with --no-compact; 'et-hpc store compact RUN_DIR' does it later).
+
+Settings come from a YAML run config, then --set KEY=VALUE, then the dedicated flags.
+Run config keys: name, store, tasks.{source,tasks_dir,ids,glob,split,sample,seed}, samples,
+  policy.*, budgets.*, sandbox.{overlay_mb,writable_tmpfs,network,memory_mb,max_pids,vmem_mb,fsize_mb,
+  watchdog_interval_s,local_copy (auto|always|never),local_copy_budget_gb}, scoring_timeout_s,
+  executor (local|slurm), concurrency, retry_errors, retries, strict, unit_runner (module:function),
+  slurm.{partition,account,qos,time_min,cpus_per_task,mem_gb,array_parallelism,
+  units_per_task,setup,additional_parameters,max_array_size,max_submit_jobs,max_num_timeout,python,
+  wait_timeout_min,poll_s}
+
+Exit status: 0 every unit is done, 1 units are still missing (rerun), 2 bad input,
+3 stopped watching Slurm jobs that keep running (slurm.wait_timeout_min), 130 interrupted.
+"""
+RUN_EPILOG = """\
+examples:
+  # the 4 demo tasks, 2 oracle episodes each, 4 at a time on this machine
+  et-hpc build defs/demo
+  et-hpc run defs/demo --policy oracle --samples 2 --concurrency 4 --run-name demo
+  # the same as Slurm arrays of 8 units per task, at most 16 tasks at once
+  et-hpc run defs/demo --policy oracle --samples 50 --executor slurm \\
+      --set slurm.units_per_task=8 --set slurm.array_parallelism=16 --set slurm.partition=cpu
+  # everything from a run config; submit and return, then follow it
+  et-hpc run --config run.yaml --executor slurm --detach
+  et-hpc status demo
+"""
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("run", help="run episodes (locally or as Slurm arrays); resumable",
+                       description=RUN_HELP, epilog=RUN_EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("source", nargs="?", help="task source: a folder of tasks or a parquet file")
+    p.add_argument("--config", type=Path, help="YAML run config")
+    p.add_argument("--tasks-dir", type=Path, help="folder of task folders")
+    p.add_argument("--samples", type=int, help="episodes per task (group size)")
+    p.add_argument("--policy", help="policy kind: oracle, null, replay or openai")
+    p.add_argument("--executor", choices=["local", "slurm"])
+    p.add_argument("--concurrency", type=int, help="episodes at once per node")
+    p.add_argument("--run-name", help="name of the run (its folder in the store)")
+    p.add_argument("--store", type=Path, help="store root (default $ET_HPC_STORE or ./et-hpc-runs)")
+    p.add_argument("--detach", action="store_true", help="slurm: return after submitting")
+    p.add_argument("--retry-errors", action="store_true", help="run again units recorded with an error")
+    p.add_argument("--strict", action="store_true",
+                   help="refuse to start when any task image is missing or failed to build")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set slurm.units_per_task=4 (repeatable)")
+    p.add_argument("--no-compact", action="store_true",
+                   help="do not merge the store's shards when the run ends")
+    p.add_argument("--json", action="store_true", help="print the final summary as JSON")
+    p.add_argument("--continuous", action="store_true",
+                   help="keep producing groups from a work queue until stopped (et_hpc.rollouts; "
+                   "'et-hpc rollouts --help')")
+    p.add_argument("--target-groups", type=int, help="--continuous: stop once the stream holds N groups")
+    p.add_argument("--workers", type=int, help="--continuous with slurm: long-lived worker array tasks")
+    p.set_defaults(func=cmd_run)
+
+    s = sub.add_parser("status", help="progress of a run: units done, array tasks, pass rate",
+                       description="Show a run's progress: planned units, units done ok or with an "
+                       "error, the state of its latest Slurm array tasks, and the pass rate so far.",
+                       epilog="example:\n  et-hpc status oracle-smoke\n  et-hpc status et-hpc-runs/oracle-smoke --json",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("run", help="run directory, or run name inside --store")
+    s.add_argument("--store", type=Path, help="store root used to find a run by name")
+    s.add_argument("--json", action="store_true", help="print as JSON")
+    s.set_defaults(func=cmd_status)
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    overrides = parse_set(args.set)
+    flags = {
+        ("tasks", "source"): args.source, ("tasks", "tasks_dir"): args.tasks_dir and str(args.tasks_dir),
+        ("samples",): args.samples, ("policy", "kind"): args.policy, ("executor",): args.executor,
+        ("concurrency",): args.concurrency, ("name",): args.run_name,
+        ("store",): args.store and str(args.store), ("retry_errors",): args.retry_errors or None,
+        ("strict",): args.strict or None,
+    }
+    overrides += [(list(k), v) for k, v in flags.items() if v is not None]
+    return load_config(args.config, overrides)
+
+
+def unit_counts(plan: Plan, store: Any) -> dict[str, Any]:
+    done = store.units()
+    ok = err = no_img = 0
+    for tid in plan.tasks:
+        for s in range(plan.cfg.samples):
+            st = done.get((tid, s))
+            ok += st == OK
+            no_img += st == NO_IMAGE
+            err += st is not None and st not in (OK, NO_IMAGE)
+    passed, n_ok = pass_stats(store)
+    return {"units": plan.total, "ok": ok, "error": err, "no_image": no_img,
+            "missing": plan.total - ok - err - no_img,
+            "passed": passed, "pass_rate": round(passed / n_ok, 4) if n_ok else None}
+
+
+def pass_stats(store: Any) -> tuple[int, int]:
+    """(episodes with full reward, ok episodes) over the run, one record per unit."""
+    s = store.summary()
+    return int(s.solved), int(s.ok)
+
+
+def _print_summary(title: str, info: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(info, indent=2))
+        return
+    rate = info.get("pass_rate")
+    rows = [[k, v] for k, v in info.items()
+            if k not in ("pass_rate", "array_tasks", "missing_units", "no_image_tasks")]
+    rows.append(["pass_rate", f"{100 * rate:.1f}%" if rate is not None else "-"])
+    print(title)
+    print(format_table(["", "value"], rows))
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    if args.continuous or cfg.continuous.enabled:
+        from et_hpc.cli.rollouts import cmd_continuous
+
+        if args.workers:
+            cfg = cfg.model_copy(update={"continuous": cfg.continuous.model_copy(update={"workers": args.workers})})
+        return cmd_continuous(cfg, args)
+    plan = make_plan(cfg)
+    if plan.units:
+        _refuse_if_jobs_live(plan)
+    print(f"run {cfg.run_name()} in {plan.run_dir}: {plan.total} units, {plan.done_ok} ok and "
+          f"{plan.done_error} with errors already, {len(plan.units)} to run"
+          + (f", {plan.no_image_units()} without an image" if plan.no_image else ""), file=sys.stderr)
+    for e in plan.load_errors[:5]:
+        print(f"et-hpc: warning: task skipped: {e}", file=sys.stderr)
+    if plan.no_image:
+        print(f"et-hpc: warning: {len(plan.no_image)} task(s) have no image and are recorded as no_image "
+              f"({plan.no_image_units()} units); the others run. Fix them, 'et-hpc build "
+              f"{cfg.tasks.source or cfg.tasks.tasks_dir}', and rerun:", file=sys.stderr)
+        print(no_image_table(plan.no_image), file=sys.stderr)
+    store = open_store(plan.run_dir)
+    rc = 0
+    settled = True  # no episode of this run is running any more
+    if not plan.units:
+        print("nothing to do: every unit is in the store (use --retry-errors to redo errors)", file=sys.stderr)
+    elif cfg.executor == "local":
+        from et_hpc.runner.local import run_local
+
+        res = run_local(plan, store=store)
+        if res.interrupted:
+            print(f"stopped: {res.ok + res.errors} episodes kept, rerun the same command to resume",
+                  file=sys.stderr)
+            rc = 130
+            settled = False
+    else:
+        rc = _run_slurm(plan, store, args.detach)
+        if args.detach:
+            return rc
+        settled = rc == 0
+    if settled and not args.no_compact:
+        _compact(store)
+    info = unit_counts(plan, store)
+    info["run_dir"] = str(plan.run_dir)
+    if info["missing"] and rc == 0:
+        rc = 1
+        print(f"{info['missing']} units are still missing: rerun the same 'et-hpc run' command to do them",
+              file=sys.stderr)
+    if plan.no_image:
+        info["no_image_tasks"] = dict(sorted(plan.no_image.items()))
+    _print_summary(f"run {cfg.run_name()}", info, args.json)
+    return rc
+
+
+def no_image_table(reasons: dict[str, str], limit: int = 20) -> str:
+    """Tasks without an image and why, as a table (the first ``limit``; then a count)."""
+    rows = [[t, r] for t, r in sorted(reasons.items())[:limit]]
+    out = format_table(["task (no image)", "reason"], rows)
+    if len(reasons) > limit:
+        out += f"\n... and {len(reasons) - limit} more (et-hpc status RUN --json lists them all)"
+    return out
+
+
+def _refuse_if_jobs_live(plan: Plan) -> None:
+    """Two executors on the same units would run them twice: wait for the earlier arrays first."""
+    from et_hpc.runner.slurm import latest_submissions, task_ids
+
+    subs = latest_submissions(plan.run_dir)
+    if not subs:
+        return
+    live = sorted(t for t, s in watch.task_states(task_ids(subs)).items()
+                  if watch.category(s) in ("queued", "running"))  # unknown (no answer from Slurm): go on
+    if live:
+        ids = ",".join(sorted({t.split("_")[0] for t in live}))
+        raise UserError(f"{len(live)} array task(s) of run {plan.cfg.run_name()} are still queued or running "
+                        f"(job {ids}): wait for them ('et-hpc status {plan.run_dir}') or cancel them "
+                        f"('scancel {ids.replace(',', ' ')}'), then rerun")
+
+
+def _compact(store: RunStore) -> None:
+    """Merge the run's small shards (once, from this process: never from many array tasks)."""
+    try:
+        res = store.compact()
+    except UserError as e:  # another compaction of this run is going on: it does the same work
+        print(f"et-hpc: warning: store not compacted: {e}", file=sys.stderr)
+        return
+    if res.inputs:
+        print(f"store compacted: {res.inputs} shards merged into {res.outputs}, "
+              f"{res.shards_after} shards now", file=sys.stderr)
+
+
+def _run_slurm(plan: Plan, store: Any, detach: bool) -> int:
+    from et_hpc.runner.slurm import submit, task_ids
+
+    cfg = plan.cfg
+    subs = submit(plan)
+    ids = ", ".join(f"{s['array_id']} ({s['tasks']} tasks, {s['units']} units)" for s in subs)
+    print(f"submitted array job(s): {ids}", file=sys.stderr)
+    if detach:
+        print(f"follow it with: et-hpc status {plan.run_dir}")
+        return 0
+    todo = set(plan.units)
+    bar = tqdm(total=len(todo), desc=f"slurm {cfg.run_name()}", unit="ep", file=sys.stderr, dynamic_ncols=True)
+
+    def on_poll(states: dict[str, str]) -> None:
+        done = store.units()
+        n = sum(1 for u in todo if u in done)
+        c = watch.counts(states)
+        bar.set_postfix_str(f"tasks q{c['queued']} r{c['running']} done{c['done']} fail{c['failed']}", refresh=False)
+        bar.update(n - bar.n)
+
+    timeout = cfg.slurm.wait_timeout_min * 60 if cfg.slurm.wait_timeout_min else None
+    try:
+        states, all_ended = watch.wait_tasks(task_ids(subs), poll_s=cfg.slurm.poll_s, timeout_s=timeout,
+                                             on_poll=on_poll)
+    finally:
+        bar.close()
+    failed = sorted(t for t, s in states.items() if watch.category(s) == "failed")
+    if failed:
+        shown = ", ".join(f"{t} {states[t]}" for t in failed[:8])
+        print(f"{len(failed)} array task(s) ended without completing: {shown}", file=sys.stderr)
+    if not all_ended:
+        print(f"stopped watching after {cfg.slurm.wait_timeout_min} min; jobs keep running: "
+              f"et-hpc status {plan.run_dir}", file=sys.stderr)
+        return 3
+    return 0
+
+
+def status_info(run_dir: Path) -> dict[str, Any]:
+    from et_hpc.runner.slurm import latest_submissions, task_ids
+
+    meta = read_run_json(run_dir)
+    store = open_store(run_dir)
+    done = store.units()
+    cfg = meta.get("config", {})
+    total = int(meta.get("plan", {}).get("units_total", 0))
+    ok = sum(1 for s in done.values() if s == OK)
+    no_img = sum(1 for s in done.values() if s == NO_IMAGE)
+    err = len(done) - ok - no_img
+    passed, n_ok = pass_stats(store)
+    info: dict[str, Any] = {
+        "run": meta.get("name"), "run_dir": str(run_dir), "executor": cfg.get("executor"),
+        "units": total, "ok": ok, "error": err, "no_image": no_img, "missing": max(0, total - ok - err - no_img),
+        "passed": passed, "pass_rate": round(passed / n_ok, 4) if n_ok else None,
+    }
+    if no_img:
+        info["no_image_tasks"] = no_image_reasons(store)
+    from et_hpc.cli.rollouts import queue_status
+
+    queue = queue_status(run_dir)
+    if queue is not None:
+        info["queue"] = queue
+    subs = latest_submissions(run_dir)
+    if subs:
+        states = watch.task_states(task_ids(subs))
+        info["array_jobs"] = ",".join(s["array_id"] for s in subs)
+        info["array_tasks"] = watch.counts(states)
+    return info
+
+
+def no_image_reasons(store: RunStore) -> dict[str, str]:
+    """``{task_id: reason}`` of the run's units whose current record is no_image."""
+    t = store.read(columns=["task_id", "status", "error"])
+    out: dict[str, str] = {}
+    for tid, st, e in zip(*(t.column(c).to_pylist() for c in ("task_id", "status", "error"))):
+        if st == NO_IMAGE:
+            out[tid] = (e or "").removeprefix("no image: ")
+    return dict(sorted(out.items()))
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    info = status_info(find_run_dir(args.run, args.store))
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    if info.get("no_image_tasks"):
+        print(no_image_table(info["no_image_tasks"]))
+    tasks = info.get("array_tasks")
+    if tasks:
+        info = dict(info)
+        info["array_tasks (q/r/done/failed)"] = f"{tasks['queued']}/{tasks['running']}/{tasks['done']}/{tasks['failed']}"
+    queue = info.pop("queue", None)
+    if queue:  # a continuous run: its work queue
+        info = dict(info)
+        for k, v in queue.items():
+            info[f"queue.{k}"] = "-" if v is None else v
+    _print_summary(f"run {info['run']}", info, False)
+    return 0

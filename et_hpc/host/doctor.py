@@ -1,0 +1,280 @@
+"""``et-hpc doctor``: is this machine able to build images and run episodes, and if not, what fixes it.
+
+Each check returns OK, WARN or FAIL with a one-line detail and, when not OK, the fix. The machine is
+usable when no check FAILs (exit 0); otherwise the command exits 2.
+
+Safety checks: the image cache WARNs when its directories or SIFs are writable by group or others
+or belong to another user (someone could swap an image; lookups also verify digests); node-local
+scratch FAILs when it is a symlink, someone else's, or writable by others (``paths.scratch_dir``
+refuses to use it then).
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+import re
+import shutil
+import stat
+import subprocess
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+from et_hpc import paths
+from et_hpc.errors import UserError
+
+OK, WARN, FAIL = "OK", "WARN", "FAIL"
+MIN_APPTAINER = (1, 3)
+
+
+@dataclass
+class Check:
+    name: str
+    status: str
+    detail: str
+    fix: str = ""
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _run(cmd: list[str], timeout: float = 10) -> subprocess.CompletedProcess | None:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def apptainer_version() -> tuple[int, ...] | None:
+    if not shutil.which("apptainer"):
+        return None
+    r = _run(["apptainer", "--version"])
+    m = re.search(r"(\d+)\.(\d+)\.(\d+)", r.stdout if r else "")
+    return tuple(int(x) for x in m.groups()) if m else None
+
+
+def check_apptainer() -> Check:
+    v = apptainer_version()
+    if v is None:
+        return Check("apptainer", FAIL, "apptainer not found on PATH",
+                     "load it ('module load apptainer') or install Apptainer >= 1.3 (Debian: sudo scripts/provision-debian)")
+    s = ".".join(map(str, v))
+    if v[:2] < MIN_APPTAINER:
+        return Check("apptainer", FAIL, f"version {s} is too old", "use Apptainer >= 1.3 (module avail apptainer)")
+    return Check("apptainer", OK, f"version {s}")
+
+
+def check_user() -> Check:
+    if os.geteuid() == 0:
+        return Check("user", WARN, "running as root",
+                     "run et-hpc as an unprivileged user, as on a cluster (root's apptainer lacks capabilities on some hosts)")
+    return Check("user", OK, f"{getpass.getuser()} (uid {os.geteuid()})")
+
+
+def _has_subid(path: str, user: str, uid: int) -> bool:
+    try:
+        for line in Path(path).read_text().splitlines():
+            name = line.split(":", 1)[0]
+            if name in (user, str(uid)):
+                return True
+    except OSError:
+        pass
+    return False
+
+
+def check_subids() -> Check:
+    user, uid = getpass.getuser(), os.getuid()
+    if uid == 0:
+        return Check("subuid/subgid", OK, "root needs none")
+    missing = [p for p in ("/etc/subuid", "/etc/subgid") if not _has_subid(p, user, uid)]
+    if missing:
+        return Check("subuid/subgid", FAIL, f"no entry for {user} in {', '.join(missing)}",
+                     f"ask an admin: usermod --add-subuids 200000-265535 --add-subgids 200000-265535 {user} "
+                     "(needed for --fakeroot builds)")
+    return Check("subuid/subgid", OK, f"{user} has subordinate ids")
+
+
+def check_userns() -> Check:
+    try:
+        n = int(Path("/proc/sys/user/max_user_namespaces").read_text())
+    except (OSError, ValueError):
+        n = -1
+    if n == 0:
+        return Check("user namespaces", FAIL, "max_user_namespaces is 0",
+                     "ask an admin: sysctl user.max_user_namespaces=15000")
+    r = _run(["unshare", "--user", "--map-root-user", "true"]) if shutil.which("unshare") else None
+    if r is not None and r.returncode != 0:
+        return Check("user namespaces", FAIL, f"unshare --user failed: {r.stderr.strip()[:120]}",
+                     "ask an admin to enable unprivileged user namespaces (kernel.unprivileged_userns_clone=1)")
+    return Check("user namespaces", OK, f"enabled (max {n})" if n > 0 else "enabled")
+
+
+def check_fuse() -> Check:
+    dev = Path("/dev/fuse")
+    if not dev.exists():
+        return Check("/dev/fuse", FAIL, "missing", "ask an admin to load the fuse module (modprobe fuse)")
+    if not os.access(dev, os.R_OK | os.W_OK):
+        return Check("/dev/fuse", FAIL, "not readable/writable by this user",
+                     "ask an admin: chmod 666 /dev/fuse (rootless SIF and overlay mounts need it)")
+    return Check("/dev/fuse", OK, "usable")
+
+
+def check_fuse_tools() -> Check:
+    need = ["squashfuse", "fuse2fs", "fuse-overlayfs"]
+    libexec = [Path("/usr/libexec/apptainer/bin"), Path("/usr/local/libexec/apptainer/bin")]
+    missing = [t for t in need if not shutil.which(t) and not any((d / t).exists() for d in libexec)]
+    if missing:
+        return Check("fuse helpers", FAIL, "missing: " + ", ".join(missing),
+                     "install squashfuse, fuse2fs and fuse-overlayfs (or ask an admin); rootless runs need them")
+    return Check("fuse helpers", OK, ", ".join(need))
+
+
+def apptainer_conf() -> dict[str, str]:
+    for p in ("/etc/apptainer/apptainer.conf", "/usr/local/etc/apptainer/apptainer.conf"):
+        try:
+            text = Path(p).read_text()
+        except OSError:
+            continue
+        conf = {}
+        for line in text.splitlines():
+            line = line.strip()
+            if line and not line.startswith("#") and "=" in line:
+                k, v = line.split("=", 1)
+                conf[k.strip()] = v.strip()
+        return conf
+    return {}
+
+
+def check_sessiondir() -> Check:
+    size = apptainer_conf().get("sessiondir max size")
+    if size is None:
+        return Check("sessiondir max size", WARN, "apptainer.conf not found",
+                     "episodes use a per-episode overlay by default, so this only matters with --writable-tmpfs")
+    detail = f"{size} MiB (caps --writable-tmpfs; et-hpc uses per-episode overlays by default)"
+    return Check("sessiondir max size", OK, detail)
+
+
+def check_slurm() -> list[Check]:
+    if not shutil.which("sinfo"):
+        return [Check("slurm", WARN, "sinfo not found: only the local executor is available",
+                      "on a cluster: 'module load slurm' or run et-hpc on a login node")]
+    r = _run(["sinfo", "-h", "-o", "%P %a %D %T"])
+    if r is None or r.returncode != 0:
+        err = (r.stderr.strip() if r else "timed out")[:150]
+        return [Check("slurm", FAIL, f"sinfo failed: {err}",
+                      "check slurmctld is up (scontrol ping); on Debian test hosts: sudo scripts/provision-debian")]
+    parts = r.stdout.split()
+    out = [Check("slurm", OK, f"partition {parts[0] if parts else '?'}: " + " ".join(parts[1:4]))]
+    cfg = _run(["scontrol", "show", "config"])
+    text = cfg.stdout if cfg and cfg.returncode == 0 else ""
+    m = re.search(r"^MaxArraySize\s*=\s*(\d+)", text, re.M)
+    out.append(Check("slurm MaxArraySize", OK if m else WARN, m.group(1) if m else "unknown",
+                     "" if m else "et-hpc assumes 1001 and splits larger runs into several arrays"))
+    m = re.search(r"^AccountingStorageType\s*=\s*(\S+)", text, re.M)
+    acct = m.group(1) if m else "unknown"
+    if "none" in acct or acct == "unknown":
+        out.append(Check("slurm accounting", WARN, f"{acct}: sacct unavailable",
+                         "et-hpc falls back to squeue to watch jobs; killed jobs are detected when they leave the queue"))
+    else:
+        out.append(Check("slurm accounting", OK, acct))
+    return out
+
+
+def _free_gb(p: Path) -> float:
+    st = os.statvfs(p)
+    return st.f_bavail * st.f_frsize / 1e9
+
+
+def check_scratch() -> Check:
+    try:
+        d = paths.scratch_dir()
+    except OSError as e:
+        return Check("node-local scratch", FAIL, str(e), "set ET_HPC_SCRATCH (or TMPDIR) to a writable local directory")
+    except UserError as e:  # someone else's, or writable by others: refused
+        return Check("node-local scratch", FAIL, str(e).split(": refusing")[0] + ": refused",
+                     str(e).split("; ", 1)[-1])
+    gb = _free_gb(d)
+    detail = f"{d}: {gb:.1f} GB free"
+    if gb < 1:
+        return Check("node-local scratch", FAIL, detail, "free space or set ET_HPC_SCRATCH to a larger local disk")
+    if gb < 5:
+        return Check("node-local scratch", WARN, detail, "per-episode overlays are sparse, but builds need a few GB")
+    return Check("node-local scratch", OK, detail)
+
+
+def check_cache() -> Check:
+    d = paths.cache_dir()
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=d, prefix=".doctor-"):
+            pass
+    except OSError as e:
+        return Check("image cache", FAIL, f"{d} not writable: {e.strerror}",
+                     "set ET_HPC_CACHE to a writable directory on shared storage")
+    loose = cache_exposure(d)
+    if loose:
+        p, why = loose[0]
+        more = f" and {len(loose) - 1} more" if len(loose) > 1 else ""
+        return Check("image cache", WARN, f"{p} is {why}{more}: someone else could swap a SIF (lookups check "
+                     "images against their recorded digests and refuse changed ones)",
+                     f"chmod -R go-w {d} (a cache shared with a group: only with people you trust)")
+    return Check("image cache", OK, f"{d} writable, {_free_gb(d):.1f} GB free")
+
+
+def cache_exposure(d: Path, limit: int = 20000) -> list[tuple[Path, str]]:
+    """Paths of the image cache that someone else could change: the cache and image directories,
+    and the SIFs, that are writable by group or others or belong to another user (at most ``limit``
+    entries are looked at; one ``lstat`` each)."""
+    out: list[tuple[Path, str]] = []
+    uid = os.getuid()
+    todo = [d, d / "images", d / "base"]
+    for sub in (d / "images", d / "base"):
+        try:
+            todo += sorted(sub.iterdir())
+        except OSError:
+            pass
+    seen = 0
+    while todo and seen < limit:
+        p = todo.pop(0)
+        try:
+            st = os.lstat(p)
+        except OSError:
+            continue
+        seen += 1
+        if stat.S_ISDIR(st.st_mode) and p.parent.name == "images" and p.parent.parent == d:
+            try:
+                todo += [c for c in sorted(p.iterdir()) if c.suffix == ".sif"]
+            except OSError:
+                pass
+        elif not stat.S_ISDIR(st.st_mode) and p.suffix != ".sif":
+            continue
+        mode = stat.S_IMODE(st.st_mode)
+        if st.st_uid != uid:
+            out.append((p, f"owned by uid {st.st_uid}"))
+        elif mode & 0o022 and not (mode & 0o1000 and p == d):
+            out.append((p, f"writable by {'others' if mode & 0o002 else 'its group'} (mode {mode:04o})"))
+    return out
+
+
+def check_mmdebstrap() -> Check:
+    if shutil.which("mmdebstrap"):
+        return Check("mmdebstrap", OK, "offline base builds possible")
+    return Check("mmdebstrap", WARN, "not found: the base image needs a registry or --from-sif",
+                 "install mmdebstrap, or: et-hpc base build --from-sif ubuntu_22.04.sif")
+
+
+CHECKS: list[Callable[[], Check | list[Check]]] = [
+    check_apptainer, check_user, check_subids, check_userns, check_fuse, check_fuse_tools,
+    check_sessiondir, check_slurm, check_scratch, check_cache, check_mmdebstrap,
+]
+
+
+def run_checks(checks: list[Callable[[], Check | list[Check]]] | None = None) -> list[Check]:
+    """Run ``checks`` (default ``CHECKS``, the host's own; ``et-hpc doctor`` adds the base image's)."""
+    out: list[Check] = []
+    for fn in CHECKS if checks is None else checks:
+        r = fn()
+        out.extend(r if isinstance(r, list) else [r])
+    return out

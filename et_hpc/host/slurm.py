@@ -1,0 +1,150 @@
+"""Watching Slurm array tasks without ever hanging.
+
+State comes from ``squeue`` (live jobs) and ``sacct`` (finished jobs, when accounting exists).
+A task known to neither, while squeue answers, has ended (purged after MinJobAge): a task that
+Slurm killed is therefore always seen as ended, result file or not. Every command has a timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import subprocess
+import time
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+QUEUED = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD", "CONFIGURING"}
+RUNNING = {"RUNNING", "COMPLETING", "STAGE_OUT", "SIGNALING", "RESIZING", "SUSPENDED", "STOPPED"}
+DONE = {"COMPLETED"}
+UNKNOWN = "UNKNOWN"  # Slurm did not answer: not ended
+GONE = "GONE"  # known to nobody any more: ended, outcome unknown
+CMD_TIMEOUT_S = 30
+
+
+def category(state: str) -> str:
+    """queued | running | done | failed | unknown"""
+    if state in QUEUED:
+        return "queued"
+    if state in RUNNING:
+        return "running"
+    if state in DONE:
+        return "done"
+    if state == UNKNOWN:
+        return "unknown"
+    return "failed"  # FAILED, CANCELLED, TIMEOUT, NODE_FAIL, OUT_OF_MEMORY, PREEMPTED, GONE, ...
+
+
+def ended(state: str) -> bool:
+    return category(state) in ("done", "failed")
+
+
+def _run(cmd: list[str]) -> str | None:
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=CMD_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        log.debug("%s failed: %s", cmd[0], e)
+        return None
+    if r.returncode != 0:
+        log.debug("%s exited %s: %s", cmd[0], r.returncode, r.stderr.strip()[:300])
+        if "Invalid job id" in r.stderr:
+            return ""
+        return None
+    return r.stdout
+
+
+_RANGE = re.compile(r"^(\d+)_\[([^\]]+)\]$")
+
+
+def _expand(jobid: str) -> list[str]:
+    """``123_[0-2,5%2]`` -> ``123_0 123_1 123_2 123_5``; plain ids pass through."""
+    m = _RANGE.match(jobid)
+    if not m:
+        return [jobid]
+    base, spec = m.group(1), m.group(2).split("%")[0]
+    out = []
+    for part in spec.split(","):
+        a, _, b = part.partition("-")
+        if a.isdigit():
+            out += [f"{base}_{i}" for i in range(int(a), int(b or a) + 1)]
+    return out
+
+
+def _parse(text: str) -> dict[str, str]:
+    states: dict[str, str] = {}
+    for line in text.splitlines():
+        jid, sep, state = line.strip().partition("|")
+        if not sep or "." in jid:  # skip job steps (123_0.batch)
+            continue
+        st = state.split()[0].rstrip("+") if state.strip() else UNKNOWN
+        for j in _expand(jid):
+            states[j] = st
+    return states
+
+
+def squeue_states(array_ids: list[str]) -> dict[str, str] | None:
+    out = _run(["squeue", "-h", "--array", "--states=all", "-o", "%i|%T", "-j", ",".join(array_ids)])
+    return None if out is None else _parse(out)
+
+
+def sacct_states(array_ids: list[str]) -> dict[str, str] | None:
+    out = _run(["sacct", "-n", "-P", "-X", "-o", "JobID,State", "-j", ",".join(array_ids)])
+    return None if out is None else _parse(out)
+
+
+def task_states(expected: list[str]) -> dict[str, str]:
+    """State of each array task id (``"<array>_<i>"``) in ``expected``."""
+    arrays = sorted({t.split("_")[0] for t in expected})
+    if not arrays:
+        return {}
+    sq = squeue_states(arrays)
+    sa = sacct_states(arrays) or {}
+    out = {}
+    for t in expected:
+        if sq is not None and t in sq:
+            out[t] = sq[t]
+        elif t in sa:
+            out[t] = sa[t]
+        elif sq is not None:
+            out[t] = GONE
+        else:
+            out[t] = UNKNOWN
+    return out
+
+
+def counts(states: dict[str, str]) -> dict[str, int]:
+    c = {"queued": 0, "running": 0, "done": 0, "failed": 0, "unknown": 0}
+    for s in states.values():
+        c[category(s)] += 1
+    return c
+
+
+def wait_tasks(expected: list[str], *, poll_s: float = 10.0, timeout_s: float | None = None,
+               on_poll: Callable[[dict[str, str]], None] | None = None) -> tuple[dict[str, str], bool]:
+    """Poll until every task has ended or ``timeout_s`` passes. Returns (states, all_ended)."""
+    end = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        states = task_states(expected)
+        if on_poll:
+            on_poll(states)
+        if all(ended(s) for s in states.values()):
+            return states, True
+        if end is not None and time.monotonic() >= end:
+            return states, False
+        time.sleep(poll_s if end is None else max(0.0, min(poll_s, end - time.monotonic())))
+
+
+def slurm_job_ending() -> bool:
+    """Inside a Slurm job that is being cancelled, preempted or timed out? (Then a failed build was
+    killed from outside: apptainer reports its killed children as a plain exit 1.)"""
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job:
+        return False
+    try:
+        out = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    m = re.search(r"JobState=(\S+)", out)
+    return bool(m) and m.group(1) not in ("RUNNING", "COMPLETED", "FAILED")
