@@ -245,6 +245,10 @@ class LookupIndex:
 
 
 _CODE_SIG: str | None = None
+# The modules whose code decides a recipe's key: parsing, normalising and resolving bases (under
+# tasks/) and this file.
+_KEY_CODE = ("tasks/recipe.py", "tasks/dockerfile.py", "tasks/bases.py", "tasks/files.py", "tasks/model.py",
+             "images/store.py")
 
 
 def _code_signature() -> str:
@@ -252,10 +256,10 @@ def _code_signature() -> str:
     global _CODE_SIG
     if _CODE_SIG is None:
         h = hashlib.sha256()
-        here = Path(__file__).resolve().parent
-        for name in ("recipe.py", "dockerfile.py", "store.py"):
+        pkg = Path(__file__).resolve().parent.parent
+        for name in _KEY_CODE:
             try:
-                h.update((here / name).read_bytes())
+                h.update((pkg / name).read_bytes())
             except OSError:
                 h.update(name.encode())
         _CODE_SIG = h.hexdigest()
