@@ -30,8 +30,8 @@ def main() -> None:
         pol_s: list[float] = []
         exec_s: list[float] = []
         per_turn: list[float] = []
-        with ScriptedServer(script) as srv, tempfile.TemporaryDirectory() as home:
-            with Shell(["bash", "--noprofile", "--norc"], home=home) as sh:
+        with ScriptedServer(script) as srv, tempfile.TemporaryDirectory() as home, \
+                Shell(["bash", "--noprofile", "--norc"], home=home) as sh:
                 for _ in range(args.episodes):
                     pol = OpenAIPolicy(srv.base_url, "scripted", mode=mode)
                     t0 = time.perf_counter()

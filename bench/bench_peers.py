@@ -22,7 +22,8 @@ not et-hpc dependencies). Each peer runs in a long-lived driver process (this fi
 not counted, and the three are interleaved round by round (order rotated) so machine noise hits all
 alike. Before each lifecycle (untimed) ``sync`` flushes the previous one's dirty pages: without
 it, an et-hpc teardown right after mini-swe-agent's (which writes and deletes a ~300 MB sandbox
-directory) waited 1-1.5 s for the disk in its FUSE unmount. One warm-up round is not counted. Times are wall-clock inside the process doing the lifecycle.
+directory) waited 1-1.5 s for the disk in its FUSE unmount. One warm-up round is not counted. Times are wall-clock
+inside the process doing the lifecycle.
 
 Memory: ``--mem-sandboxes`` et-hpc sandboxes live at once, each with its shell; the processes a
 sandbox adds are its instance's session (monitor, appinit, squashfuse/fuse2fs/fuse-overlayfs) and
@@ -242,7 +243,6 @@ def sandbox_memory(sif: Path, scratch: Path, n: int) -> dict[str, Any]:
 def local_copy_bench(sif: Path, scratch: Path, reps: int) -> dict[str, Any]:
     from et_hpc.images.local_copy import different_filesystem, local_image
     from et_hpc.sandbox.sandbox import Sandbox
-
     from et_hpc.util import sha256_file
 
     digest = sha256_file(sif)  # what the image cache records for it

@@ -25,7 +25,6 @@ def main() -> None:
     ap.add_argument("--task", type=Path, default=ROOT / "defs/demo/demo_csv_sum")
     a = ap.parse_args()
     import test_redteam_entry as rt
-
     from et_hpc import scoring
     from et_hpc.images.store import ImageStore
     from et_hpc.sandbox.sandbox import Sandbox

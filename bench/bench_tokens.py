@@ -63,8 +63,8 @@ def main() -> None:
     base = None
     for name, (srv_kw, pol_kw) in VARIANTS.items():
         per_turn, policy, capture, last_prompt, sources = [], [], [], 0, set()
-        with ScriptedServer(script, **srv_kw) as srv, tempfile.TemporaryDirectory() as home:
-            with Shell(["bash", "--noprofile", "--norc"], home=home) as sh:
+        with ScriptedServer(script, **srv_kw) as srv, tempfile.TemporaryDirectory() as home, \
+                Shell(["bash", "--noprofile", "--norc"], home=home) as sh:
                 for _ in range(args.episodes):
                     pol = _Timed(OpenAIPolicy(srv.base_url, "scripted", mode=args.mode, **pol_kw))
                     t0 = time.perf_counter()

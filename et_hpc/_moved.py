@@ -8,7 +8,8 @@ shim never makes a lower layer load a higher one.
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def forward(new: str) -> Callable[[str], Any]:

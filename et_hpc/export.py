@@ -235,9 +235,8 @@ def validate_atropos_group(group: dict[str, Any]) -> None:
         if bad:
             raise ValueError(f"sample {i}: mask at position {bad[0]} is neither -100 nor the token")
     lps = group.get("inference_logprobs")
-    if lps is not None:
-        if len(lps) != n or any(len(lp) != len(t) for lp, t in zip(lps, group["tokens"])):
-            raise ValueError("inference_logprobs are not aligned with tokens")
+    if lps is not None and (len(lps) != n or any(len(lp) != len(t) for lp, t in zip(lps, group["tokens"]))):
+        raise ValueError("inference_logprobs are not aligned with tokens")
 
 
 def iter_atropos_groups(groups: list[list[EpisodeRecord]], stats: dict[str, int] | None = None) -> Iterator[dict[str, Any]]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import fnmatch
 import html
-import json
 import math
 import sys
 from datetime import datetime, timezone
@@ -26,7 +25,7 @@ from pydantic import BaseModel
 
 from et_hpc.errors import UserError
 from et_hpc.store import RUN_CONFIG, RunStore, Store
-from et_hpc.util import atomic_write_text, format_table
+from et_hpc.util import format_table
 
 Z95 = 1.959963984540054
 _COLUMNS = ["task_id", "sample", "status", "reward", "passed", "total", "split", "model", "created_at",

@@ -198,7 +198,7 @@ _J = [
     "{%- set a = c['function']['arguments'] -%}",
     "{%- if a is not string -%}{%- set a = a | tojson -%}{%- endif -%}",
     "{%- if ns2.text -%}{%- set ns2.text = ns2.text + '\\n' -%}{%- endif -%}",
-    "{%- set ns2.text = ns2.text + '<tool_call>\\n{\"name\": \"' + c['function']['name'] + '\", \"arguments\": ' + a + '}\\n</tool_call>' -%}",
+    "{%- set ns2.text = ns2.text + '<tool_call>\\n{\"name\": \"' + c['function']['name'] + '\", \"arguments\": ' + a + '}\\n</tool_call>' -%}",  # noqa: E501
     "{%- endfor -%}",
     "{{- ns2.text -}}",
     "{%- if not (continue_final_message and loop.last) -%}{{- '<|im_end|>\\n' -}}{%- endif -%}",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import textwrap
 import time
 from pathlib import Path
@@ -37,7 +38,17 @@ def _missing(what: str) -> str | None:
         return None
     if what == "fixtures":
         return None if FIXTURES.is_dir() else f"fixtures not found at {FIXTURES} (set ET_HPC_FIXTURES)"
+    if what == "ruff":
+        return None if _ruff() else "ruff is not installed (pip install -e '.[test]')"
     raise ValueError(what)
+
+
+def _ruff() -> list[str] | None:
+    """How to run ruff here: the ``ruff`` on PATH, or the module beside this Python."""
+    if shutil.which("ruff"):
+        return ["ruff"]
+    r = subprocess.run([sys.executable, "-m", "ruff", "--version"], capture_output=True)
+    return [sys.executable, "-m", "ruff"] if r.returncode == 0 else None
 
 
 def need(*what: str) -> None:

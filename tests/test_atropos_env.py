@@ -95,7 +95,7 @@ def api_server(tmp_path):
             break
         except Exception:
             if p.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"run-api did not start: {(tmp_path / 'run-api.log').read_text()[-2000:]}")
+                raise RuntimeError(f"run-api did not start: {(tmp_path / 'run-api.log').read_text()[-2000:]}") from None
             time.sleep(0.2)
     yield url
     p.terminate()

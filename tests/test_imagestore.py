@@ -2,7 +2,8 @@
 failed builds.
 
 Recipes here are tiny defs on the base image (``From: ./ubuntu_22.04.sif``, resolved by the real
-recipe normaliser through a base map naming the ``base_sif`` fixture). Each build appends a line to a counter file from ``%setup`` (which runs on the host), so the
+recipe normaliser through a base map naming the ``base_sif`` fixture). Each build appends a line to a counter file from
+``%setup`` (which runs on the host), so the
 tests can count real ``apptainer build`` runs.
 """
 

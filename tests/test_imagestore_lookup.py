@@ -9,8 +9,8 @@ import os
 import time
 from pathlib import Path
 
-from et_hpc.tasks import recipe as recipe_mod
 from et_hpc.images.store import ImageStore
+from et_hpc.tasks import recipe as recipe_mod
 from et_hpc.tasks.model import Recipe, Task
 
 EMPTY_SHA = hashlib.sha256(b"").hexdigest()

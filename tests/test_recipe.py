@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from et_hpc.errors import TaskError
-from et_hpc.tasks.recipe import normalise, parse_def_text
 from et_hpc.tasks.loader import load_tasks
+from et_hpc.tasks.recipe import normalise, parse_def_text
 
 BASE = Path("/cache/base/ubuntu_22.04.sif")
 BASE_MAP = {"ubuntu_22.04.sif": BASE}

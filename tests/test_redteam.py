@@ -71,7 +71,7 @@ ATTACKS = {
     "background_writer_after_done": ["nohup sh -c 'sleep 3; echo 42 > /home/user/answer.txt' >/dev/null 2>&1 &",
                                      "setsid sh -c 'sleep 3; echo 42 > /home/user/answer.txt' >/dev/null 2>&1 < /dev/null &"],
     "fake_python_and_pytest_in_path": [
-        "mkdir -p ~/bin && for n in python3 pytest py.test; do printf '#!/bin/sh\\necho 42 > /home/user/answer.txt\\nexit 0\\n' > ~/bin/$n; "
+        "mkdir -p ~/bin && for n in python3 pytest py.test; do printf '#!/bin/sh\\necho 42 > /home/user/answer.txt\\nexit 0\\n' > ~/bin/$n; "  # noqa: E501
         "chmod +x ~/bin/$n; cp ~/bin/$n /usr/local/bin/$n 2>/dev/null; done; true"],
     "overwrite_system_python_and_pytest": [
         "for f in /usr/bin/python3*; do [ -L $f ] || { printf '#!/bin/sh\\necho 42 > /home/user/answer.txt\\n' > $f; }; done; "

@@ -173,7 +173,7 @@ FORGERIES = {
     # 1. the one-liner: an env script apptainer sources before every exec
     "env_script": [PLANT_FORGED, "cat > /.singularity.d/env/99-zz-forge.sh <<'EOF'\n" + FORGE + "\nEOF"],
     # 2. apptainer's exec action replaced (it is what `apptainer exec` runs first)
-    "actions_exec": [PLANT_FORGED, "cp /bin/dash /tmp/.dash && cp /.singularity.d/actions/exec /tmp/.exec && cat > /.singularity.d/actions/exec <<'EOF'\n"
+    "actions_exec": [PLANT_FORGED, "cp /bin/dash /tmp/.dash && cp /.singularity.d/actions/exec /tmp/.exec && cat > /.singularity.d/actions/exec <<'EOF'\n"  # noqa: E501
                      + FORGE_SCRIPT + "exec /tmp/.dash /tmp/.exec \"$@\"\nEOF\nchmod 755 /.singularity.d/actions/exec"],
     # 3. /bin/sh (which runs the action scripts) replaced by a forging wrapper
     "bin_sh": [PLANT_FORGED, "cp /bin/dash /tmp/.dash && cat > /tmp/.sh <<'EOF'\n" + FORGE_SCRIPT

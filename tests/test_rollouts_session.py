@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, need, until
-from et_hpc.rollouts.queue import WorkQueue
 from et_hpc.host import slurm as watch
+from et_hpc.rollouts.queue import WorkQueue
 from et_hpc.runner.slurm import load_jobs
 
 ET_HPC = [sys.executable, "-m", "et_hpc.cli"]

@@ -13,8 +13,8 @@ import urllib.request
 import openai
 import pytest
 
-from et_hpc.errors import UserError
 from et_hpc import scripted_tokenizer as tk
+from et_hpc.errors import UserError
 from et_hpc.scripted_server import ScriptedServer, load_script
 
 

@@ -54,9 +54,7 @@ def files_with(secret: str, *roots: Path) -> list[str]:
             if not p.is_file():
                 continue
             data = p.read_bytes()
-            if needle in data:
-                hits.append(str(p))
-            elif p.suffix == ".parquet" and secret in json.dumps(pq.read_table(p).to_pylist(), default=str):
+            if needle in data or p.suffix == ".parquet" and secret in json.dumps(pq.read_table(p).to_pylist(), default=str):
                 hits.append(str(p))
     return hits
 

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 import test_runner_units as U
-from et_hpc.host import slurm as watch
+from conftest import need
 from et_hpc.cli.run import status_info
+from et_hpc.host import slurm as watch
 from et_hpc.runner.config import RunConfig, SlurmOptions
 from et_hpc.runner.plan import make_plan, open_store
 from et_hpc.runner.slurm import load_jobs, submit, task_ids
-from conftest import need
 
 pytestmark = pytest.mark.slurm
 TESTS = Path(__file__).resolve().parent

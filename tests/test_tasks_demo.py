@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from conftest import need
-from et_hpc.tasks.recipe import normalise
 from et_hpc.tasks.loader import load_tasks
+from et_hpc.tasks.recipe import normalise
 
 DEMO = Path(__file__).resolve().parent.parent / "defs" / "demo"
 IDS = ["demo_csv_sum", "demo_hello_file", "demo_log_filter", "demo_project_setup"]

@@ -35,14 +35,15 @@ import os
 import random
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import openai
 
-from et_hpc.agent.endpoint import EndpointWatch, resolve_api_key
 from et_hpc.agent.base import Action, ContextLengthError, PolicyError, TokenCapture, text_action
+from et_hpc.agent.endpoint import EndpointWatch, resolve_api_key
 from et_hpc.agent.protocols import TERMINAL_TOOL, Mode, ToolArgsError, parse_tool_arguments
 
 if TYPE_CHECKING:

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from et_hpc.agent.prompts import COULD_NOT_PARSE, TEXT_SYSTEM_PROMPT, TOOLS_SYSTEM_PROMPT
+from et_hpc.agent.prompts import TEXT_SYSTEM_PROMPT, TOOLS_SYSTEM_PROMPT
 
 OUTPUT_LIMIT_CHARS = 50_000
 

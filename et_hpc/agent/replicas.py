@@ -30,9 +30,9 @@ import random
 import stat
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 from et_hpc.agent.endpoint import _parse, probe_models, resolve_api_key
 from et_hpc.errors import UserError

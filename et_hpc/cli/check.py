@@ -7,8 +7,9 @@ import json
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from et_hpc.cli.common import add_source_args, check_base_once, load_source
 from et_hpc.episode.check import CheckResult, CheckSettings, check_tasks, default_jobs, load_failure
@@ -78,7 +79,8 @@ def _one_line(s: str, width: int = 100) -> str:
 def cmd_check(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from et_hpc.images.store import ImageStore, default_jobs as build_jobs
+    from et_hpc.images.store import ImageStore
+    from et_hpc.images.store import default_jobs as build_jobs
 
     if args.jobs is not None and args.jobs < 1:
         raise UserError(f"--jobs {args.jobs}: must be 1 or more")

@@ -13,8 +13,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from et_hpc.cli import app as et_cli
 from et_hpc import paths
+from et_hpc.cli import app as et_cli
 from et_hpc.errors import UserError
 from et_hpc.util import format_table
 

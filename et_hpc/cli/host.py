@@ -78,9 +78,8 @@ def cmd_base_build(args) -> int:
     if args.suite:
         kw["suite"] = args.suite
     t0 = time.monotonic()
-    if not args.json:
-        if base.cached_base() is None or args.force:
-            print("building the base image (a few minutes the first time)...", flush=True)
+    if not args.json and (base.cached_base() is None or args.force):
+        print("building the base image (a few minutes the first time)...", flush=True)
     img = base.ensure_base(args.source, force=args.force, from_sif=args.from_sif, **kw)
     dt = time.monotonic() - t0
     if args.json:
@@ -93,8 +92,8 @@ def cmd_base_build(args) -> int:
 
 
 def cmd_base_show(args) -> int:
-    from et_hpc.images import base
     from et_hpc.errors import UserError
+    from et_hpc.images import base
 
     img = base.cached_base()
     if img is None:

@@ -11,8 +11,8 @@ from typing import Any
 from tqdm import tqdm
 
 from et_hpc.errors import UserError
-from et_hpc.paths import find_run_dir
 from et_hpc.host import slurm as watch
+from et_hpc.paths import find_run_dir
 from et_hpc.runner.config import RunConfig, load_config, parse_set
 from et_hpc.runner.plan import NO_IMAGE, OK, Plan, make_plan, open_store, read_run_json
 from et_hpc.store import RunStore

@@ -6,12 +6,11 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 
-from et_hpc.errors import TaskError, UserError
 from et_hpc.cli.common import SOURCE_HELP, add_source_args, load_source
+from et_hpc.errors import TaskError, UserError
 from et_hpc.util import format_table
 
 _add_source_args, _load = add_source_args, load_source  # their old names
@@ -76,8 +75,8 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from et_hpc.tasks.recipe import normalise
     from et_hpc.tasks.loader import default_base_map
+    from et_hpc.tasks.recipe import normalise
 
     args.ids = [args.id]
     args.glob = args.split = args.sample = None

@@ -18,22 +18,20 @@ parallel; the CLI subcommand is ``et_hpc.cli.check``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
 import re
-import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
 from et_hpc.errors import InfraError, UserError
-from et_hpc.util import format_table
 
 log = logging.getLogger(__name__)
 

@@ -106,9 +106,9 @@ def resolve_policy_config(cfg: PolicyConfig) -> PolicyConfig:
     key = (cfg.base_url, str(cfg.endpoint_file), cfg.model)  # the model: a trainer-owned switch names a new one
     with _ENDPOINT_LOCK:
         if key not in _ENDPOINTS:
-            from et_hpc.agent.endpoint import resolve_endpoint
-
             from pydantic import SecretStr
+
+            from et_hpc.agent.endpoint import resolve_endpoint
 
             ep = resolve_endpoint(cfg.base_url, cfg.endpoint_file, wait_s=cfg.endpoint_wait_s,
                                   api_key=cfg.key_value(), api_key_env=cfg.api_key_env)

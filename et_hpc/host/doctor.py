@@ -18,9 +18,9 @@ import shutil
 import stat
 import subprocess
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 from et_hpc import paths
 from et_hpc.errors import UserError

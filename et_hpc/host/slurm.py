@@ -12,7 +12,7 @@ import os
 import re
 import subprocess
 import time
-from typing import Callable
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 

@@ -27,9 +27,9 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class LockInfo:
     taken_at: float
 
     @classmethod
-    def read(cls, path: Path) -> tuple["LockInfo | None", os.stat_result | None]:
+    def read(cls, path: Path) -> tuple[LockInfo | None, os.stat_result | None]:
         """The lock's content and stat, or (None, None) if there is no lock; a half-read file gives (None, stat)."""
         try:
             st = os.stat(path)
@@ -154,7 +154,7 @@ class BuildLock:
             return True
         return False
 
-    def acquire(self) -> "BuildLock":
+    def acquire(self) -> BuildLock:
         t0 = time.monotonic()
         seen_key: tuple | None = None
         seen_since = t0
@@ -261,7 +261,7 @@ class BuildLock:
                 pass
         self.info = None
 
-    def __enter__(self) -> "BuildLock":
+    def __enter__(self) -> BuildLock:
         return self.acquire()
 
     def __exit__(self, *exc: object) -> None:

@@ -22,11 +22,11 @@ reason; ``et-hpc build`` rebuilds it.
 from __future__ import annotations
 
 import hashlib
-import re
-import shlex
 import json
 import logging
 import os
+import re
+import shlex
 import shutil
 import signal
 import socket
@@ -36,16 +36,17 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterable, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
 from et_hpc import paths
 from et_hpc.errors import UserError
-from et_hpc.images.lock import BuildLock, LockInfo, LockTimeout
 from et_hpc.host import slurm as watch
+from et_hpc.images.lock import BuildLock, LockInfo, LockTimeout
 from et_hpc.util import atomic_write_text, fsync_dir, sha256_file
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ class StoreSettings(BaseModel):
     ca_bundle: str | None = HOST_CA_BUNDLE
 
     @classmethod
-    def from_env(cls, **overrides: Any) -> "StoreSettings":
+    def from_env(cls, **overrides: Any) -> StoreSettings:
         env = {
             "build_timeout_s": os.environ.get("ET_HPC_BUILD_TIMEOUT"),
             "stale_after_s": os.environ.get("ET_HPC_LOCK_STALE"),
@@ -294,7 +295,7 @@ class ImageStore:
         self._index: LookupIndex | None = None
 
     @property
-    def index(self) -> "LookupIndex":
+    def index(self) -> LookupIndex:
         if self._index is None:
             sig = hashlib.sha256(_code_signature().encode())
             for name, p in sorted(self.base_map.items()):

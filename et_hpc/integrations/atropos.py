@@ -75,7 +75,7 @@ class EndlessTerminalsEnvConfig(BaseEnvConfig):
     wall_time_s: float = Field(default=300.0, gt=0, description="agent wall time per episode (s)")
     command_timeout_s: float = Field(default=60.0, gt=0, description="time limit of one shell command (s)")
     max_concurrent_episodes: int = Field(default=16, ge=1, description="episodes (instances) running at once")
-    on_error: Literal["mask", "keep-ok"] = Field(default="mask", description="a group with an error episode: mask it or keep its ok episodes")
+    on_error: Literal["mask", "keep-ok"] = Field(default="mask", description="a group with an error episode: mask it or keep its ok episodes")  # noqa: E501
     store: str | None = Field(default=None, description="et-hpc store root for the episodes (default $ET_HPC_STORE or ./et-hpc-runs)")
     run_name: str = Field(default="atropos-endless", description="run name inside the store")
     shuffle_seed: int = Field(default=0, description="order in which tasks are served")

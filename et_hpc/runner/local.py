@@ -17,8 +17,9 @@ import logging
 import signal
 import sys
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from tqdm import tqdm
 

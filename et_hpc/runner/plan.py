@@ -22,9 +22,10 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from et_hpc.errors import UserError
 from et_hpc.runner.config import RunConfig

@@ -30,8 +30,8 @@ from typing import Any
 from filelock import FileLock
 
 from et_hpc.errors import InfraError
-from et_hpc.paths import scratch_dir
 from et_hpc.host import apptainer
+from et_hpc.paths import scratch_dir
 from et_hpc.sandbox.shell import Shell, kill_session
 
 log = logging.getLogger(__name__)
