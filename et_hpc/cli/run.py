@@ -13,12 +13,14 @@ from tqdm import tqdm
 from et_hpc.errors import UserError
 from et_hpc.host import slurm as watch
 from et_hpc.paths import find_run_dir
-from et_hpc.runner.config import RunConfig, load_config, parse_set
+from et_hpc.runner.base import Outcome
+from et_hpc.runner.config import RunConfig, config_keys_text, load_config, parse_set
+from et_hpc.runner.executors import get_executor
 from et_hpc.runner.plan import NO_IMAGE, OK, Plan, make_plan, open_store, read_run_json
 from et_hpc.store import RunStore
 from et_hpc.util import format_table
 
-RUN_HELP = """\
+RUN_HELP_TEMPLATE = """\
 Run agent episodes for every selected task, SAMPLES times each (a unit is one task and sample),
 on this machine or as Slurm array jobs. Task images must be built first ('et-hpc build SOURCE').
 
@@ -39,17 +41,12 @@ When no episode of the run is running any more, the store's small shards are mer
 large ones (skip with --no-compact; 'et-hpc store compact RUN_DIR' does it later).
 
 Settings come from a YAML run config, then --set KEY=VALUE, then the dedicated flags.
-Run config keys: name, store, tasks.{source,tasks_dir,ids,glob,split,sample,seed}, samples,
-  policy.*, budgets.*, sandbox.{overlay_mb,writable_tmpfs,network,memory_mb,max_pids,vmem_mb,fsize_mb,
-  watchdog_interval_s,local_copy (auto|always|never),local_copy_budget_gb}, scoring_timeout_s,
-  executor (local|slurm), concurrency, retry_errors, retries, strict, unit_runner (module:function),
-  slurm.{partition,account,qos,time_min,cpus_per_task,mem_gb,array_parallelism,
-  units_per_task,setup,additional_parameters,max_array_size,max_submit_jobs,max_num_timeout,python,
-  wait_timeout_min,poll_s}
+{config_keys}
 
 Exit status: 0 every unit is done, 1 units are still missing (rerun), 2 bad input,
 3 stopped watching Slurm jobs that keep running (slurm.wait_timeout_min), 130 interrupted.
 """
+RUN_HELP = RUN_HELP_TEMPLATE.replace("{config_keys}", config_keys_text())
 RUN_EPILOG = """\
 examples:
   # the 4 demo tasks, 2 oracle episodes each, 4 at a time on this machine
@@ -160,7 +157,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         return cmd_continuous(cfg, args)
     plan = make_plan(cfg)
     if plan.units:
-        _refuse_if_jobs_live(plan)
+        from et_hpc.runner.slurm import refuse_if_jobs_live
+
+        refuse_if_jobs_live(plan)
     print(f"run {cfg.run_name()} in {plan.run_dir}: {plan.total} units, {plan.done_ok} ok and "
           f"{plan.done_error} with errors already, {len(plan.units)} to run"
           + (f", {plan.no_image_units()} without an image" if plan.no_image else ""), file=sys.stderr)
@@ -176,20 +175,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     settled = True  # no episode of this run is running any more
     if not plan.units:
         print("nothing to do: every unit is in the store (use --retry-errors to redo errors)", file=sys.stderr)
-    elif cfg.executor == "local":
-        from et_hpc.runner.local import run_local
-
-        res = run_local(plan, store=store)
-        if res.interrupted:
-            print(f"stopped: {res.ok + res.errors} episodes kept, rerun the same command to resume",
-                  file=sys.stderr)
-            rc = 130
-            settled = False
     else:
-        rc = _run_slurm(plan, store, args.detach)
-        if args.detach:
-            return rc
-        settled = rc == 0
+        out = _execute(plan, store, args.detach)
+        if out.detached:
+            print(f"follow it with: et-hpc status {plan.run_dir}")
+            return 0
+        if out.rc == 130 and out.result is not None:
+            print(f"stopped: {out.result.ok + out.result.errors} episodes kept, rerun the same command to resume",
+                  file=sys.stderr)
+        rc, settled = out.rc, out.settled
     if settled and not args.no_compact:
         _compact(store)
     info = unit_counts(plan, store)
@@ -213,22 +207,6 @@ def no_image_table(reasons: dict[str, str], limit: int = 20) -> str:
     return out
 
 
-def _refuse_if_jobs_live(plan: Plan) -> None:
-    """Two executors on the same units would run them twice: wait for the earlier arrays first."""
-    from et_hpc.runner.slurm import latest_submissions, task_ids
-
-    subs = latest_submissions(plan.run_dir)
-    if not subs:
-        return
-    live = sorted(t for t, s in watch.task_states(task_ids(subs)).items()
-                  if watch.category(s) in ("queued", "running"))  # unknown (no answer from Slurm): go on
-    if live:
-        ids = ",".join(sorted({t.split("_")[0] for t in live}))
-        raise UserError(f"{len(live)} array task(s) of run {plan.cfg.run_name()} are still queued or running "
-                        f"(job {ids}): wait for them ('et-hpc status {plan.run_dir}') or cancel them "
-                        f"('scancel {ids.replace(',', ' ')}'), then rerun")
-
-
 def _compact(store: RunStore) -> None:
     """Merge the run's small shards (once, from this process: never from many array tasks)."""
     try:
@@ -241,41 +219,30 @@ def _compact(store: RunStore) -> None:
               f"{res.shards_after} shards now", file=sys.stderr)
 
 
-def _run_slurm(plan: Plan, store: Any, detach: bool) -> int:
-    from et_hpc.runner.slurm import submit, task_ids
+def _execute(plan: Plan, store: Any, detach: bool) -> Outcome:
+    """Run the plan with its executor; the Slurm wait shows a progress bar of stored units."""
+    ex = get_executor(plan.cfg.executor)
+    if ex.name != "slurm" or detach:
+        return ex.run(plan, store, detach=detach, notify=_warn)
+    bars: list[Any] = []  # made at the first poll, after the submission line
 
-    cfg = plan.cfg
-    subs = submit(plan)
-    ids = ", ".join(f"{s['array_id']} ({s['tasks']} tasks, {s['units']} units)" for s in subs)
-    print(f"submitted array job(s): {ids}", file=sys.stderr)
-    if detach:
-        print(f"follow it with: et-hpc status {plan.run_dir}")
-        return 0
-    todo = set(plan.units)
-    bar = tqdm(total=len(todo), desc=f"slurm {cfg.run_name()}", unit="ep", file=sys.stderr, dynamic_ncols=True)
-
-    def on_poll(states: dict[str, str]) -> None:
-        done = store.units()
-        n = sum(1 for u in todo if u in done)
-        c = watch.counts(states)
+    def progress(done: int, c: dict[str, int]) -> None:
+        if not bars:
+            bars.append(tqdm(total=len(set(plan.units)), desc=f"slurm {plan.cfg.run_name()}", unit="ep",
+                             file=sys.stderr, dynamic_ncols=True))
+        bar = bars[0]
         bar.set_postfix_str(f"tasks q{c['queued']} r{c['running']} done{c['done']} fail{c['failed']}", refresh=False)
-        bar.update(n - bar.n)
+        bar.update(done - bar.n)
 
-    timeout = cfg.slurm.wait_timeout_min * 60 if cfg.slurm.wait_timeout_min else None
     try:
-        states, all_ended = watch.wait_tasks(task_ids(subs), poll_s=cfg.slurm.poll_s, timeout_s=timeout,
-                                             on_poll=on_poll)
+        return ex.run(plan, store, notify=_warn, progress=progress)
     finally:
-        bar.close()
-    failed = sorted(t for t, s in states.items() if watch.category(s) == "failed")
-    if failed:
-        shown = ", ".join(f"{t} {states[t]}" for t in failed[:8])
-        print(f"{len(failed)} array task(s) ended without completing: {shown}", file=sys.stderr)
-    if not all_ended:
-        print(f"stopped watching after {cfg.slurm.wait_timeout_min} min; jobs keep running: "
-              f"et-hpc status {plan.run_dir}", file=sys.stderr)
-        return 3
-    return 0
+        for bar in bars:
+            bar.close()
+
+
+def _warn(line: str) -> None:
+    print(line, file=sys.stderr)
 
 
 def status_info(run_dir: Path) -> dict[str, Any]:

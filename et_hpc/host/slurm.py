@@ -3,6 +3,8 @@
 State comes from ``squeue`` (live jobs) and ``sacct`` (finished jobs, when accounting exists).
 A task known to neither, while squeue answers, has ended (purged after MinJobAge): a task that
 Slurm killed is therefore always seen as ended, result file or not. Every command has a timeout.
+
+``SlurmConfig`` (the ``slurm`` block of a run config) says how array jobs are submitted.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ import re
 import subprocess
 import time
 from collections.abc import Callable
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
 
 log = logging.getLogger(__name__)
 
@@ -148,3 +153,31 @@ def slurm_job_ending() -> bool:
         return False
     m = re.search(r"JobState=(\S+)", out)
     return bool(m) and m.group(1) not in ("RUNNING", "COMPLETED", "FAILED")
+
+
+class SlurmConfig(BaseModel):
+    """How array jobs are submitted. ``time_min`` is the walltime of one array task."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    time_min: int = Field(default=60, ge=1)
+    cpus_per_task: int = Field(default=2, ge=1)
+    mem_gb: float | None = None
+    array_parallelism: int = Field(default=64, ge=1)
+    units_per_task: int = Field(default=8, ge=1)  # chunk size: units run by one array task
+    setup: list[str] = Field(default_factory=list)  # e.g. ["module load apptainer"]
+    additional_parameters: dict[str, Any] = Field(default_factory=dict)  # extra #SBATCH --k=v
+    max_array_size: int | None = Field(default=None, ge=1)  # default: MaxArraySize from scontrol
+    # most array tasks one submission may queue; default: what MaxJobCount and the QOS/association
+    # MaxSubmitJobs limits leave free (et_hpc.runner.slurm.submit_limits)
+    max_submit_jobs: int | None = Field(default=None, ge=1)
+    max_num_timeout: int = Field(default=3, ge=0)  # requeues after timeout/preemption
+    python: str | None = None  # interpreter on the compute nodes (default: this one)
+    wait_timeout_min: float | None = None  # give up watching after this long (jobs keep running)
+    poll_s: float = Field(default=10.0, gt=0)
+
+
+SlurmOptions = SlurmConfig  # its old name

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -13,72 +13,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from et_hpc.agent.loop import Budgets
 from et_hpc.agent.policies import PolicyConfig
 from et_hpc.errors import UserError
+from et_hpc.host.slurm import SlurmConfig, SlurmOptions  # noqa: F401  (their old home is here)
 from et_hpc.paths import store_dir
+from et_hpc.sandbox.config import SandboxConfig, SandboxOptions  # noqa: F401
+from et_hpc.tasks.loader import TaskSelection, TaskSelectionConfig  # noqa: F401
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9._-]+$")
-
-
-class TaskSelection(BaseModel):
-    """Where tasks come from and which of them to run (passed to ``load_tasks``)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    source: str | None = None  # a task folder tree, a parquet file or a dataset name
-    tasks_dir: Path | None = None
-    ids: list[str] | None = None
-    glob: str | None = None
-    split: str | None = None
-    sample: int | None = None  # pick this many tasks at random
-    seed: int = 0
-
-
-class SandboxOptions(BaseModel):
-    """One episode's sandbox. Limits (no cgroups needed; SECURITY.md "Limits"): ``memory_mb`` is
-    the watchdog's ceiling for the instance's processes (PSS) plus its tmpfs (``/dev/shm``);
-    ``max_pids`` the processes it may hold (``ulimit -u`` in the agent's shells and for the final
-    tests is 64 above it, a backstop); ``vmem_mb``/``fsize_mb`` are per-process address space and file size
-    (``ulimit -v``/``-f``); ``watchdog_interval_s`` how often the watchdog looks (0: off).
-    Defaults fit 4 episodes on a 2-core, 24 GB node."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    overlay_mb: int = Field(default=512, ge=16)
-    writable_tmpfs: bool = False
-    network: Literal["none", "host"] = "none"
-    memory_mb: int = Field(default=4096, ge=64)
-    max_pids: int = Field(default=512, ge=16)
-    vmem_mb: int = Field(default=8192, ge=64)
-    fsize_mb: int = Field(default=4096, ge=1)
-    watchdog_interval_s: float = Field(default=0.25, ge=0)
-    # node-local SIF copies (et_hpc.images.local_copy): auto copies only when the image cache and
-    # scratch are on different filesystems; always forces it; never starts from the cache
-    local_copy: Literal["auto", "always", "never"] = "auto"
-    local_copy_budget_gb: float = Field(default=20.0, gt=0)
-
-
-class SlurmOptions(BaseModel):
-    """How array jobs are submitted. ``time_min`` is the walltime of one array task."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    partition: str | None = None
-    account: str | None = None
-    qos: str | None = None
-    time_min: int = Field(default=60, ge=1)
-    cpus_per_task: int = Field(default=2, ge=1)
-    mem_gb: float | None = None
-    array_parallelism: int = Field(default=64, ge=1)
-    units_per_task: int = Field(default=8, ge=1)  # chunk size: units run by one array task
-    setup: list[str] = Field(default_factory=list)  # e.g. ["module load apptainer"]
-    additional_parameters: dict[str, Any] = Field(default_factory=dict)  # extra #SBATCH --k=v
-    max_array_size: int | None = Field(default=None, ge=1)  # default: MaxArraySize from scontrol
-    # most array tasks one submission may queue; default: what MaxJobCount and the QOS/association
-    # MaxSubmitJobs limits leave free (et_hpc.runner.slurm.submit_limits)
-    max_submit_jobs: int | None = Field(default=None, ge=1)
-    max_num_timeout: int = Field(default=3, ge=0)  # requeues after timeout/preemption
-    python: str | None = None  # interpreter on the compute nodes (default: this one)
-    wait_timeout_min: float | None = None  # give up watching after this long (jobs keep running)
-    poll_s: float = Field(default=10.0, gt=0)
 
 
 class ContinuousConfig(BaseModel):
@@ -107,20 +47,20 @@ class RunConfig(BaseModel):
 
     name: str | None = None
     store: Path | None = None
-    tasks: TaskSelection = Field(default_factory=TaskSelection)
+    tasks: TaskSelectionConfig = Field(default_factory=TaskSelectionConfig)
     samples: int = Field(default=1, ge=1)  # episodes per task (group size)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     budgets: Budgets = Field(default_factory=Budgets)
-    sandbox: SandboxOptions = Field(default_factory=SandboxOptions)
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     scoring_timeout_s: float = Field(default=120.0, gt=0)
     executor: Literal["local", "slurm"] = "local"
     concurrency: int | None = Field(default=None, ge=1)  # episodes at once per node
-    slurm: SlurmOptions = Field(default_factory=SlurmOptions)
+    slurm: SlurmConfig = Field(default_factory=SlurmConfig)
     continuous: ContinuousConfig = Field(default_factory=ContinuousConfig)  # et_hpc.rollouts
     retry_errors: bool = False  # rerun units whose stored record is an error
     retries: int = Field(default=1, ge=0)  # reruns, at once, of an episode that ended with an error status
     strict: bool = False  # refuse to start when any task image is missing or failed to build
-    unit_runner: str = "et_hpc.runner.local:episode_runner"  # module:function
+    unit_runner: str = Field(default="et_hpc.runner.local:episode_runner", description="module:function")
 
     @field_validator("name")
     @classmethod
@@ -144,6 +84,38 @@ class RunConfig(BaseModel):
         if self.concurrency:
             return self.concurrency
         return default_concurrency(cores, mem_gb)
+
+
+def _key(name: str, field: Any) -> str:
+    if get_origin(field.annotation) is Literal:
+        return f"{name} ({'|'.join(map(str, get_args(field.annotation)))})"
+    return f"{name} ({field.description})" if field.description else name
+
+
+def config_keys(model: type[BaseModel] = RunConfig) -> list[str]:
+    """The keys a run config accepts, read from the models: ``sandbox.{overlay_mb,...}`` per block."""
+    out = []
+    for name, f in model.model_fields.items():
+        if f.exclude:  # secrets: never in a config file
+            continue
+        sub = f.annotation
+        if isinstance(sub, type) and issubclass(sub, BaseModel):
+            inner = [_key(k, v) for k, v in sub.model_fields.items() if not v.exclude]
+            out.append(f"{name}.{{{','.join(inner)}}}")
+        else:
+            out.append(_key(name, f))
+    return out
+
+
+def config_keys_text(width: int = 100) -> str:
+    """``Run config keys: ...`` wrapped after commas for a help text (continuation lines indented by two)."""
+    lines = [""]
+    for piece in re.split(r"(?<=,)", "Run config keys: " + ", ".join(config_keys())):
+        if len(lines[-1]) + len(piece) > width and lines[-1].strip():
+            lines.append("  " + piece.lstrip())
+        else:
+            lines[-1] += piece
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def default_concurrency(cores: int | None = None, mem_gb: float | None = None) -> int:

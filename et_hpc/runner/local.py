@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from et_hpc.errors import UserError
 from et_hpc.host import slurm as watch
+from et_hpc.runner.base import Notify, Outcome, Progress
 from et_hpc.runner.config import RunConfig
 from et_hpc.runner.plan import OK, Plan, Unit, open_store, rec_get, rec_passed
 
@@ -228,6 +229,19 @@ def run_local(plan: Plan, runner: UnitRunner | None = None, *, store: Any = None
             return pool.run()
     finally:
         bar.close()
+
+
+class LocalExecutor:
+    """Runs the plan's units on this machine (``run_local``); Ctrl-C or SIGTERM stops it cleanly."""
+
+    name = "local"
+
+    def run(self, plan: Plan, store: Any, *, detach: bool = False, notify: Notify | None = None,
+            progress: Progress | None = None) -> Outcome:
+        res = run_local(plan, store=store)
+        if res.interrupted:
+            return Outcome(rc=130, settled=False, result=res)
+        return Outcome(result=res)
 
 
 def _clean(rec: Any) -> bool:

@@ -33,6 +33,8 @@ from typing import Any
 from submitit.helpers import Checkpointable, DelayedSubmission
 
 from et_hpc.errors import UserError
+from et_hpc.host import slurm as watch
+from et_hpc.runner.base import Notify, Outcome, Progress
 from et_hpc.runner.config import RunConfig
 from et_hpc.runner.local import ExecResult, UnitPool, WorkItem, resolve_runner, stop_on_signals, work_items
 from et_hpc.runner.plan import OK, Plan, open_store
@@ -352,3 +354,57 @@ def latest_submissions(run_dir: Path) -> list[dict[str, Any]]:
         return []
     last = max(s["attempt"] for s in subs)
     return [s for s in subs if s["attempt"] == last]
+
+
+def live_tasks(run_dir: Path) -> list[str]:
+    """Array tasks of the run's latest submission that Slurm still has queued or running."""
+    subs = latest_submissions(run_dir)
+    if not subs:
+        return []
+    return sorted(t for t, s in watch.task_states(task_ids(subs)).items()
+                  if watch.category(s) in ("queued", "running"))  # unknown (no answer from Slurm): go on
+
+
+def refuse_if_jobs_live(plan: Plan) -> None:
+    """Two executors on the same units would run them twice: wait for the earlier arrays first."""
+    live = live_tasks(plan.run_dir)
+    if live:
+        ids = ",".join(sorted({t.split("_")[0] for t in live}))
+        raise UserError(f"{len(live)} array task(s) of run {plan.cfg.run_name()} are still queued or running "
+                        f"(job {ids}): wait for them ('et-hpc status {plan.run_dir}') or cancel them "
+                        f"('scancel {ids.replace(',', ' ')}'), then rerun")
+
+
+class SlurmExecutor:
+    """Submits the plan as arrays (``submit``), then waits for them unless ``detach``."""
+
+    name = "slurm"
+
+    def run(self, plan: Plan, store: Any, *, detach: bool = False, notify: Notify | None = None,
+            progress: Progress | None = None) -> Outcome:
+        notify = notify or log.info
+        cfg = plan.cfg
+        subs = submit(plan)
+        ids = ", ".join(f"{s['array_id']} ({s['tasks']} tasks, {s['units']} units)" for s in subs)
+        notify(f"submitted array job(s): {ids}")
+        if detach:
+            return Outcome(detached=True, settled=False, submissions=subs)
+        todo = set(plan.units)
+
+        def on_poll(states: dict[str, str]) -> None:
+            if progress is not None:
+                done = store.units()
+                progress(sum(1 for u in todo if u in done), watch.counts(states))
+
+        timeout = cfg.slurm.wait_timeout_min * 60 if cfg.slurm.wait_timeout_min else None
+        states, all_ended = watch.wait_tasks(task_ids(subs), poll_s=cfg.slurm.poll_s, timeout_s=timeout,
+                                             on_poll=on_poll)
+        failed = {t: states[t] for t in sorted(states) if watch.category(states[t]) == "failed"}
+        if failed:
+            shown = ", ".join(f"{t} {s}" for t, s in list(failed.items())[:8])
+            notify(f"{len(failed)} array task(s) ended without completing: {shown}")
+        if not all_ended:
+            notify(f"stopped watching after {cfg.slurm.wait_timeout_min} min; jobs keep running: "
+                   f"et-hpc status {plan.run_dir}")
+            return Outcome(rc=3, settled=False, submissions=subs, failed_tasks=failed)
+        return Outcome(submissions=subs, failed_tasks=failed)

@@ -3,7 +3,8 @@
 - ``shell.Shell``: one persistent bash (markers, real timeouts, bounded output)
 - ``sandbox.Sandbox``: the instance with its per-episode overlay; always stopped
 - ``reaper.reap``: stops what dead workers left behind
-- ``apptainer``: the thin wrapper around the ``apptainer`` command line
+- ``config.SandboxConfig``: the ``sandbox`` block of a run config
+(the wrapper around the ``apptainer`` command line is ``et_hpc.host.apptainer``)
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pydantic import BaseModel, ConfigDict
+
 from et_hpc.errors import TaskError, UserError
 from et_hpc.tasks import dataset, filters
 from et_hpc.tasks.bases import default_base_map
@@ -21,6 +23,23 @@ from et_hpc.tasks.folder import is_task_folder, load_task_folder  # noqa: F401  
 from et_hpc.tasks.model import Task
 
 log = logging.getLogger(__name__)
+
+
+class TaskSelectionConfig(BaseModel):
+    """Where tasks come from and which of them to run (passed to ``load_tasks``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    source: str | None = None  # a task folder tree, a parquet file or a dataset name
+    tasks_dir: Path | None = None
+    ids: list[str] | None = None
+    glob: str | None = None
+    split: str | None = None
+    sample: int | None = None  # pick this many tasks at random
+    seed: int = 0
+
+
+TaskSelection = TaskSelectionConfig  # its old name
 
 
 @dataclass

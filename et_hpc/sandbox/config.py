@@ -1,0 +1,34 @@
+"""``SandboxConfig``: the settings of one episode's sandbox (the ``sandbox`` block of a run config)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class SandboxConfig(BaseModel):
+    """One episode's sandbox. Limits (no cgroups needed; SECURITY.md "Limits"): ``memory_mb`` is
+    the watchdog's ceiling for the instance's processes (PSS) plus its tmpfs (``/dev/shm``);
+    ``max_pids`` the processes it may hold (``ulimit -u`` in the agent's shells and for the final
+    tests is 64 above it, a backstop); ``vmem_mb``/``fsize_mb`` are per-process address space and file size
+    (``ulimit -v``/``-f``); ``watchdog_interval_s`` how often the watchdog looks (0: off).
+    Defaults fit 4 episodes on a 2-core, 24 GB node."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    overlay_mb: int = Field(default=512, ge=16)
+    writable_tmpfs: bool = False
+    network: Literal["none", "host"] = "none"
+    memory_mb: int = Field(default=4096, ge=64)
+    max_pids: int = Field(default=512, ge=16)
+    vmem_mb: int = Field(default=8192, ge=64)
+    fsize_mb: int = Field(default=4096, ge=1)
+    watchdog_interval_s: float = Field(default=0.25, ge=0)
+    # node-local SIF copies (et_hpc.images.local_copy): auto copies only when the image cache and
+    # scratch are on different filesystems; always forces it; never starts from the cache
+    local_copy: Literal["auto", "always", "never"] = "auto"
+    local_copy_budget_gb: float = Field(default=20.0, gt=0)
+
+
+SandboxOptions = SandboxConfig  # its old name
