@@ -31,6 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from et_hpc.sandbox.procfs import pid_alive, start_time
+
 log = logging.getLogger(__name__)
 
 CLOCK_SKEW_S = 60.0
@@ -66,30 +68,7 @@ class LockInfo:
         return f"{self.host}:{self.pid}"
 
 
-def _pid_start(pid: int) -> str | None:
-    """The start time of ``pid`` in clock ticks since boot (field 22 of /proc/PID/stat), or None."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    try:
-        return raw.rsplit(")", 1)[1].split()[19]
-    except IndexError:
-        return None
-
-
-def _pid_alive(pid: int, start: str | None) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    if start is not None:
-        now = _pid_start(pid)
-        if now is not None and now != start:
-            return False  # pid reused by another process
-    return True
+_pid_start, _pid_alive = start_time, pid_alive  # their old names
 
 
 class BuildLock:
@@ -126,7 +105,7 @@ class BuildLock:
     # -- acquiring ---------------------------------------------------------------------------
     def _try_create(self) -> bool:
         pid = os.getpid()
-        info = LockInfo(socket.gethostname(), pid, _pid_start(pid), uuid.uuid4().hex, time.time())
+        info = LockInfo(socket.gethostname(), pid, start_time(pid), uuid.uuid4().hex, time.time())
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(f".{self.path.name}.{info.token}")
         with open(tmp, "w") as f:
@@ -183,7 +162,7 @@ class BuildLock:
             time.sleep(self.poll * (0.75 + 0.5 * (uuid.uuid4().int % 1000) / 1000))
 
     def _is_stale(self, info: LockInfo | None, st: os.stat_result, *, unchanged_for: float) -> bool:
-        if info is not None and info.host == socket.gethostname() and not _pid_alive(info.pid, info.pid_start):
+        if info is not None and info.host == socket.gethostname() and not pid_alive(info.pid, info.pid_start):
             log.info("lock %s: holder %s is dead", self.path, info.describe())
             return True
         if unchanged_for >= self.stale_after:

@@ -7,7 +7,8 @@ process is simply left out (``None`` / skipped). Nothing here spawns a process.
 - ``stat(pid)``: (ppid, pgid, session) of a live process; ``None`` for gone or zombie.
 - ``ns_ids(pid)``: its (pid, pgid) in its innermost PID namespace.
 - ``session_members(sid)``: (pid, pgid) of every live process in a session.
-- ``pid_alive(pid)``: alive and not a zombie.
+- ``pid_alive(pid, start)``: alive, not a zombie and (when ``start`` is given) the same process.
+- ``start_time(pid)``: when it started (clock ticks since boot, as text), to tell a reused pid.
 - ``pid_ns(pid)``: the PID namespace link (``pid:[4026532253]``) or ``None``.
 - ``ns_members(ns, exclude)``: live host pids in that PID namespace.
 - ``memory_kb(pid)``: PSS from ``smaps_rollup`` when readable, else RSS from ``statm`` (KiB).
@@ -65,8 +66,26 @@ def session_members(sid: int) -> list[tuple[int, int]]:
     return out
 
 
-def pid_alive(pid: int) -> bool:
-    """The process exists and is not a zombie (a pid of another user counts as alive)."""
+def start_time(pid: int) -> str | None:
+    """The start time of ``pid`` in clock ticks since boot (field 22 of /proc/PID/stat), or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    try:
+        return data[data.rfind(b")") + 2:].split()[19].decode()
+    except IndexError:
+        return None
+
+
+def pid_alive(pid: int, start: str | None = None) -> bool:
+    """The process exists and is not a zombie (a pid of another user counts as alive); with
+    ``start`` (a ``start_time`` taken earlier) a pid now held by another process counts as gone."""
+    if start is not None:
+        now = start_time(pid)
+        if now is not None and now != start:
+            return False  # pid reused by another process
     if pid <= 0:
         return False
     try:
