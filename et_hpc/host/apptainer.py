@@ -25,13 +25,19 @@ NAME_MAX = 128  # instance names end up in file names (<name>.err etc.); 250+ fa
 _NAME_RE = re.compile(r"[^A-Za-z0-9._-]")
 
 
+def exe() -> str:
+    """The apptainer command as configured: ``$ET_HPC_APPTAINER``, else ``apptainer`` (sandboxes,
+    image and base builds and ``et-hpc doctor`` all run this one)."""
+    return os.environ.get("ET_HPC_APPTAINER") or "apptainer"
+
+
 def binary() -> str:
     """The apptainer executable (``$ET_HPC_APPTAINER`` or ``apptainer`` on PATH)."""
-    exe = os.environ.get("ET_HPC_APPTAINER", "apptainer")
-    found = shutil.which(exe)
+    exe_ = exe()
+    found = shutil.which(exe_)
     if not found:
         raise UserError(
-            f"'{exe}' was not found on PATH: load the apptainer module (e.g. 'module load apptainer') "
+            f"'{exe_}' was not found on PATH: load the apptainer module (e.g. 'module load apptainer') "
             "or set ET_HPC_APPTAINER to its path"
         )
     return found

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from et_hpc import paths
 from et_hpc.errors import UserError
+from et_hpc.host import apptainer
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
 MIN_APPTAINER = (1, 3)
@@ -48,9 +49,9 @@ def _run(cmd: list[str], timeout: float = 10) -> subprocess.CompletedProcess | N
 
 
 def apptainer_version() -> tuple[int, ...] | None:
-    if not shutil.which("apptainer"):
+    if not shutil.which(apptainer.exe()):
         return None
-    r = _run(["apptainer", "--version"])
+    r = _run([apptainer.exe(), "--version"])
     m = re.search(r"(\d+)\.(\d+)\.(\d+)", r.stdout if r else "")
     return tuple(int(x) for x in m.groups()) if m else None
 

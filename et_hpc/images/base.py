@@ -28,6 +28,7 @@ from pathlib import Path
 
 from et_hpc import paths
 from et_hpc.errors import UserError
+from et_hpc.host import apptainer
 from et_hpc.host.doctor import OK, WARN, Check
 from et_hpc.tasks.bases import ALIASES, DEFAULT_NAME, base_dir, base_path, default_base_map  # noqa: F401
 from et_hpc.util import atomic_write_text, sha256_file
@@ -178,15 +179,15 @@ def _log_file() -> Path:
 
 
 def _build_docker(out: Path) -> None:
-    if not shutil.which("apptainer"):
+    if not shutil.which(apptainer.exe()):
         raise UserError("apptainer not found on PATH: install Apptainer >= 1.3 or 'module load apptainer'")
     definition = paths.repo_root() / "defs" / "base" / "ubuntu_22.04-docker.def"
-    _run(["apptainer", "build", "--fakeroot", "--force", str(out), str(definition)],
+    _run([apptainer.exe(), "build", "--fakeroot", "--force", str(out), str(definition)],
          "apptainer build (docker base)", _log_file(), env=_build_env())
 
 
 def _build_debian(out: Path, *, mirror: str, suite: str) -> None:
-    for tool in ("mmdebstrap", "apptainer", "unshare"):
+    for tool in ("mmdebstrap", apptainer.exe(), "unshare"):
         if not shutil.which(tool):
             raise UserError(f"{tool} not found on PATH: the offline base build needs mmdebstrap, apptainer and unshare")
     compat = paths.repo_root() / "defs" / "base" / "debian-compat.sh"
@@ -207,7 +208,7 @@ def _build_debian(out: Path, *, mirror: str, suite: str) -> None:
             _run(["unshare", "--map-auto", "--map-root-user", "tar", "-C", str(rootfs),
                   "--exclude=./dev/*", "-xf", str(tar)], "unpack rootfs", logf)
             tar.unlink()
-            _run(["apptainer", "build", "--fakeroot", "--force", str(out), str(rootfs)],
+            _run([apptainer.exe(), "build", "--fakeroot", "--force", str(out), str(rootfs)],
                  "apptainer build (debian base)", logf, env=_build_env())
         finally:
             # Files belong to mapped ids: remove them inside the same kind of namespace.

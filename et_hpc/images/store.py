@@ -41,11 +41,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from et_hpc import paths
 from et_hpc.errors import UserError
 from et_hpc.host import slurm as watch
+from et_hpc.host.apptainer import exe as apptainer_exe
 from et_hpc.images.lock import BuildLock, LockInfo, LockTimeout
 from et_hpc.util import atomic_write_text, fsync_dir, sha256_file
 
@@ -81,7 +82,7 @@ class StoreSettings(BaseModel):
     build_timeout_s: float = 1800.0  # one apptainer build
     stale_after_s: float = 60.0  # a lock without heartbeat for this long is taken over
     wait_timeout_s: float | None = None  # waiting for another builder; default build timeout + 2 * stale
-    apptainer: str = "apptainer"
+    apptainer: str = Field(default_factory=apptainer_exe)  # $ET_HPC_APPTAINER or apptainer
     keep_failed_logs_lines: int = 40
     # CA bundle that %post's pip/curl/git trust during builds (sites whose TLS proxy re-signs traffic):
     # default the host's system bundle; "none" turns it off. It is bound read-only for the build only
