@@ -24,6 +24,12 @@ import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 SCHEMA_VERSION = 2
+SOLVED_REWARD = 1.0 - 1e-9  # Endless Terminals rewards are 0/1: an episode is solved at full reward
+
+
+def solved(reward: float | None) -> bool:
+    """Full reward: the one rule for "passed" (pass rates, the report, resume, trainer metrics)."""
+    return reward is not None and float(reward) >= SOLVED_REWARD
 
 # Who is to blame decides the status (SECURITY.md has the table of cases):
 # - ok:           scored. Failures the agent caused through the state it left (tests that hang,
@@ -104,14 +110,19 @@ EPISODE_SCHEMA = pa.schema(
 _JSON_FIELDS = ("sampling_params", "messages", "versions")
 
 
+TestOutcomeName = Literal["passed", "failed", "error", "skipped"]
+TEST_OUTCOMES: tuple[str, ...] = get_args(TestOutcomeName)
+
+
 class TestResult(BaseModel):
-    """One test of the final test file: its pytest node name and outcome."""
+    """One test of the final test file: its pytest node name and outcome (what the record stores;
+    scoring's ``TestOutcome`` adds the failure message)."""
 
     __test__ = False  # not a pytest class
     model_config = ConfigDict(extra="forbid")
 
     name: str
-    outcome: str  # passed | failed | error | skipped
+    outcome: TestOutcomeName
 
 
 class Timings(BaseModel):

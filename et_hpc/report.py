@@ -24,8 +24,9 @@ from typing import Any
 from pydantic import BaseModel
 
 from et_hpc.errors import UserError
+from et_hpc.record import solved as is_solved
 from et_hpc.store import RUN_CONFIG, RunStore, Store
-from et_hpc.util import format_table
+from et_hpc.util import fmt_num, fmt_pct, format_table
 
 Z95 = 1.959963984540054
 _COLUMNS = ["task_id", "sample", "status", "reward", "passed", "total", "split", "model", "created_at",
@@ -125,21 +126,21 @@ def run_row(rs: RunStore, split: str | None = None) -> RunRow:
         when = min(stamps).astimezone(timezone.utc) if stamps else None
         source = "created_at" if when else "none"
     ok = [r for r in rows if r["status"] == "ok"]
-    solved = sum(1 for r in ok if r["reward"] is not None and r["reward"] >= 1.0 - 1e-9)
+    n_solved = sum(1 for r in ok if is_solved(r["reward"]))
     rewards = [r["reward"] for r in ok if r["reward"] is not None]
     fracs = [r["passed"] / r["total"] for r in ok if r["passed"] is not None and r["total"]]
     per_task: dict[str, list[int]] = {}
     for r in ok:
         c = per_task.setdefault(r["task_id"], [0, 0])
-        c[0] += r["reward"] is not None and r["reward"] >= 1.0 - 1e-9
+        c[0] += is_solved(r["reward"])
         c[1] += 1
     policy = cfg.get("config", {}).get("policy", {}) if isinstance(cfg.get("config"), dict) else {}
     models = sorted({r["model"] for r in rows if r["model"]})
     model = (policy.get("model") if isinstance(policy, dict) else None) or (", ".join(models) or None)
     return RunRow(
         run=rs.name, path=str(rs.path), time=when.isoformat() if when else None, time_source=source,
-        model=model, episodes=len(rows), ok=len(ok), errors=len(rows) - len(ok), solved=solved,
-        pass_rate=solved / len(ok) if ok else None, pass_rate_ci=wilson(solved, len(ok)),
+        model=model, episodes=len(rows), ok=len(ok), errors=len(rows) - len(ok), solved=n_solved,
+        pass_rate=n_solved / len(ok) if ok else None, pass_rate_ci=wilson(n_solved, len(ok)),
         mean_reward=sum(rewards) / len(rewards) if rewards else None,
         mean_test_fraction=sum(fracs) / len(fracs) if fracs else None,
         task_rates={t: c[0] / c[1] for t, c in sorted(per_task.items())},
@@ -201,12 +202,7 @@ def _progress(items: list[str]):
 
 
 # --- output ----------------------------------------------------------------------------------
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.1f}%"
-
-
-def _num(x: float | None) -> str:
-    return "-" if x is None else f"{x:.3f}"
+_pct, _num = fmt_pct, fmt_num
 
 
 def _delta(r: RunRow) -> str:

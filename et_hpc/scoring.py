@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import BaseModel, Field
 
 from et_hpc.errors import InfraError
+from et_hpc.record import TestOutcomeName, TestResult
 from et_hpc.sandbox import enter
 
 if TYPE_CHECKING:
@@ -57,9 +58,7 @@ GONE_NOTE = ("the instance ended before scoring (its init exited while the sandb
              "an agent can do this from inside, e.g. kill -TERM 1)")
 
 
-class TestOutcome(BaseModel):
-    name: str
-    outcome: Literal["passed", "failed", "error", "skipped"]
+class TestOutcome(TestResult):
     message: str | None = None
 
 
@@ -245,7 +244,7 @@ def parse_junit(xml_text: str) -> list[TestOutcome]:
         name = case.get("name", "?")
         cls = case.get("classname", "")
         full = f"{cls.rsplit('.', 1)[-1]}::{name}" if cls else name
-        outcome: Literal["passed", "failed", "error", "skipped"] = "passed"
+        outcome: TestOutcomeName = "passed"
         message = None
         for child in case:
             if child.tag in ("failure", "error", "skipped"):

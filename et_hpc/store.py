@@ -63,6 +63,7 @@ from pydantic import BaseModel
 from et_hpc.errors import UserError
 from et_hpc.paths import store_dir
 from et_hpc.record import EPISODE_SCHEMA, STATUSES, EpisodeRecord, records_to_table
+from et_hpc.record import solved as is_solved
 from et_hpc.util import atomic_open, atomic_write_text, fsync_dir
 
 log = logging.getLogger(__name__)
@@ -432,7 +433,7 @@ class RunStore:
             for p, n in zip(ok_t.column("passed").to_pylist(), ok_t.column("total").to_pylist())
             if p is not None and n
         ]
-        solved = sum(1 for r in rewards if r >= 1.0 - 1e-9)
+        n_solved = sum(1 for r in rewards if is_solved(r))
         plan = (self.config() or {}).get("plan")
         planned = plan.get("units_total") if isinstance(plan, dict) else None
         return RunSummary(
@@ -443,8 +444,8 @@ class RunStore:
             units=t.num_rows,
             by_status=by_status,
             ok=ok_t.num_rows,
-            solved=solved,
-            pass_rate=(solved / ok_t.num_rows) if ok_t.num_rows else None,
+            solved=n_solved,
+            pass_rate=(n_solved / ok_t.num_rows) if ok_t.num_rows else None,
             mean_reward=(sum(rewards) / len(rewards)) if rewards else None,
             mean_test_fraction=(sum(fracs) / len(fracs)) if fracs else None,
             planned_units=planned,

@@ -71,3 +71,19 @@ def format_table(headers: list[str], rows: list[list[object]]) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def fmt_pct(x: float | None) -> str:
+    """A fraction as a percentage with one decimal (``-`` for none)."""
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def fmt_num(x: float | None) -> str:
+    """A number with three decimals (``-`` for none)."""
+    return "-" if x is None else f"{x:.3f}"
+
+
+def one_line(s: str, width: int) -> str:
+    """``s`` with its whitespace collapsed, cut to ``width`` characters with ``...``."""
+    s = " ".join(s.split())
+    return s if len(s) <= width else s[: width - 3] + "..."

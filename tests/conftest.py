@@ -1,8 +1,9 @@
 """Shared test fixtures.
 
 Tests run as an unprivileged user (as on a cluster): apptainer refuses to work as root here.
-A test that needs apptainer or Slurm calls ``need("apptainer")`` / ``need("slurm")``: outside CI
-it skips when the tool is missing, under ``CI=true`` it fails, because CI must have every tool.
+A test that needs apptainer or Slurm is marked ``@pytest.mark.apptainer`` / ``@pytest.mark.slurm``
+(or calls ``need("apptainer")`` / ``need("slurm")``, as fixtures do): outside CI it skips when the
+tool is missing, under ``CI=true`` it fails, because CI must have every tool.
 """
 
 from __future__ import annotations
@@ -49,6 +50,13 @@ def _ruff() -> list[str] | None:
         return ["ruff"]
     r = subprocess.run([sys.executable, "-m", "ruff", "--version"], capture_output=True)
     return [sys.executable, "-m", "ruff"] if r.returncode == 0 else None
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """The ``apptainer`` and ``slurm`` markers apply ``need()`` before the test runs."""
+    for what in ("apptainer", "slurm"):
+        if item.get_closest_marker(what) is not None:
+            need(what)
 
 
 def need(*what: str) -> None:

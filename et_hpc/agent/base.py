@@ -14,6 +14,8 @@ from et_hpc.agent.protocols import Mode, parse_text_reply
 from et_hpc.errors import InfraError
 from et_hpc.record import TokensSource
 
+DEFAULT_MAX_TOKENS = 2048  # completion tokens per turn unless a config says otherwise
+
 
 class PolicyError(InfraError):
     """The policy could not produce an action (server down, retries exhausted, bad response)."""

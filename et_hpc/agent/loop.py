@@ -24,8 +24,8 @@ from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from et_hpc.agent.policies import Action, ContextLengthError, Policy, PolicyError, TokenCapture
-from et_hpc.agent.protocols import default_system_prompt, format_observation
+from et_hpc.agent.base import DEFAULT_MAX_TOKENS, Action, ContextLengthError, Policy, PolicyError, TokenCapture
+from et_hpc.agent.protocols import OUTPUT_LIMIT_CHARS, default_system_prompt, format_observation
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +50,10 @@ class Budgets(BaseModel):
     max_turns: int = 16
     wall_time_s: float = 300.0
     command_timeout_s: float = 60.0
-    max_tokens_per_turn: int = 2048
+    max_tokens_per_turn: int = DEFAULT_MAX_TOKENS
     context_tokens: int = 16384
     total_tokens: int | None = None
-    output_limit_chars: int = 50_000
+    output_limit_chars: int = OUTPUT_LIMIT_CHARS
 
 
 class Usage(BaseModel):

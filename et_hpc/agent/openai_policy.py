@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import openai
 
-from et_hpc.agent.base import Action, ContextLengthError, PolicyError, TokenCapture, text_action
+from et_hpc.agent.base import DEFAULT_MAX_TOKENS, Action, ContextLengthError, PolicyError, TokenCapture, text_action
 from et_hpc.agent.endpoint import EndpointWatch, resolve_api_key
 from et_hpc.agent.protocols import TERMINAL_TOOL, Mode, ToolArgsError, parse_tool_arguments
 
@@ -120,7 +120,7 @@ class OpenAIPolicy:
         mode: Mode = "tools",
         temperature: float = 0.7,
         top_p: float = 1.0,
-        max_tokens: int = 2048,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
         seed: int | None = None,
         logprobs: bool = False,
         return_token_ids: bool = True,
@@ -202,7 +202,7 @@ class OpenAIPolicy:
             mode=cfg.mode,
             temperature=cfg.temperature,
             top_p=cfg.top_p,
-            max_tokens=cfg.max_tokens or 2048,
+            max_tokens=cfg.max_tokens or DEFAULT_MAX_TOKENS,
             seed=cfg.seed,
             logprobs=cfg.logprobs,
             return_token_ids=cfg.return_token_ids,

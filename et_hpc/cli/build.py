@@ -14,9 +14,10 @@ from typing import Any
 
 from et_hpc.cli.common import add_source_args, check_base_once, load_source
 from et_hpc.errors import UserError
+from et_hpc.host.slurm import SlurmConfig, submitit_executor
 from et_hpc.images.slurm_build import BuildChunk  # noqa: F401  (submitit pickles name this path too)
 from et_hpc.images.store import ImageResult, ImageStore, default_jobs
-from et_hpc.util import format_table
+from et_hpc.util import format_table, one_line
 
 _check_base = check_base_once  # its old name
 
@@ -155,13 +156,11 @@ def report(results: list[ImageResult], errors: list[Any], seconds: float, args: 
 
 
 def _one_line(s: str, width: int = 110) -> str:
-    s = " ".join(s.split())
-    return s if len(s) <= width else s[: width - 3] + "..."
+    return one_line(s, width)
 
 
 # -- Slurm -----------------------------------------------------------------------------------------
 def build_on_slurm(store: ImageStore, tasks: list[Any], args: argparse.Namespace) -> list[ImageResult]:
-    import submitit
     from tqdm import tqdm
 
     from et_hpc.host import slurm as watch
@@ -178,15 +177,10 @@ def build_on_slurm(store: ImageStore, tasks: list[Any], args: argparse.Namespace
     per = args.per_task or max(1, math.ceil(len(todo) / 1000))
     chunks = [todo[i:i + per] for i in range(0, len(todo), per)]
     jobs_per_node = max(1, args.cpus // 2)
-    ex = submitit.AutoExecutor(folder=str(store.cache_dir / "slurm" / "%j"), cluster="slurm")
-    params: dict[str, Any] = {"name": "et-hpc-build", "timeout_min": time_min, "cpus_per_task": args.cpus,
-                              "slurm_array_parallelism": args.array_parallelism}
-    if mem_gb is not None:
-        params["mem_gb"] = mem_gb
-    if args.partition:
-        params["slurm_partition"] = args.partition
+    slurm_cfg = SlurmConfig(partition=args.partition, time_min=time_min, cpus_per_task=args.cpus, mem_gb=mem_gb,
+                            array_parallelism=args.array_parallelism)
+    ex = submitit_executor(slurm_cfg, store.cache_dir / "slurm" / "%j", "et-hpc-build")
     try:
-        ex.update_parameters(**params)
         jobs = ex.submit_array([BuildChunk(store.cache_dir, store.settings, store.base_map, c,
                                            args.retry_failed, jobs_per_node) for c in chunks])
     except UserError:

@@ -14,7 +14,7 @@ from typing import Any
 from et_hpc.cli.common import add_source_args, check_base_once, load_source
 from et_hpc.episode.check import CheckResult, CheckSettings, check_tasks, default_jobs, load_failure
 from et_hpc.errors import UserError
-from et_hpc.util import format_table
+from et_hpc.util import format_table, one_line
 
 DESCRIPTION = """\
 Check that tasks are sound: for each task, stages run in order and stop at the first failure:
@@ -72,8 +72,7 @@ def _print_one(r: CheckResult, write: Callable[[str], None]) -> None:
 
 
 def _one_line(s: str, width: int = 100) -> str:
-    s = " ".join(s.split())
-    return s if len(s) <= width else s[: width - 3] + "..."
+    return one_line(s, width)
 
 
 def cmd_check(args: argparse.Namespace) -> int:

@@ -6,7 +6,7 @@ import argparse
 import sys
 import textwrap
 
-from et_hpc.util import format_table
+from et_hpc.util import fmt_num, fmt_pct, format_table
 
 _RAW = argparse.RawDescriptionHelpFormatter
 
@@ -119,9 +119,7 @@ def _group_args(p: argparse.ArgumentParser) -> None:
 
 
 def _fmt(x: float | None, pct: bool = False) -> str:
-    if x is None:
-        return "-"
-    return f"{100 * x:.1f}%" if pct else f"{x:.3f}"
+    return fmt_pct(x) if pct else fmt_num(x)
 
 
 def _summary(args: argparse.Namespace) -> int:

@@ -32,6 +32,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from et_hpc.errors import InfraError, UserError
+from et_hpc.sandbox.config import DEFAULT_OVERLAY_MB
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ class CheckSettings(BaseModel):
     retry_failed: bool = False  # build again images whose build failed before
     test_timeout_s: float = 120.0  # one pytest run (a task's verifier timeout wins when larger)
     solution_timeout_s: float = 600.0  # solution/solve.sh
-    overlay_mb: int = 512  # writable layer of each sandbox (a task's storage limit wins)
+    overlay_mb: int = DEFAULT_OVERLAY_MB  # writable layer of each sandbox (a task's storage limit wins)
     build_slots: int = 1  # image builds at once (each build is itself multi-threaded)
 
 

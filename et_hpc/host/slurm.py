@@ -13,11 +13,15 @@ import logging
 import os
 import re
 import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from et_hpc.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -181,3 +185,33 @@ class SlurmConfig(BaseModel):
 
 
 SlurmOptions = SlurmConfig  # its old name
+
+
+def submitit_executor(s: SlurmConfig, folder: Path | str, name: str) -> Any:
+    """A submitit executor for Slurm arrays set up from ``s`` (runs and image builds both use it)."""
+    import submitit
+
+    ex = submitit.AutoExecutor(folder=str(folder), cluster="slurm",
+                               slurm_max_num_timeout=s.max_num_timeout,
+                               slurm_python=s.python or sys.executable)
+    params: dict[str, Any] = {
+        "name": name,
+        "timeout_min": s.time_min,
+        "cpus_per_task": s.cpus_per_task,
+        "slurm_array_parallelism": s.array_parallelism,
+        "slurm_wckey": "",
+    }
+    if s.mem_gb is not None:
+        params["mem_gb"] = s.mem_gb
+    for key in ("partition", "account", "qos"):
+        if getattr(s, key):
+            params[f"slurm_{key}"] = getattr(s, key)
+    if s.setup:
+        params["slurm_setup"] = list(s.setup)
+    if s.additional_parameters:
+        params["slurm_additional_parameters"] = dict(s.additional_parameters)
+    try:
+        ex.update_parameters(**params)
+    except (ValueError, TypeError) as e:
+        raise UserError(f"slurm settings rejected: {e}") from None
+    return ex

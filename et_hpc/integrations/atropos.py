@@ -46,12 +46,14 @@ from typing import Any, Literal
 from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
 from pydantic import Field
 
+from et_hpc.agent.base import DEFAULT_MAX_TOKENS
 from et_hpc.agent.loop import Budgets
 from et_hpc.agent.policies import PolicyConfig
 from et_hpc.errors import UserError
 from et_hpc.export import atropos_group, validate_atropos_group
-from et_hpc.record import EpisodeRecord
+from et_hpc.record import EpisodeRecord, solved
 from et_hpc.runner.config import RunConfig, SandboxOptions
+from et_hpc.sandbox.config import DEFAULT_OVERLAY_MB
 from et_hpc.store import RunStore, Store
 
 log = logging.getLogger(__name__)
@@ -71,7 +73,7 @@ class EndlessTerminalsEnvConfig(BaseEnvConfig):
     system_prompt: str | None = Field(default=None, description="system prompt (default: et-hpc's prompt for the mode)")
     mode: Literal["tools", "text"] = Field(default="tools", description="tool calls, or the <command> text protocol")
     agent_temperature: float = Field(default=1.0, ge=0, description="sampling temperature")
-    max_tokens_per_turn: int = Field(default=2048, ge=1, description="completion tokens per turn")
+    max_tokens_per_turn: int = Field(default=DEFAULT_MAX_TOKENS, ge=1, description="completion tokens per turn")
     wall_time_s: float = Field(default=300.0, gt=0, description="agent wall time per episode (s)")
     command_timeout_s: float = Field(default=60.0, gt=0, description="time limit of one shell command (s)")
     max_concurrent_episodes: int = Field(default=16, ge=1, description="episodes (instances) running at once")
@@ -80,7 +82,7 @@ class EndlessTerminalsEnvConfig(BaseEnvConfig):
     run_name: str = Field(default="atropos-endless", description="run name inside the store")
     shuffle_seed: int = Field(default=0, description="order in which tasks are served")
     num_eval_tasks: int = Field(default=0, ge=0, description="tasks held out for evaluate() (one episode each)")
-    overlay_mb: int = Field(default=512, ge=16, description="per-episode writable overlay size")
+    overlay_mb: int = Field(default=DEFAULT_OVERLAY_MB, ge=16, description="per-episode writable overlay size")
 
 
 class EndlessTerminalsEnv(BaseEnv):
@@ -236,7 +238,7 @@ class EndlessTerminalsEnv(BaseEnv):
             "eval/episodes": float(len(records)),
             "eval/errors": float(len(records) - len(ok)),
             "eval/mean_reward": (sum(r.reward or 0.0 for r in ok) / len(ok)) if ok else 0.0,
-            "eval/pass_rate": (sum((r.reward or 0.0) >= 1.0 for r in ok) / len(ok)) if ok else 0.0,
+            "eval/pass_rate": (sum(solved(r.reward) for r in ok) / len(ok)) if ok else 0.0,
         }
         log.info("endless_terminals eval: %s", metrics)
         await self.evaluate_log(metrics)

@@ -30,6 +30,7 @@ from et_hpc.errors import UserError
 from et_hpc.rollouts.queue import WorkQueue
 from et_hpc.rollouts.worker import Worker
 from et_hpc.runner.config import RunConfig
+from et_hpc.runner.plan import save_run_json
 
 log = logging.getLogger(__name__)
 
@@ -59,14 +60,7 @@ def prepare(cfg: RunConfig) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
 
 
 def write_run_json(cfg: RunConfig, run_dir: Path, n_tasks: int) -> None:
-    import json
-
-    from et_hpc.util import atomic_write_text
-
-    data = {"name": cfg.run_name(), "run_dir": str(run_dir), "planned_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "config": cfg.model_dump(mode="json"),
-            "plan": {"continuous": True, "tasks": n_tasks, "samples": cfg.samples, "units_total": 0}}
-    atomic_write_text(run_dir / "run.json", json.dumps(data, indent=2) + "\n")
+    save_run_json(cfg, run_dir, {"continuous": True, "tasks": n_tasks, "samples": cfg.samples, "units_total": 0})
 
 
 class Controller:

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from et_hpc.errors import UserError
+from et_hpc.record import solved
 from et_hpc.runner.config import RunConfig
 from et_hpc.store import RunStore
 from et_hpc.util import atomic_write_text
@@ -50,8 +51,7 @@ def rec_passed(rec: Any) -> bool:
     """An ok episode whose reward is full (Endless Terminals rewards are 0/1)."""
     if rec_get(rec, "status") != OK:
         return False
-    reward = rec_get(rec, "reward")
-    return reward is not None and float(reward) >= 1.0 - 1e-9
+    return solved(rec_get(rec, "reward"))
 
 
 def open_store(run_dir: Path) -> RunStore:
@@ -236,13 +236,18 @@ def record_no_image(plan: Plan, store: Any) -> int:
 
 
 def write_run_json(plan: Plan) -> Path:
-    path = plan.run_dir / "run.json"
+    return save_run_json(plan.cfg, plan.run_dir, plan.summary())
+
+
+def save_run_json(cfg: RunConfig, run_dir: Path, summary: dict[str, Any]) -> Path:
+    """Write ``run.json`` (name, folder, time, the config, the plan's summary); the one writer of it."""
+    path = Path(run_dir) / "run.json"
     data = {
-        "name": plan.cfg.run_name(),
-        "run_dir": str(plan.run_dir),
+        "name": cfg.run_name(),
+        "run_dir": str(run_dir),
         "planned_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "config": plan.cfg.model_dump(mode="json"),
-        "plan": plan.summary(),
+        "config": cfg.model_dump(mode="json"),
+        "plan": summary,
     }
     atomic_write_text(path, json.dumps(data, indent=2) + "\n")
     return path

@@ -23,7 +23,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from submitit.helpers import Checkpointable, DelayedSubmission
 
 from et_hpc.errors import UserError
 from et_hpc.host import slurm as watch
+from et_hpc.host.slurm import submitit_executor
 from et_hpc.runner.base import Notify, Outcome, Progress
 from et_hpc.runner.config import RunConfig
 from et_hpc.runner.local import ExecResult, UnitPool, WorkItem, resolve_runner, stop_on_signals, work_items
@@ -245,33 +245,7 @@ def check_fits(n_units: int, units_per_task: int, limits: SubmitLimits) -> int:
 
 
 def make_executor(cfg: RunConfig, run_dir: Path) -> Any:
-    import submitit
-
-    s = cfg.slurm
-    ex = submitit.AutoExecutor(folder=str(run_dir / "slurm" / "%j"), cluster="slurm",
-                               slurm_max_num_timeout=s.max_num_timeout,
-                               slurm_python=s.python or sys.executable)
-    params: dict[str, Any] = {
-        "name": f"et-hpc-{cfg.run_name()}",
-        "timeout_min": s.time_min,
-        "cpus_per_task": s.cpus_per_task,
-        "slurm_array_parallelism": s.array_parallelism,
-        "slurm_wckey": "",
-    }
-    if s.mem_gb is not None:
-        params["mem_gb"] = s.mem_gb
-    for key in ("partition", "account", "qos"):
-        if getattr(s, key):
-            params[f"slurm_{key}"] = getattr(s, key)
-    if s.setup:
-        params["slurm_setup"] = list(s.setup)
-    if s.additional_parameters:
-        params["slurm_additional_parameters"] = dict(s.additional_parameters)
-    try:
-        ex.update_parameters(**params)
-    except (ValueError, TypeError) as e:
-        raise UserError(f"slurm settings rejected: {e}") from None
-    return ex
+    return submitit_executor(cfg.slurm, run_dir / "slurm" / "%j", f"et-hpc-{cfg.run_name()}")
 
 
 KEY_ENV = "ET_HPC_POLICY_API_KEY"

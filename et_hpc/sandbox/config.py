@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+DEFAULT_OVERLAY_MB = 512  # writable overlay of one episode's sandbox
+
 
 class SandboxConfig(BaseModel):
     """One episode's sandbox. Limits (no cgroups needed; SECURITY.md "Limits"): ``memory_mb`` is
@@ -17,7 +19,7 @@ class SandboxConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    overlay_mb: int = Field(default=512, ge=16)
+    overlay_mb: int = Field(default=DEFAULT_OVERLAY_MB, ge=16)
     writable_tmpfs: bool = False
     network: Literal["none", "host"] = "none"
     memory_mb: int = Field(default=4096, ge=64)

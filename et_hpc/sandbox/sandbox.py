@@ -32,13 +32,13 @@ from filelock import FileLock
 from et_hpc.errors import InfraError
 from et_hpc.host import apptainer
 from et_hpc.paths import scratch_dir
+from et_hpc.sandbox.config import DEFAULT_OVERLAY_MB
 from et_hpc.sandbox.shell import Shell, kill_session
 
 log = logging.getLogger(__name__)
 
 HOME = "/home/user"
 PRISTINE = "/.et-pristine"  # where the image is bound read-only (see et_hpc.scoring)
-DEFAULT_OVERLAY_MB = 512
 # Shell limits: contain fork bombs and memory hogs without cgroups (rootless, no systemd here).
 DEFAULT_NPROC = 512
 DEFAULT_VMEM_MB = 8192
