@@ -48,7 +48,7 @@ TokensSource = Literal["server-exact", "re-tokenized", "absent"]
 
 TIMING_FIELDS = (
     "start_s", "stop_s", "queue_s", "setup_s", "agent_s", "model_s", "exec_s", "score_s", "teardown_s",
-    "total_s",
+    "total_s", "warm_s",
 )
 
 _TEST_TYPE = pa.struct([("name", pa.string()), ("outcome", pa.string())])
@@ -122,13 +122,15 @@ class Timings(BaseModel):
     start_s: float | None = None
     stop_s: float | None = None
     queue_s: float | None = None  # waiting for a slot/node before setup
-    setup_s: float | None = None  # instance start, initial tests
+    setup_s: float | None = None  # instance start, initial tests (on the critical path: with a warm
+    # sandbox only its hand-out)
     agent_s: float | None = None  # the agent loop
     model_s: float | None = None  # of agent_s: waiting for the policy (model time)
     exec_s: float | None = None  # of agent_s: the agent's commands in the shell
     score_s: float | None = None  # final tests
     teardown_s: float | None = None  # instance stop, overlay removal
     total_s: float | None = None
+    warm_s: float | None = None  # a warm sandbox's start, done ahead of the episode (et_hpc.sandbox.warm)
 
 
 def _now() -> datetime:
