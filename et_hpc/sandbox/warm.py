@@ -192,6 +192,7 @@ class WarmPool:
     def __init__(self, size: int, *, stop: threading.Event | None = None, starter: Any = start_ready) -> None:
         self.size = max(0, int(size))
         self.closed = False
+        self._closed = threading.Event()  # close() has finished
         self._starter = starter
         self._lock = threading.Lock()
         self._stock: list[_Entry] = []  # starting or ready, not reserved
@@ -231,18 +232,23 @@ class WarmPool:
             return Ticket(self, entry)
 
     def close(self, wait_s: float = 60.0) -> None:
-        """Stop every sandbox not handed out, waiting up to ``wait_s`` for starts in progress."""
+        """Stop every sandbox not handed out, waiting up to ``wait_s`` for starts in progress
+        (a second call waits for the first to finish)."""
         with self._lock:
-            self.closed = True
+            first, self.closed = not self.closed, True
             stock, self._stock = self._stock, []
             self._wants.clear()
             threads = list(self._threads)
+        if not first:
+            self._closed.wait(wait_s)
+            return
         for e in stock:
             self._drop(e)
         end = time.monotonic() + wait_s
         for t in threads:
             if t is not threading.current_thread():
                 t.join(max(0.0, end - time.monotonic()))
+        self._closed.set()
         try:
             atexit.unregister(self.close)
         except Exception:  # noqa: BLE001 - interpreter shutting down

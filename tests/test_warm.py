@@ -1,0 +1,140 @@
+"""Warm sandboxes (sandbox.warm): started ahead, handed out once, replaced when dead, never left behind."""
+
+from __future__ import annotations
+
+import getpass
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, need, until
+from et_hpc.sandbox import apptainer
+
+ET_HPC = [sys.executable, "-m", "et_hpc.cli"]
+DEMO = REPO / "defs" / "demo"
+HANDOUT = re.compile(r"episode (\S+)#(\d+): sandbox (\S+) \((warm|started inline)\)")
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    return dict(os.environ, ET_HPC_SCRATCH=str(tmp_path / "scratch"))
+
+
+def _scratch(tmp_path: Path) -> Path:
+    return tmp_path / "scratch" / f"et-hpc-{getpass.getuser()}"
+
+
+def _instances(prefix: str) -> set[str]:
+    return {i.name for i in apptainer.instance_list() if i.name.startswith(prefix)}
+
+
+def _leftovers(scratch: Path) -> list[Path]:
+    return sorted([*scratch.glob("overlays/*.img"), *scratch.glob("live/*.json")])
+
+
+@pytest.fixture(scope="module")
+def demo_built(base_sif: Path) -> Path:
+    need("apptainer")
+    b = subprocess.run(ET_HPC + ["build", str(DEMO)], capture_output=True, text=True, timeout=900)
+    assert b.returncode == 0, b.stderr[-2000:]
+    return DEMO
+
+
+def _run(tmp_path: Path, name: str, *extra: str) -> tuple[subprocess.CompletedProcess, list]:
+    cp = subprocess.run(ET_HPC + ["-vv", "run", str(DEMO), "--policy", "oracle", "--concurrency", "2",
+                                  "--store", str(tmp_path / "store"), "--run-name", name, *extra],
+                        env=_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert cp.returncode == 0, cp.stderr[-3000:]
+    from et_hpc.store import RunStore
+
+    return cp, RunStore(tmp_path / "store" / name).read().to_pylist()
+
+
+def test_warm_run_matches_cold_and_uses_each_sandbox_once(demo_built: Path, tmp_path: Path) -> None:
+    cold_cp, cold = _run(tmp_path, "warmtest-cold", "--set", "sandbox.warm=0")
+    warm_cp, warm = _run(tmp_path, "warmtest-warm", "--set", "sandbox.warm=2")
+    assert len(cold) == len(warm) == 4
+    assert all(r["status"] == "ok" for r in cold + warm), [(r["task_id"], r["status"], r["error"]) for r in cold + warm]
+    rewards = {(r["task_id"], r["sample"]): r["reward"] for r in cold}
+    assert {(r["task_id"], r["sample"]): r["reward"] for r in warm} == rewards
+    assert set(rewards.values()) == {1.0}
+
+    # every episode names its sandbox once; no name twice: no sandbox served two episodes
+    cold_log, warm_log = HANDOUT.findall(cold_cp.stderr), HANDOUT.findall(warm_cp.stderr)
+    assert {how for *_, how in cold_log} == {"started inline"} and len(cold_log) == 4
+    assert len(warm_log) == 4
+    assert len({name for _, _, name, _ in warm_log}) == 4
+    warmed = {(t, int(s)) for t, s, _, how in warm_log if how == "warm"}
+    assert len(warmed) >= 2, warm_log  # the first episode(s) start inline, the later ones warm
+    for r in warm:
+        t = r["timings"]
+        assert (t["warm_s"] is not None) == ((r["task_id"], r["sample"]) in warmed), r["timings"]
+        assert t["setup_s"] is not None
+    assert all(r["timings"]["warm_s"] is None for r in cold)
+
+    # nothing left: instances, overlays, registry files
+    assert not _instances("et-warmtest-")
+    assert _leftovers(_scratch(tmp_path)) == []
+
+
+def test_dead_warm_sandbox_is_replaced(demo_built: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ET_HPC_SCRATCH", str(tmp_path / "scratch"))
+    from et_hpc.episode import run_episode, sandbox_spec
+    from et_hpc.runner.config import RunConfig
+    from et_hpc.runner.plan import make_plan
+    from et_hpc.sandbox.warm import WarmPool
+
+    cfg = RunConfig(name="warmtest-dead", store=tmp_path / "store", policy={"kind": "oracle"},
+                    tasks={"source": str(DEMO), "ids": ["demo_hello_file"]})
+    plan = make_plan(cfg)
+    task = plan.tasks["demo_hello_file"]
+    image = plan.images["demo_hello_file"]
+    spec = sandbox_spec(task, cfg, image)
+    with WarmPool(1) as pool:
+        pool.want("test", [spec])
+        ticket = pool.reserve(spec)
+        pool.want("test", [])
+        assert ticket is not None
+        entry = ticket._entry
+        assert entry.done.wait(120) and entry.ready is not None, entry.error
+        victim = entry.ready.sandbox
+        assert victim.health() == "alive"
+        apptainer.instance_stop(victim.name, timeout_s=0)  # killed from outside before the hand-out
+        until("the instance to be gone", lambda: victim.health() == "gone", 30, 0.1)
+        rec = run_episode(task, 0, cfg, image, warm=ticket)
+    assert rec.status == "ok" and rec.reward == 1.0, (rec.status, rec.error)
+    assert rec.timings.warm_s is None  # the fresh one was started inline
+    assert victim.overlay is not None and not victim.overlay.exists()
+    assert victim.registry is not None and not victim.registry.exists()
+    assert not _instances("et-warmtest-")
+    assert _leftovers(_scratch(tmp_path)) == []
+
+
+def test_pool_close_stops_warm_and_starting_sandboxes(demo_built: Path, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ET_HPC_SCRATCH", str(tmp_path / "scratch"))
+    import threading
+
+    from et_hpc.episode import sandbox_spec
+    from et_hpc.runner.config import RunConfig
+    from et_hpc.runner.plan import make_plan
+    from et_hpc.sandbox.warm import WarmPool
+
+    cfg = RunConfig(name="warmtest-close", store=tmp_path / "store", policy={"kind": "oracle"},
+                    tasks={"source": str(DEMO)})
+    plan = make_plan(cfg)
+    specs = [sandbox_spec(plan.tasks[t], cfg, plan.images[t]) for t in sorted(plan.tasks)]
+    stop = threading.Event()
+    pool = WarmPool(3, stop=stop)
+    pool.want("a", specs)  # 4 wanted, 3 allowed
+    assert pool.started == 3
+    until("a warm sandbox", lambda: _instances("et-warmtest-close"), 120, 0.1)
+    stop.set()  # what SIGTERM does to a run: the pool closes itself, starts in flight included
+    until("the pool to close", lambda: pool.closed, 10, 0.05)
+    pool.close()  # waits for starts in flight
+    assert not _instances("et-warmtest-close")
+    assert _leftovers(_scratch(tmp_path)) == []
+    assert pool.reserve(specs[0]) is None
