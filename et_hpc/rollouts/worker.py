@@ -4,7 +4,8 @@ A ``Worker`` runs ``concurrency`` slots. Each slot claims one unit (one group) f
 :class:`~et_hpc.rollouts.queue.WorkQueue`, stamps it with the run's current policy version (read
 just before the claim, so no unit starts under a version older than the current one), runs its
 ``samples`` episodes one after another through the run's unit runner
-(``et_hpc.episode.run_episode`` by default), reruns an episode that ended with an error status up
+(``et_hpc.episode.run_episode`` by default; with ``sandbox.warm`` the slot's next episode of the
+group gets a sandbox started while the current one runs, et_hpc.sandbox.warm), reruns an episode that ended with an error status up
 to ``continuous.retries`` times, and commits the group. A heartbeat thread renews every lease the
 worker holds, sweeps the queue (expired leases of dead workers, unfinished publications), and
 interrupts a unit when it must not finish:

@@ -5,6 +5,10 @@ Episodes are bound by subprocesses (apptainer, bash), so threads are enough. A s
 Slurm checkpoint), no new episode starts and running ones are expected to stop their instance and
 return soon. Records of episodes that did not finish ok after *stop* are dropped, so a resumed run
 does them again; everything that finished before is kept.
+
+With ``sandbox.warm`` K > 0 and the default unit runner, ``UnitPool`` keeps a ``WarmPool``
+(et_hpc.sandbox.warm): each unit taken reserves a warm sandbox of its spec, if there is one, and
+the next K units are warmed; the pool is closed (unused sandboxes stopped) when the units end.
 """
 
 from __future__ import annotations
