@@ -138,3 +138,22 @@ def test_pool_close_stops_warm_and_starting_sandboxes(demo_built: Path, tmp_path
     assert not _instances("et-warmtest-close")
     assert _leftovers(_scratch(tmp_path)) == []
     assert pool.reserve(specs[0]) is None
+
+
+def test_continuous_worker_warms_the_rest_of_its_group(demo_built: Path, tmp_path: Path) -> None:
+    cp = subprocess.run(ET_HPC + ["-vv", "run", str(DEMO), "--policy", "oracle", "--continuous", "--target-groups", "2",
+                                  "--samples", "3", "--concurrency", "1", "--set", "sandbox.warm=1",
+                                  "--store", str(tmp_path / "store"), "--run-name", "warmtest-cont"],
+                        env=_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert cp.returncode == 0, cp.stderr[-3000:]
+    from et_hpc.store import RunStore
+
+    recs = RunStore(tmp_path / "store" / "warmtest-cont").read().to_pylist()
+    assert len(recs) == 6 and all(r["status"] == "ok" and r["reward"] == 1.0 for r in recs)
+    # a group is 3 episodes of one task in a row: the first starts its sandbox, the others get warm ones
+    for r in recs:
+        assert (r["timings"]["warm_s"] is not None) == (r["sample"] > 0), (r["task_id"], r["sample"], r["timings"])
+    names = [name for *_, name, _ in HANDOUT.findall(cp.stderr)]
+    assert len(names) >= 6 and len(set(names)) == len(names)
+    assert not _instances("et-warmtest-")
+    assert _leftovers(_scratch(tmp_path)) == []
