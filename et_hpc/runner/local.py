@@ -51,15 +51,15 @@ episode_runner.uses_warm_pool = True  # type: ignore[attr-defined]
 
 
 class Warming:
-    """A unit runner's view of the worker's ``WarmPool`` (None when ``sandbox.warm`` is 0 or the
-    runner does not take warm sandboxes): reserve one for a unit, say which units come next."""
+    """A worker process's ``WarmPool``, made at the first unit (none when ``sandbox.warm`` is 0 or
+    the unit runner does not take warm sandboxes): reserve one for a unit, say which units come next."""
 
     def __init__(self, runner: UnitRunner, cfg: RunConfig, stop: threading.Event) -> None:
-        self.pool = None
-        if cfg.sandbox.warm and getattr(runner, "uses_warm_pool", False):
-            from et_hpc.sandbox.warm import WarmPool
-
-            self.pool = WarmPool(cfg.sandbox.warm, stop=stop)
+        self.size = cfg.sandbox.warm if getattr(runner, "uses_warm_pool", False) else 0
+        self.stop = stop
+        self.pool: Any = None  # made at the first reserve
+        self._lock = threading.Lock()
+        self._closed = False
 
     @staticmethod
     def spec(task: Any, cfg: RunConfig, image: Any) -> Any:
@@ -69,10 +69,18 @@ class Warming:
 
     def reserve(self, task: Any, cfg: RunConfig, image: Any, source: Any, upcoming: list[WorkItem]) -> Any:
         """A ticket for ``task``'s sandbox (or None); then warm ``upcoming`` for ``source``."""
-        if self.pool is None:
+        if not self.size:
             return None
-        ticket = self.pool.reserve(self.spec(task, cfg, image))
-        self.pool.want(source, [self.spec(t, cfg, im) for t, _, im in upcoming])
+        with self._lock:
+            if self.pool is None and not self._closed:
+                from et_hpc.sandbox.warm import WarmPool
+
+                self.pool = WarmPool(self.size, stop=self.stop)
+            pool = self.pool
+        if pool is None:
+            return None
+        ticket = pool.reserve(self.spec(task, cfg, image))
+        pool.want(source, [self.spec(t, cfg, im) for t, _, im in upcoming])
         return ticket
 
     def run(self, runner: UnitRunner, ticket: Any, task: Any, sample: int, cfg: RunConfig, image: Any,
@@ -86,8 +94,10 @@ class Warming:
             ticket.discard()
 
     def close(self) -> None:
-        if self.pool is not None:
-            self.pool.close()
+        with self._lock:
+            self._closed, pool = True, self.pool
+        if pool is not None:
+            pool.close()
 
 
 def resolve_runner(spec: str) -> UnitRunner:
