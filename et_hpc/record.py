@@ -122,15 +122,16 @@ class Timings(BaseModel):
     start_s: float | None = None
     stop_s: float | None = None
     queue_s: float | None = None  # waiting for a slot/node before setup
-    setup_s: float | None = None  # instance start, initial tests (on the critical path: with a warm
-    # sandbox only its hand-out)
+    setup_s: float | None = None  # instance start, initial tests
     agent_s: float | None = None  # the agent loop
     model_s: float | None = None  # of agent_s: waiting for the policy (model time)
     exec_s: float | None = None  # of agent_s: the agent's commands in the shell
     score_s: float | None = None  # final tests
     teardown_s: float | None = None  # instance stop, overlay removal
     total_s: float | None = None
-    warm_s: float | None = None  # a warm sandbox's start, done ahead of the episode (et_hpc.sandbox.warm)
+    # setup_s is setup on the episode's critical path: with a warm sandbox (sandbox.warm) only its
+    # hand-out; warm_s is that sandbox's start, done ahead of the episode (et_hpc.sandbox.warm)
+    warm_s: float | None = None
 
 
 def _now() -> datetime:

@@ -157,3 +157,29 @@ def test_continuous_worker_warms_the_rest_of_its_group(demo_built: Path, tmp_pat
     assert len(names) >= 6 and len(set(names)) == len(names)
     assert not _instances("et-warmtest-")
     assert _leftovers(_scratch(tmp_path)) == []
+
+
+def test_shards_without_warm_s_still_read(tmp_path: Path) -> None:
+    """Rows written before timings.warm_s existed read with it null, beside new rows."""
+    import pyarrow as pa
+
+    from et_hpc.record import EPISODE_SCHEMA, TIMING_FIELDS, EpisodeRecord, records_to_table
+    from et_hpc.store import RunStore
+
+    old_timings = pa.struct([(f, pa.float64()) for f in TIMING_FIELDS if f != "warm_s"])
+    old = pa.schema([pa.field("timings", old_timings) if f.name == "timings" else f for f in EPISODE_SCHEMA],
+                    metadata=EPISODE_SCHEMA.metadata)
+    row = records_to_table([EpisodeRecord(run_name="r", task_id="t", sample=0, status="ok", reward=1.0,
+                                          timings={"setup_s": 0.5})]).to_pylist()[0]
+    row["timings"] = {k: v for k, v in row["timings"].items() if k != "warm_s"}
+    run = tmp_path / "r"
+    run.mkdir()
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([row], schema=old), run / "part-20250101T000000000000Z-h-1-0.parquet")
+    store = RunStore(run)
+    store.write([EpisodeRecord(run_name="r", task_id="t", sample=1, status="ok", reward=1.0,
+                               timings={"setup_s": 0.002, "warm_s": 0.7})])
+    got = {r.sample: r.timings for r in store.records()}
+    assert got[0].setup_s == 0.5 and got[0].warm_s is None
+    assert got[1].setup_s == 0.002 and got[1].warm_s == 0.7
