@@ -83,19 +83,23 @@ class Ready:
     watchdog: Watchdog | None = None
 
     def stop(self) -> None:
-        try:
-            if self.watchdog is not None:
-                self.watchdog.stop()
-            self.sandbox.stop()
-        finally:
-            release = getattr(self.sif, "release", None)
-            if release:
-                release()
+        _stop(self.sandbox, self.watchdog, self.sif)
+
+
+def _stop(sandbox: Sandbox, watchdog: Watchdog | None, sif: Any) -> None:
+    try:
+        if watchdog is not None:
+            watchdog.stop()
+        sandbox.stop()
+    finally:
+        release = getattr(sif, "release", None)
+        if release:
+            release()
 
 
 def start_ready(spec: SandboxSpec) -> Ready:
-    """Start a sandbox for ``spec`` and open its first shell. Raises InfraError/OSError; leaves
-    nothing behind when it does."""
+    """Start a sandbox for ``spec``, open its first shell, prepare its watchdog. Raises
+    InfraError/OSError; leaves nothing behind when it does."""
     from et_hpc.images.local_copy import episode_image
 
     t0 = time.monotonic()
@@ -104,22 +108,21 @@ def start_ready(spec: SandboxSpec) -> Ready:
     sandbox = Sandbox(sif, run_prefix=spec.run_prefix, overlay_mb=spec.overlay_mb,
                       writable_tmpfs=spec.writable_tmpfs, network_none=spec.network_none,
                       nproc=spec.nproc, vmem_mb=spec.vmem_mb, fsize_mb=spec.fsize_mb)
-    ready = Ready(sandbox, None, sif, 0.0)  # type: ignore[arg-type]
+    wd: Watchdog | None = None
     try:
         sandbox.start()
-        ready.shell = sandbox.shell(output_limit=spec.output_limit)
-        ready.shell.run(f"umask {AGENT_UMASK}", timeout=30)
+        shell = sandbox.shell(output_limit=spec.output_limit)
+        shell.run(f"umask {AGENT_UMASK}", timeout=30)
         if spec.watchdog_interval_s:
             # the agent's shell is spared at first (the command that blew up returns killed) and gets the note
-            shell = ready.shell
-            ready.watchdog = Watchdog(sandbox, memory_mb=spec.memory_mb, max_pids=spec.max_pids,
-                                      interval_s=spec.watchdog_interval_s, protect=lambda: {shell.host_pid},
-                                      on_event=shell.add_note).prepare()
+            wd = Watchdog(sandbox, memory_mb=spec.memory_mb, max_pids=spec.max_pids,
+                          interval_s=spec.watchdog_interval_s, protect=lambda: {shell.host_pid},
+                          on_event=shell.add_note)
+            wd.prepare()
     except BaseException:
-        ready.stop()
+        _stop(sandbox, wd, sif)
         raise
-    ready.start_s = time.monotonic() - t0
-    return ready
+    return Ready(sandbox, shell, sif, time.monotonic() - t0, wd)
 
 
 def dead_reason(ready: Ready) -> str | None:
