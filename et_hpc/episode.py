@@ -16,6 +16,10 @@ timeout, a state pytest cannot run in, an instance ended from inside, and a shel
 beyond restart (``stop_reason`` ``shell_broken``: the state it left is scored like any other).
 A shell that breaks while ``Sandbox.health`` reports a host problem, or after we stopped the
 sandbox, stays ``shell_error``.
+
+With a warm pool (``sandbox.warm``, et_hpc.sandbox.warm) the runner passes a reserved sandbox,
+started ahead with its shell; the episode uses it when it is alive (``timings.setup_s`` is then
+the hand-out, ``timings.warm_s`` the start done ahead) and otherwise starts its own.
 """
 
 from __future__ import annotations
