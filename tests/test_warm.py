@@ -183,3 +183,38 @@ def test_shards_without_warm_s_still_read(tmp_path: Path) -> None:
     got = {r.sample: r.timings for r in store.records()}
     assert got[0].setup_s == 0.5 and got[0].warm_s is None
     assert got[1].setup_s == 0.002 and got[1].warm_s == 0.7
+
+
+def test_unwanted_warm_sandbox_makes_room_and_tickets_hand_out_once(demo_built: Path, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ET_HPC_SCRATCH", str(tmp_path / "scratch"))
+    from et_hpc.episode import sandbox_spec
+    from et_hpc.runner.config import RunConfig
+    from et_hpc.runner.plan import make_plan
+    from et_hpc.sandbox.warm import WarmPool
+
+    cfg = RunConfig(name="warmtest-room", store=tmp_path / "store", policy={"kind": "oracle"},
+                    tasks={"source": str(DEMO), "ids": ["demo_hello_file", "demo_csv_sum"]})
+    plan = make_plan(cfg)
+    a, b = (sandbox_spec(plan.tasks[t], cfg, plan.images[t]) for t in ("demo_hello_file", "demo_csv_sum"))
+    assert a != b
+    with WarmPool(1) as pool:
+        pool.want("q", [a])
+        until("a warm sandbox of A", lambda: len(_instances("et-warmtest-room")) == 1
+              and all(e.done.is_set() for e in pool._stock), 120, 0.1)
+        (first,) = _instances("et-warmtest-room")
+        pool.want("q", [b])  # A is no longer wanted: it is stopped to make room for B
+        until("A stopped", lambda: first not in _instances("et-warmtest-room"), 60, 0.1)
+        assert pool.reserve(a) is None
+        ticket = pool.reserve(b)
+        assert ticket is not None and pool.reserve(b) is None  # reserved once
+        pool.want("q", [])
+        ready = ticket.take()
+        assert ready is not None
+        assert ready.sandbox.name != first and ready.shell.run("umask").output.strip() == "0002"
+        assert ticket.take() is None  # handed out once
+        ticket.discard()  # no-op once handed out: the sandbox is the taker's
+        assert ready.sandbox.health() == "alive"
+        ready.stop()
+    assert not _instances("et-warmtest-room")
+    assert _leftovers(_scratch(tmp_path)) == []
