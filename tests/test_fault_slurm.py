@@ -131,12 +131,13 @@ def test_200_episodes_survive_scancel_and_sigkill(base_sif: Path, tmp_path: Path
     assert "store compacted" in r2.stderr
 
     # every unit exactly once, every record ok, nothing partial visible
-    rows = store.read(columns=["task_id", "sample", "status", "episode_id"], dedupe=False).to_pylist()
+    rows = store.read(columns=["task_id", "sample", "status", "episode_id", "reward"], dedupe=False).to_pylist()
     assert len(rows) == UNITS
     per_unit = Counter((r["task_id"], r["sample"]) for r in rows)
     assert len(per_unit) == UNITS and set(per_unit.values()) == {1}
     assert len({r["episode_id"] for r in rows}) == UNITS
     assert {r["status"] for r in rows} == {"ok"}
+    assert {r["reward"] for r in rows} == {1.0}  # the oracle solves every task: no 0 from a killed shell
     parts = sorted(run_dir.glob("part-*.parquet"))
     assert parts and sum(pq.read_table(p).num_rows for p in parts) == UNITS  # each one readable
     assert len(parts) < 5  # compacted at the end of the run

@@ -6,6 +6,7 @@ import os
 import signal
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,28 @@ def test_local_runs_all_units_then_resumes(tmp_path: Path) -> None:
     assert run_local(again, progress=False).started == 0
     retry = make_plan(_cfg(tmp_path, retry_errors=True), tasks=tasks, image_lookup=U.image_lookup)
     assert sorted(retry.units) == [(t.id, 1) for t in tasks[1:]]
+
+
+def test_an_error_is_retried_at_once_and_only_the_last_attempt_stored(tmp_path: Path) -> None:
+    tasks = U.make_tasks(tmp_path, 3, sleep_s=0, flaky_samples=[0], error_samples=[1])
+    plan = make_plan(_cfg(tmp_path, retries=2), tasks=tasks, image_lookup=U.image_lookup)
+    res = run_local(plan, progress=False)
+    starts = Counter((f[0], int(f[1])) for f in U.starts(tmp_path))
+    assert all(starts[(t.id, 0)] == 2 for t in tasks)  # failed once, then ok
+    assert all(starts[(t.id, 1)] == 3 for t in tasks)  # fails every time: 1 + 2 retries
+    assert res.ok == 3 and res.errors == 3
+    rows = open_store(plan.run_dir).read(dedupe=False).to_pylist()
+    assert len(rows) == 6  # one record per unit, not one per attempt
+    by_unit = {(r["task_id"], r["sample"]): r for r in rows}
+    for t in tasks:
+        ok, bad = by_unit[(t.id, 0)], by_unit[(t.id, 1)]
+        assert ok["status"] == "ok" and ok["events"] == ["retried after infra_error: stand-in passing failure"]
+        assert bad["status"] == "infra_error" and bad["events"] == ["retried after infra_error: stand-in failure"] * 2
+
+    none = U.make_tasks(tmp_path / "n", 1, sleep_s=0, flaky_samples=[0])
+    res0 = run_local(make_plan(_cfg(tmp_path / "n", retries=0, samples=1), tasks=none, image_lookup=U.image_lookup),
+                     progress=False)
+    assert res0.errors == 1 and res0.ok == 0  # retries=0: the first attempt stands
 
 
 def test_sigterm_stops_cleanly_and_keeps_finished(tmp_path: Path) -> None:

@@ -25,6 +25,9 @@ on this machine or as Slurm array jobs. Task images must be built first ('et-hpc
 Each finished episode is written to the run's store (<store>/<run name>/part-*.parquet) as soon
 as it ends, so an interrupted run loses only the episodes that were running. Rerunning the same
 command resumes: units already ok (and units with an error, unless --retry-errors) are skipped.
+An episode that ends with a sandbox-side error (infra_error, shell_error, score_error: the host, not
+the agent) is run again at once up to 'retries' times (default 1); only its last attempt is stored,
+the earlier ones as events.
 Tasks whose image build failed do not stop the run: the others run, the broken ones are listed
 with their one-line reasons and recorded as status no_image (rerun once they build: they are
 planned again without --retry-errors). Images never built, or none at all, refuse the run;
@@ -39,7 +42,7 @@ Settings come from a YAML run config, then --set KEY=VALUE, then the dedicated f
 Run config keys: name, store, tasks.{source,tasks_dir,ids,glob,split,sample,seed}, samples,
   policy.*, budgets.*, sandbox.{overlay_mb,writable_tmpfs,network,memory_mb,max_pids,vmem_mb,fsize_mb,
   watchdog_interval_s,local_copy (auto|always|never),local_copy_budget_gb,warm}, scoring_timeout_s,
-  executor (local|slurm), concurrency, retry_errors, strict, unit_runner (module:function),
+  executor (local|slurm), concurrency, retry_errors, retries, strict, unit_runner (module:function),
   slurm.{partition,account,qos,time_min,cpus_per_task,mem_gb,array_parallelism,
   units_per_task,setup,additional_parameters,max_array_size,max_submit_jobs,max_num_timeout,python,
   wait_timeout_min,poll_s}

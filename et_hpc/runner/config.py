@@ -100,7 +100,8 @@ class RunConfig(BaseModel):
     concurrency: int | None = Field(default=None, ge=1)  # episodes at once per node
     slurm: SlurmOptions = Field(default_factory=SlurmOptions)
     continuous: ContinuousOptions = Field(default_factory=ContinuousOptions)  # et_hpc.rollouts
-    retry_errors: bool = False
+    retry_errors: bool = False  # rerun units whose stored record is an error
+    retries: int = Field(default=1, ge=0)  # reruns, at once, of an episode that ended with an error status
     strict: bool = False  # refuse to start when any task image is missing or failed to build
     unit_runner: str = "et_hpc.runner.local:episode_runner"  # module:function
 

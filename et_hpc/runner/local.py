@@ -4,11 +4,14 @@ Episodes are bound by subprocesses (apptainer, bash), so threads are enough. A s
 ``threading.Event`` named *stop* is passed to every unit runner: once set (Ctrl-C, SIGTERM, a
 Slurm checkpoint), no new episode starts and running ones are expected to stop their instance and
 return soon. Records of episodes that did not finish ok after *stop* are dropped, so a resumed run
-does them again; everything that finished before is kept.
+does them again; everything that finished before is kept. An episode that ends with a sandbox-side
+error (``RETRIED``: outside the agent's reach) is run again at once, up to ``retries`` times; only
+the last attempt is stored, with one ``events`` line per earlier attempt.
 
 With ``sandbox.warm`` K > 0 and the default unit runner, ``UnitPool`` keeps a ``WarmPool``
 (et_hpc.sandbox.warm): each unit taken reserves a warm sandbox of its spec, if there is one, and
 the next K units are warmed; the pool is closed (unused sandboxes stopped) when the units end.
+A rerun of an episode starts its own sandbox.
 """
 
 from __future__ import annotations
@@ -30,6 +33,10 @@ from et_hpc.runner.config import RunConfig
 from et_hpc.runner.plan import OK, Plan, Unit, open_store, rec_get, rec_passed
 
 log = logging.getLogger(__name__)
+
+# Statuses rerun at once (``retries``): the sandbox side of the host. A policy_error has spent the
+# policy's own retry budget against the server already, and no_image will not change by itself.
+RETRIED = ("infra_error", "shell_error", "score_error")
 
 UnitRunner = Callable[..., Any]  # (task, sample, cfg, image, stop) -> record
 WorkItem = tuple[Any, int, Any]  # (task, sample, image)
@@ -185,25 +192,42 @@ class UnitPool:
     def _work(self) -> None:
         while (taken := self._take()) is not None:
             (task, sample, image), ticket = taken
-            try:
-                rec = self.warming.run(self.runner, ticket, task, sample, self.cfg, image, self.stop)
-            except Exception as e:  # a bug or an interrupt in the unit runner: leave the unit to redo
+            retried: list[str] = []
+            while True:
+                try:
+                    rec = self.warming.run(self.runner, ticket, task, sample, self.cfg, image, self.stop)
+                except Exception as e:  # a bug or an interrupt in the unit runner: leave the unit to redo
+                    rec = e
+                    break
+                finally:
+                    ticket = None  # a warm sandbox serves one attempt
+                status = rec_get(rec, "status")
+                if status not in RETRIED or len(retried) >= self.cfg.retries or self.interrupted():
+                    break
+                # outside the agent's reach (host, server, our bugs): run the unit again at once
+                why = f"{status}: {rec_get(rec, 'error') or ''}"[:300]
+                log.warning("unit %s/%s ended %s; running it again", task.id, sample, why)
+                retried.append(f"retried after {why}")
+            if isinstance(rec, Exception):
                 if self.stop.is_set():
                     with self._lock:
                         self.result.dropped += 1
                     continue
-                log.exception("unit %s/%s raised", task.id, sample)
+                log.error("unit %s/%s raised", task.id, sample, exc_info=rec)
                 with self._lock:
                     self.result.crashed += 1
-                    self.result.failures.append(f"{task.id}#{sample}: {type(e).__name__}: {e}")
+                    self.result.failures.append(f"{task.id}#{sample}: {type(rec).__name__}: {rec}")
                 self._tick()
                 continue
-            status = rec_get(rec, "status")
             # Interrupted episodes (stop, or the Slurm job being cancelled under us) are redone on resume.
-            if status != OK and (self.stop.is_set() or watch.slurm_job_ending()):
+            # So is one the agent is blamed for when that blame may be the cancel's signals (a shell
+            # or the tests killed): whatever is not a clean ok is checked.
+            if not _clean(rec) and self.interrupted():
                 with self._lock:
                     self.result.dropped += 1
                 continue
+            if retried:
+                rec = _with_events(rec, retried)
             self.store.write([rec])
             with self._lock:
                 if status == OK:
@@ -212,6 +236,10 @@ class UnitPool:
                 else:
                     self.result.errors += 1
             self._tick()
+
+    def interrupted(self) -> bool:
+        """Asked to stop, or the Slurm job is being cancelled under us (asked only after an error)."""
+        return self.stop.is_set() or watch.slurm_job_ending()
 
     def _tick(self) -> None:
         if self.progress is None:
@@ -271,6 +299,19 @@ def run_local(plan: Plan, runner: UnitRunner | None = None, *, store: Any = None
             return pool.run()
     finally:
         bar.close()
+
+
+def _clean(rec: Any) -> bool:
+    """Ok, and nothing in it that a signal to the job's processes could have caused."""
+    return (rec_get(rec, "status") == OK and not rec_get(rec, "score_note")
+            and rec_get(rec, "stop_reason") != "shell_broken")
+
+
+def _with_events(rec: Any, lines: list[str]) -> Any:
+    """``rec`` with ``lines`` put before its own events (a record object or a dict)."""
+    if isinstance(rec, dict):
+        return {**rec, "events": [*lines, *(rec.get("events") or [])]}
+    return rec.model_copy(update={"events": [*lines, *(rec.events or [])]})
 
 
 def work_items(plan: Plan, units: list[Unit]) -> list[WorkItem]:
