@@ -2,7 +2,7 @@
 
 Everything of an episode's setup that does not depend on the episode itself (the node-local image
 lease, the overlay copy, ``apptainer instance start``, the first shell with its one-time
-preparation and ulimits, ``umask``) is one ``Ready``, made by ``start_ready(spec)``. An episode
+preparation and ulimits, ``umask``, the watchdog's helper, not yet polling) is one ``Ready``, made by ``start_ready(spec)``. An episode
 without a pool makes its ``Ready`` inline; a ``WarmPool`` makes up to ``size`` of them ahead, in
 background threads, for the units its owner says will run next.
 
