@@ -48,7 +48,7 @@ TokensSource = Literal["server-exact", "re-tokenized", "absent"]
 
 TIMING_FIELDS = (
     "start_s", "stop_s", "queue_s", "setup_s", "agent_s", "model_s", "exec_s", "score_s", "teardown_s",
-    "total_s",
+    "total_s", "warm_s",
 )
 
 _TEST_TYPE = pa.struct([("name", pa.string()), ("outcome", pa.string())])
@@ -129,6 +129,9 @@ class Timings(BaseModel):
     score_s: float | None = None  # final tests
     teardown_s: float | None = None  # instance stop, overlay removal
     total_s: float | None = None
+    # setup_s is setup on the episode's critical path: with a warm sandbox (sandbox.warm) only its
+    # hand-out; warm_s is that sandbox's start, done ahead of the episode (et_hpc.sandbox.warm)
+    warm_s: float | None = None
 
 
 def _now() -> datetime:

@@ -41,7 +41,7 @@ large ones (skip with --no-compact; 'et-hpc store compact RUN_DIR' does it later
 Settings come from a YAML run config, then --set KEY=VALUE, then the dedicated flags.
 Run config keys: name, store, tasks.{source,tasks_dir,ids,glob,split,sample,seed}, samples,
   policy.*, budgets.*, sandbox.{overlay_mb,writable_tmpfs,network,memory_mb,max_pids,vmem_mb,fsize_mb,
-  watchdog_interval_s,local_copy (auto|always|never),local_copy_budget_gb}, scoring_timeout_s,
+  watchdog_interval_s,local_copy (auto|always|never),local_copy_budget_gb,warm}, scoring_timeout_s,
   executor (local|slurm), concurrency, retry_errors, retries, strict, unit_runner (module:function),
   slurm.{partition,account,qos,time_min,cpus_per_task,mem_gb,array_parallelism,
   units_per_task,setup,additional_parameters,max_array_size,max_submit_jobs,max_num_timeout,python,
