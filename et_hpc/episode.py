@@ -175,6 +175,7 @@ def run_episode(task: Task, sample: int, cfg: RunConfig, image: Any, *, stop: th
         image_digest=getattr(image, "digest", None),
         image_path=str(getattr(image, "path", "") or "") or None,
         host=socket.gethostname(),
+        worker=f"{socket.gethostname()}:{os.getpid()}",
         slurm_job_id=job,
         slurm_array_task_id=array_task,
         versions=_versions(),
@@ -207,7 +208,8 @@ def run_episode(task: Task, sample: int, cfg: RunConfig, image: Any, *, stop: th
             tokens_source=tok.tokens_source if tok else None,
             token_drift=tok.token_drift if tok else None,
             **versions,
-            timings=Timings(**timings),
+            timings=Timings(**{k: v for k, v in timings.items() if k not in _PEAK_KEYS}),
+            **{k: timings[k] for k in _PEAK_KEYS if k in timings},
             error=error,
             score_note=sc.note if sc is not None and status == "ok" else None,
             interpreter=sc.interpreter if sc is not None else None,
@@ -224,7 +226,10 @@ def run_episode(task: Task, sample: int, cfg: RunConfig, image: Any, *, stop: th
         return record("policy_error", error=str(e))
     ready: list[Ready] = []  # the episode's sandbox, once there is one
     setup = functools.partial(_setup, sandbox_spec(task, cfg, image), warm, f"{task.id}#{sample}", timings, ready)
+    pre_setup = time.monotonic() - t0  # the policy and its endpoint: counted as setup
     outcome = _drive(task, setup, policy, pcfg, budgets, cfg, stop, timings)
+    if "setup_s" in timings:
+        timings["setup_s"] += pre_setup
     base["model"] = getattr(policy, "model", None) or base["model"]  # a served model is named on first use
     t = time.monotonic()
     for r in ready:
@@ -294,6 +299,7 @@ def _drive(task, setup, policy, pcfg, budgets, cfg, stop, timings) -> tuple[str,
         result = run_agent(task.prompt, shell, _StopAware(policy, stop), budgets, system_prompt=pcfg.system_prompt,
                            shell_blame=lambda e: not stop.is_set() and sandbox.health() in ("alive", "gone"))
         timings["agent_s"] = time.monotonic() - t
+        timings["model_s"], timings["exec_s"] = result.model_s, result.exec_s
         if stop.is_set():
             return "infra_error", {"error": "interrupted by the run", "result": result}
         if result.status != "ok":
@@ -324,7 +330,11 @@ def _drive(task, setup, policy, pcfg, budgets, cfg, stop, timings) -> tuple[str,
     finally:
         if wd is not None:
             wd.stop()
+            timings["peak_mem_mb"], timings["peak_pids"] = round(wd.peak_kb / 1024, 3), wd.peak_pids
 
+
+# measured beside the timings, recorded as their own columns
+_PEAK_KEYS = ("peak_mem_mb", "peak_pids")
 
 # ``ulimit -u`` sits this far above ``sandbox.max_pids``, so the watchdog sees a fork bomb reach
 # max_pids and kills it, instead of the bomb saturating just under the rlimit until the timeout.

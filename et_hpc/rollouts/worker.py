@@ -202,6 +202,7 @@ class Worker(Checkpointable):
                 rec = self.warming.run(self.runner, ticket, task, unit.sample_index(i), cfg, image, fl.stop)
                 if not isinstance(rec, EpisodeRecord):
                     rec = EpisodeRecord.model_validate(rec)
+                rec = rec.with_queue(unit.enqueued_at)
                 with self.lock:
                     self.stats.episodes += 1
                 if rec.status != "ok" and not fl.stop.is_set() and tries < self.cfg.continuous.retries:

@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterator
 from tqdm import tqdm
 
 from et_hpc.errors import UserError
+from et_hpc.record import EpisodeRecord
 from et_hpc.runner import watch
 from et_hpc.runner.config import RunConfig
 from et_hpc.runner.plan import OK, Plan, Unit, open_store, rec_get, rec_passed
@@ -165,8 +166,10 @@ class UnitPool:
     """Threads that pull work items and run them with a unit runner until done or stopped."""
 
     def __init__(self, items: list[WorkItem], runner: UnitRunner, cfg: RunConfig, store: Any,
-                 concurrency: int, stop: threading.Event, progress: tqdm | None = None):
+                 concurrency: int, stop: threading.Event, progress: tqdm | None = None,
+                 ready_at: float | None = None):
         self.items = list(items)
+        self.ready_at = ready_at  # Unix time the units became runnable: records get queue_s from it
         self.runner, self.cfg, self.store = runner, cfg, store
         self.stop = stop
         self.progress = progress
@@ -219,6 +222,8 @@ class UnitPool:
                     self.result.failures.append(f"{task.id}#{sample}: {type(rec).__name__}: {rec}")
                 self._tick()
                 continue
+            if isinstance(rec, EpisodeRecord):
+                rec = rec.with_queue(self.ready_at)
             # Interrupted episodes (stop, or the Slurm job being cancelled under us) are redone on resume.
             # So is one the agent is blamed for when that blame may be the cancel's signals (a shell
             # or the tests killed): whatever is not a clean ok is checked.
@@ -293,7 +298,7 @@ def run_local(plan: Plan, runner: UnitRunner | None = None, *, store: Any = None
         scratch_dir()  # a scratch directory we must not use: one line and exit 2 before any episode
     bar = tqdm(total=len(items), desc=f"run {cfg.run_name()}", unit="ep", file=sys.stderr,
                disable=not progress, dynamic_ncols=True)
-    pool = UnitPool(items, runner, cfg, store, cfg.node_concurrency(), stop, bar)
+    pool = UnitPool(items, runner, cfg, store, cfg.node_concurrency(), stop, bar, ready_at=plan.planned_at)
     try:
         with stop_on_signals(stop) if handle_signals else contextlib.nullcontext():
             return pool.run()
