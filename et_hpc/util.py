@@ -64,6 +64,11 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+def pct(x: float | None) -> str:
+    """A fraction as a percentage with one decimal, ``-`` for None."""
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
 def format_table(headers: list[str], rows: list[list[object]]) -> str:
     """A plain-text table with aligned columns (no dependency, pipes well)."""
     cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
