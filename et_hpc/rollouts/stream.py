@@ -179,21 +179,21 @@ class RolloutStream:
             raise UserError(f"n_groups {n_groups}: ask for at least 1")
         if self.auto_commit and self._dirty:
             self.commit()
-        called, t0 = time.time(), time.monotonic()
+        called = time.time()
         try:
             out = self._next(n_groups, timeout_s, max_staleness, on_error)
         finally:
-            self._record_call(called, time.monotonic() - t0)
+            self._record_call(called, time.time())
         self._record_staleness(out)
         return out
 
-    def _record_call(self, called: float, waited: float) -> None:
+    def _record_call(self, called: float, returned: float) -> None:
         tm = self.telemetry
         tm["calls"] += 1
-        tm["wait_s"] += waited
+        tm["wait_s"] += max(0.0, returned - called)
         if tm["first_call_at"] is None:
             tm["first_call_at"] = called
-        tm["last_return_at"] = called + waited
+        tm["last_return_at"] = returned
 
     def _record_staleness(self, groups: list[RolloutGroup]) -> None:
         if not groups:
