@@ -192,13 +192,15 @@ def capacity(rows: list[dict[str, Any]], *, cores: int, nodes: list[int] | None 
 
 def consumer_kpis(cursor: dict[str, Any]) -> dict[str, Any]:
     """Trainer-wait fraction and staleness p50/p95 of one stream consumer's cursor."""
-    tm = cursor.get("telemetry") or {}
+    tm = cursor.get("telemetry")
+    tm = tm if isinstance(tm, dict) else {}
     first, last = tm.get("first_call_at"), tm.get("last_return_at")
-    span = (last - first) if first is not None and last is not None else None
-    hist = {str(k): int(v) for k, v in (tm.get("staleness") or {}).items()}
+    span = (last - first) if isinstance(first, (int, float)) and isinstance(last, (int, float)) else None
+    raw = tm.get("staleness")
+    hist = {str(k): v for k, v in raw.items() if isinstance(v, int)} if isinstance(raw, dict) else {}
     return {"consumer": cursor.get("consumer"), "delivered": cursor.get("delivered"),
             "calls": tm.get("calls", 0), "wait_s": tm.get("wait_s"),
-            "wait_fraction": tm.get("wait_s", 0.0) / span if span else None,
+            "wait_fraction": tm["wait_s"] / span if span and isinstance(tm.get("wait_s"), (int, float)) else None,
             "staleness_p50": hist_percentile(hist, 50), "staleness_p95": hist_percentile(hist, 95),
             "staleness": hist}
 

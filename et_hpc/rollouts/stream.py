@@ -89,6 +89,11 @@ class RolloutGroup:
         return out
 
 
+def fresh_telemetry() -> dict[str, Any]:
+    """A consumer's telemetry before its first ``next_batch`` (see the module docstring)."""
+    return {"calls": 0, "wait_s": 0.0, "first_call_at": None, "last_return_at": None, "staleness": {}}
+
+
 class RolloutStream:
     """Complete groups of a run for one consumer (see the module docstring)."""
 
@@ -115,8 +120,7 @@ class RolloutStream:
         self.next_seq = int(saved["next_seq"])
         self.counts = {k: int(saved.get(k, 0)) for k in ("delivered", "discarded_stale", "discarded_masked")}
         self.state: Any = saved.get("state")
-        self.telemetry: dict[str, Any] = {"calls": 0, "wait_s": 0.0, "first_call_at": None,
-                                          "last_return_at": None, "staleness": {}}
+        self.telemetry = fresh_telemetry()
         self.telemetry.update(saved.get("telemetry") or {})
         self._dirty = False
 
