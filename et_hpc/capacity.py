@@ -229,9 +229,15 @@ def sacct_gpu_hours(job_id: str, timeout: float = 10.0) -> float | None:
                             capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired):
         return None
+    return gpu_hours_from_sacct(cp.stdout)
+
+
+def gpu_hours_from_sacct(text: str) -> float | None:
+    """Sum of ElapsedRaw x ``gres/gpu=N`` over ``sacct -P -o ElapsedRaw,AllocTRES`` lines; None
+    when no line allocated GPUs."""
     hours = 0.0
     found = False
-    for line in cp.stdout.splitlines():
+    for line in text.splitlines():
         elapsed, _, tres = line.partition("|")
         gpus = next((t.split("=", 1)[1] for t in tres.split(",") if t.startswith("gres/gpu=")), None)
         if elapsed.strip().isdigit() and gpus and gpus.isdigit():
@@ -241,13 +247,25 @@ def sacct_gpu_hours(job_id: str, timeout: float = 10.0) -> float | None:
 
 
 def endpoint_gpu_hours(config: dict[str, Any]) -> float | None:
-    """GPU-hours of the vLLM job named in the run's endpoint file (only its ``job_id`` is read)."""
+    """GPU-hours of the vLLM job(s) named in the run's endpoint file, or in the endpoint files
+    still in its ``endpoint_dir`` (a server's file goes when its job ends: those jobs are missed).
+    Only ``job_id`` is read from the files."""
     policy = (config.get("config") or {}).get("policy") or {}
-    path = policy.get("endpoint_file") if isinstance(policy, dict) else None
-    if not path:
+    if not isinstance(policy, dict):
         return None
+    if policy.get("endpoint_file"):
+        files = [Path(policy["endpoint_file"]).expanduser()]
+    elif policy.get("endpoint_dir"):
+        files = sorted(Path(policy["endpoint_dir"]).expanduser().glob("*.json"))
+    else:
+        return None
+    hours = [h for h in map(_file_gpu_hours, files) if h is not None]
+    return sum(hours) if hours else None
+
+
+def _file_gpu_hours(path: Path) -> float | None:
     try:
-        job = json.loads(Path(path).expanduser().read_text()).get("job_id")
+        job = json.loads(path.read_text()).get("job_id")
     except (OSError, ValueError, AttributeError):
         return None
     return sacct_gpu_hours(str(job)) if job is not None else None
@@ -262,7 +280,7 @@ def run_capacity(store: Any, *, cores: int, nodes: list[int] | None = None, per_
     source = "given" if gpu_hours is not None else None
     if gpu_hours is None:
         gpu_hours = endpoint_gpu_hours(store.config() or {})
-        source = "sacct of the endpoint file's job" if gpu_hours is not None else None
+        source = "sacct of the endpoint files' jobs" if gpu_hours is not None else None
     return capacity(rows, cores=cores, nodes=nodes, per_node=per_node, accepted=counts.episodes,
                     gpu_hours=gpu_hours, gpu_hours_source=source, consumers=read_consumers(store.path))
 

@@ -184,6 +184,14 @@ def test_capacity_numbers_from_known_records(tmp_path: Path) -> None:
     assert cap["trainer"]["accepted_per_gpu_hour"] == pytest.approx(3 / 0.5)
 
 
+def test_gpu_hours_from_sacct_lines() -> None:
+    from et_hpc.capacity import gpu_hours_from_sacct
+
+    lines = "5400|billing=8,cpu=16,gres/gpu=4,mem=128G,node=1\n1800|billing=1,cpu=2,gres/gpu=1,node=1\n"
+    assert gpu_hours_from_sacct(lines) == pytest.approx(5400 * 4 / 3600 + 1800 * 1 / 3600)
+    assert gpu_hours_from_sacct("6|billing=1,cpu=1,node=1\n") is None  # a CPU job, as this machine's
+
+
 def test_report_has_a_capacity_section(tmp_path: Path) -> None:
     from et_hpc.capacity import num
     from et_hpc.report import build_report, format_html, format_text
