@@ -364,7 +364,7 @@ the tasks newly solved and newly failed are listed (a task is solved when any sa
 A capacity section gives per run, over every episode it recorded (retries included):
 episodes/hour over its busy time, model time as a share of episode wall time, infra overhead per
 episode (setup + scoring + teardown + queue) median/p95, sandbox peak memory median/p95/max, and
-accepted episodes per GPU-hour when sacct knows the endpoint file's job ('et-hpc status RUN
+accepted episodes per GPU-hour when sacct knows the endpoint files' jobs ('et-hpc status RUN
 --capacity' has the details and a projection).
 """
 EPILOG = """\

@@ -107,7 +107,7 @@ def register(sub: Any) -> None:
     s.add_argument("--per-node", metavar="K", help="--capacity: project for K concurrent episodes per node "
                    "(default: the run's observed concurrency and twice it)")
     s.add_argument("--gpu-hours", metavar="X", help="--capacity: GPU-hours of the model server(s) for "
-                   "accepted episodes per GPU-hour (default: sacct of the endpoint file's job, if any)")
+                   "accepted episodes per GPU-hour (default: sacct of the endpoint files' jobs, if any)")
     s.set_defaults(func=cmd_status)
 
 
