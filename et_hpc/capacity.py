@@ -9,13 +9,14 @@ and in ``et-hpc report``:
   ``[start_s, stop_s]`` intervals on that node or worker, so gaps between sessions do not count;
 - ``model_share``: summed ``model_s`` over summed ``total_s`` (the episode wall time);
 - ``time_split``: median/p95/mean seconds of each part (queue, setup, model, exec, score,
-  teardown, total); ``infra_overhead_s``: setup + score + teardown + queue per episode
+  teardown, total, and warm: a warm sandbox's start, done ahead); ``infra_overhead_s``: setup + score + teardown + queue per episode
   (median/p95), and ``node_overhead_s`` the same without queue (which counts the wait for a slot);
 - ``sandbox_mem_mb``: the watchdog's peak per episode (PSS, RSS where unreadable, plus the
   instance's tmpfs) median/p95/max, and ``sandbox_pids_max``;
 - ``projection``: episodes/hour for N nodes running K episodes each, from this model (MODEL):
   an episode holds a slot for its wall time T (mean ``total_s``) and keeps one core of its node
-  busy for its CPU time c = setup + exec + score + teardown (mean; model time waits on the GPU
+  busy for its CPU time c = setup + exec + score + teardown + warm (mean; a warm sandbox's start
+  is off the episode's wall time but not off the node's CPU; model time waits on the GPU
   server and costs the node nothing). A node with C cores then finishes
   ``min(K / T, C / c)`` episodes per second: slot-bound (model-bound) below ``K* = C * T / c``,
   CPU-bound above it. N nodes give N times that, as long as the model server keeps up (its
@@ -38,15 +39,15 @@ from pathlib import Path
 from typing import Any
 
 MODEL = ("episodes/hour per node = 3600 * min(K / T, C / c): T = mean episode wall time (slot held), "
-         "c = mean node CPU time per episode (setup + exec + score + teardown; model time is spent on "
+         "c = mean node CPU time per episode (setup + exec + score + teardown + warm; model time is spent on "
          "the GPU server), C = cores per node, K = concurrent episodes per node; N nodes: N times that, "
          "while the model server keeps its measured latency")
 
 COLUMNS = ["episode_id", "status", "timings", "host", "worker", "slurm_job_id", "slurm_array_task_id",
            "peak_mem_mb", "peak_pids"]
-PARTS = ("queue_s", "setup_s", "model_s", "exec_s", "score_s", "teardown_s", "total_s")
+PARTS = ("queue_s", "setup_s", "model_s", "exec_s", "score_s", "teardown_s", "total_s", "warm_s")
 INFRA = ("setup_s", "score_s", "teardown_s", "queue_s")
-CPU = ("setup_s", "exec_s", "score_s", "teardown_s")
+CPU = ("setup_s", "exec_s", "score_s", "teardown_s", "warm_s")
 
 
 # --- statistics ------------------------------------------------------------------------------

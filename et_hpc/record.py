@@ -124,7 +124,8 @@ class Timings(BaseModel):
     ``total_s`` is the episode from ``start_s`` to ``stop_s``; ``setup_s + agent_s + score_s +
     teardown_s <= total_s`` and ``model_s + exec_s <= agent_s``. ``queue_s`` lies before
     ``start_s``: from when the unit became runnable (the run's plan for the local and Slurm
-    executors, the unit's enqueue time in a continuous run) to the episode's start.
+    executors, the unit's enqueue time in a continuous run) to the episode's start; so does
+    ``warm_s``, a warm sandbox's start done ahead.
     """
 
     model_config = ConfigDict(extra="forbid")

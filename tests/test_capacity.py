@@ -119,6 +119,7 @@ EPISODES = [
     ("n2", "n2:21", "77", 1, 40.0, 50.0, 0.0, 1.0, 6.0, 1.0, 1.0, 0.5, 60.0, 1),
 ]
 BASE = 1.8e9
+WARM = {4: 2.5}  # episode 4 got a warm sandbox, started ahead in 2.5 s
 
 
 def _synthetic_store(root: Path) -> RunStore:
@@ -131,7 +132,7 @@ def _synthetic_store(root: Path) -> RunStore:
             run_name="syn", task_id=f"t{i // 2}", sample=i % 2, status=status, reward=1.0 if status == "ok" else None,
             host=host, worker=worker, slurm_job_id=job, slurm_array_task_id=task, peak_mem_mb=mem, peak_pids=pids,
             timings=Timings(start_s=BASE + a, stop_s=BASE + b, queue_s=q, setup_s=su, agent_s=agent, model_s=m,
-                            exec_s=ex, score_s=sc, teardown_s=td, total_s=b - a)))
+                            exec_s=ex, score_s=sc, teardown_s=td, total_s=b - a, warm_s=WARM.get(i))))
     rs.write(recs[:2])
     rs.write(recs[2:])
     return rs
@@ -171,7 +172,7 @@ def test_capacity_numbers_from_known_records(tmp_path: Path) -> None:
     assert cap["time_split"]["queue"]["median"] == _nearest_rank([e[6] for e in EPISODES], 50)
     # projection: T = mean wall, c = mean (setup + exec + score + teardown); rate = min(K/T, C/c) per node
     t_mean = sum(walls) / 5
-    c_mean = sum(e[7] + e[9] + e[10] + e[11] for e in EPISODES) / 5
+    c_mean = sum(e[7] + e[9] + e[10] + e[11] + WARM.get(i, 0.0) for i, e in enumerate(EPISODES)) / 5  # + warm
     proj = cap["projection"]
     assert proj["episode_s"] == pytest.approx(t_mean) and proj["cpu_s"] == pytest.approx(c_mean)
     assert proj["cpu_bound_at_k"] == pytest.approx(4 * t_mean / c_mean)

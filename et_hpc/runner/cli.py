@@ -125,8 +125,8 @@ GPU-hour when the GPU-hours are known; per stream consumer of a continuous run t
 time spent waiting in next_batch and the staleness (versions behind) of the groups it got.
 
 The projection uses a simple model: an episode holds one of a node's K slots for its wall time T
-and keeps one core busy for its CPU time c = setup + exec + score + teardown (model time is spent
-on the GPU server). A node with C cores finishes min(K/T, C/c) episodes per second: bound by its
+and keeps one core busy for its CPU time c = setup + exec + score + teardown + warm (a warm
+sandbox's start, done ahead, still costs the node; model time is spent on the GPU server). A node with C cores finishes min(K/T, C/c) episodes per second: bound by its
 slots (the model) below K = C*T/c, by its CPUs above; N nodes finish N times that, as long as the
 model server keeps its measured latency.
 """
