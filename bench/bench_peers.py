@@ -6,6 +6,9 @@ Run as an unprivileged user (apptainer refuses root here):
 
 One lifecycle = a new sandbox on the base SIF, the same 10 shell commands (each checked), teardown.
 - et-hpc: ``Sandbox(sif).start()``, ``sandbox.shell()``, ``shell.run`` x10, ``sandbox.stop()``.
+- et-hpc warm: what stays on an episode's critical path with ``sandbox.warm``: the sandbox and its
+  shell are started ahead (``warm.start_ready``, untimed), then the pool's hand-out check, the 10
+  commands and the teardown are timed.
 - hermes-agent: ``tools.terminal_tool._create_environment("singularity", sif, ...)`` (what its
   terminal tool calls), ``env.execute`` x10, ``env.cleanup()``. Its default container limits
   (``container_cpu=1``, ``container_memory=5120``) make apptainer ask for cgroups, which a rootless
@@ -176,6 +179,27 @@ def et_lifecycle(sif: Path, scratch: Path) -> dict[str, Any]:
     return {"setup_s": t1 - t0, "cmds_s": t2 - t1, "stop_s": t3 - t2, "bad": _check(outs)}
 
 
+def et_warm_lifecycle(sif: Path, scratch: Path) -> dict[str, Any]:
+    """The lifecycle on an episode's critical path with the warm pool (``sandbox.warm``): the sandbox
+    was started ahead (untimed, as the pool does while the previous episode runs); timed are the
+    hand-out check the pool makes (``dead_reason``), the 10 commands and the teardown."""
+    from et_hpc.sandbox.warm import SandboxSpec, dead_reason, start_ready
+
+    os.environ["ET_HPC_SCRATCH"] = str(scratch)
+    spec = SandboxSpec(image_path=str(sif), image_digest=None, run_prefix="bench", overlay_mb=512,
+                       writable_tmpfs=False, network_none=True, nproc=None, vmem_mb=None, fsize_mb=None,
+                       output_limit=50_000, local_copy="never")
+    ready = start_ready(spec)
+    t0 = time.perf_counter()
+    dead = dead_reason(ready)
+    t1 = time.perf_counter()
+    outs = [ready.shell.run(cmd, timeout=60).output for cmd, _ in COMMANDS]
+    t2 = time.perf_counter()
+    ready.stop()
+    t3 = time.perf_counter()
+    return {"setup_s": t1 - t0, "cmds_s": t2 - t1, "stop_s": t3 - t2, "bad": _check(outs) + ([dead] if dead else [])}
+
+
 def _proc_mem_kb(pid: int) -> tuple[int, int]:
     rss = pss = 0
     try:
@@ -309,11 +333,12 @@ def main() -> None:
     if not a.no_peers:
         py = ensure_peers_venv(a.peers_venv)
         peers = [Peer(n, py, sif) for n in PEERS]
-    results: dict[str, list[dict[str, Any]]] = {"et-hpc": [], **{p.name: [] for p in peers}}
+    results: dict[str, list[dict[str, Any]]] = {"et-hpc": [], "et-hpc warm": [], **{p.name: [] for p in peers}}
     errors: dict[str, list[str]] = {k: [] for k in results}
     with tempfile.TemporaryDirectory(prefix="bench-peers-") as d:
         scratch = Path(d)
-        runners = [("et-hpc", lambda: et_lifecycle(sif, scratch))] + [(p.name, p.run) for p in peers]
+        runners = [("et-hpc", lambda: et_lifecycle(sif, scratch)),
+                   ("et-hpc warm", lambda: et_warm_lifecycle(sif, scratch))] + [(p.name, p.run) for p in peers]
         for rnd in range(a.reps + 1):  # round 0 warms page cache and templates
             order = runners[rnd % len(runners):] + runners[:rnd % len(runners)]
             for name, fn in order:
@@ -343,7 +368,8 @@ def main() -> None:
     print(f"load average at start {' '.join(load0)}, at end {' '.join(load1)}; {a.reps} lifecycles each "
           f"(after one warm-up round), interleaved; peers: "
           + ", ".join(f"{k} {v}" for k, v in out["versions"].items()) + "\n")
-    print("| cold lifecycle (new sandbox, 10 commands, teardown) | n | median s | p95 s | setup s | 10 commands s | teardown s |")
+    print("| lifecycle (new sandbox, 10 commands, teardown; warm: started ahead, untimed) | n | median s | p95 s "
+          "| setup s | 10 commands s | teardown s |")
     print("|---|---|---|---|---|---|---|")
     for k, r in rows.items():
         print(f"| {k} | {r['n']} | {r['median']:.2f} | {r['p95']:.2f} | {r['setup']:.2f} | {r['cmds']:.3f} | {r['stop']:.2f} |")
@@ -354,6 +380,11 @@ def main() -> None:
                 ratio = rows[k]["median"] / et["median"]
                 print(f"\n{k} / et-hpc (medians): {ratio:.1f}x (target >= {target}x: {'met' if ratio >= target else 'NOT met'})",
                       end="")
+        warm = rows.get("et-hpc warm")
+        if warm and "hermes" in rows:
+            ratio = rows["hermes"]["median"] / warm["median"]
+            print(f"\nhermes (cold) / et-hpc warm (medians): {ratio:.1f}x (target >= 30x: "
+                  f"{'met' if ratio >= 30 else 'NOT met'})", end="")
         print()
     for k, errs in errors.items():
         if errs:

@@ -23,7 +23,7 @@ from typing import Any, Literal, get_args
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 SOLVED_REWARD = 1.0 - 1e-9  # Endless Terminals rewards are 0/1: an episode is solved at full reward
 
 
@@ -54,7 +54,7 @@ TokensSource = Literal["server-exact", "re-tokenized", "absent"]
 
 TIMING_FIELDS = (
     "start_s", "stop_s", "queue_s", "setup_s", "agent_s", "model_s", "exec_s", "score_s", "teardown_s",
-    "total_s",
+    "total_s", "warm_s",
 )
 
 _TEST_TYPE = pa.struct([("name", pa.string()), ("outcome", pa.string())])
@@ -103,6 +103,10 @@ EPISODE_SCHEMA = pa.schema(
         ("tokens_source", pa.string()),
         ("token_drift", pa.string()),
         ("events", pa.list_(pa.string())),
+        # version 3
+        ("worker", pa.string()),
+        ("peak_mem_mb", pa.float64()),
+        ("peak_pids", pa.int32()),
     ],
     metadata={b"et_hpc.schema_version": str(SCHEMA_VERSION).encode()},
 )
@@ -126,20 +130,30 @@ class TestResult(BaseModel):
 
 
 class Timings(BaseModel):
-    """Wall-clock facts of one episode in seconds (``start_s``/``stop_s`` are Unix times)."""
+    """Wall-clock facts of one episode in seconds (``start_s``/``stop_s`` are Unix times).
+
+    ``total_s`` is the episode from ``start_s`` to ``stop_s``; ``setup_s + agent_s + score_s +
+    teardown_s <= total_s`` and ``model_s + exec_s <= agent_s``. ``queue_s`` lies before
+    ``start_s``: from when the unit became runnable (the run's plan for the local and Slurm
+    executors, the unit's enqueue time in a continuous run) to the episode's start; so does
+    ``warm_s``, a warm sandbox's start done ahead.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
     start_s: float | None = None
     stop_s: float | None = None
-    queue_s: float | None = None  # waiting for a slot/node before setup
-    setup_s: float | None = None  # instance start, initial tests
+    queue_s: float | None = None  # runnable, waiting for a slot/node, before start_s
+    setup_s: float | None = None  # policy, node-local image copy, instance start, shell, watchdog
     agent_s: float | None = None  # the agent loop
-    model_s: float | None = None  # of agent_s: waiting for the policy (model time)
+    model_s: float | None = None  # of agent_s: waiting for the policy (model time, failed calls too)
     exec_s: float | None = None  # of agent_s: the agent's commands in the shell
     score_s: float | None = None  # final tests
     teardown_s: float | None = None  # instance stop, overlay removal
     total_s: float | None = None
+    # setup_s is setup on the episode's critical path: with a warm sandbox (sandbox.warm) only its
+    # hand-out; warm_s is that sandbox's start, done ahead of the episode (et_hpc.sandbox.warm)
+    warm_s: float | None = None
 
 
 def _now() -> datetime:
@@ -192,6 +206,18 @@ class EpisodeRecord(BaseModel):
     tokens_source: TokensSource | None = None
     token_drift: str | None = None  # None: ids concatenate exactly; else where they differ
     events: list[str] = Field(default_factory=list)  # limits hit, shell restarts, ...
+    # version 3
+    worker: str | None = None  # the process that ran it: "<host>:<pid>"
+    peak_mem_mb: float | None = None  # the sandbox's peak memory (PSS, RSS where unreadable, + tmpfs)
+    peak_pids: int | None = None  # the sandbox's peak process count
+
+    def with_queue(self, ready_at: float | None) -> EpisodeRecord:
+        """This record with ``timings.queue_s`` = its start minus ``ready_at`` (a Unix time: when
+        its unit became runnable); unchanged when either is unknown or queue_s is already set."""
+        t = self.timings
+        if ready_at is None or t.start_s is None or t.queue_s is not None:
+            return self
+        return self.model_copy(update={"timings": t.model_copy(update={"queue_s": max(0.0, t.start_s - ready_at)})})
 
     @field_validator("created_at")
     @classmethod

@@ -9,6 +9,11 @@ plain table, JSON (``--json``) or one self-contained HTML file (``-o``) with an 
 Counting follows the store: one record per unit ``(task_id, sample)``; only ``ok`` episodes are
 scored (errors are counted apart, never as failures); an episode passes when its reward is 1.
 A task is *solved* in a run when at least one of its ok samples passed.
+
+A capacity section follows (``et_hpc.capacity``, over every episode a run recorded, retries
+included): per run episodes/hour, model-time share of episode wall time, infra overhead per
+episode (setup + scoring + teardown + queue) median/p95, sandbox peak memory median/p95/max, and
+accepted episodes per GPU-hour where the GPU time is known.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import fnmatch
 import html
 import math
+import os
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -23,10 +29,12 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from et_hpc.capacity import run_capacity
 from et_hpc.errors import UserError
 from et_hpc.record import solved as is_solved
 from et_hpc.store import RUN_CONFIG, RunStore, Store
-from et_hpc.util import fmt_num, fmt_pct, format_table
+from et_hpc.util import format_table, num
+from et_hpc.util import pct as _pct
 
 Z95 = 1.959963984540054
 _COLUMNS = ["task_id", "sample", "status", "reward", "passed", "total", "split", "model", "created_at",
@@ -53,6 +61,7 @@ class RunRow(BaseModel):
     delta_ci: tuple[float, float] | None = None  # 95% Newcombe interval of the difference
     significant: bool | None = None  # delta_ci excludes 0
     task_rates: dict[str, float] = {}  # per task: solved / ok samples (tasks with an ok sample)
+    capacity: dict[str, Any] | None = None  # et_hpc.capacity.capacity() of every recorded episode
 
 
 class TaskChanges(BaseModel):
@@ -181,6 +190,8 @@ def build_report(store: Path | str, glob: str = "*", split: str | None = None) -
         raise UserError(f"no run in {root} matches --glob {glob!r}"
                         + (f" (runs there: {shown})" if names else " (the store holds no runs)"))
     rows = [run_row(RunStore(root / n), split) for n in _progress(chosen)]
+    for r in rows:
+        r.capacity = run_capacity(RunStore(r.path), cores=os.cpu_count() or 1)
     rows.sort(key=lambda r: (r.time is None, r.time or "", r.run))
     prev: RunRow | None = None
     for r in rows:
@@ -202,7 +213,8 @@ def _progress(items: list[str]):
 
 
 # --- output ----------------------------------------------------------------------------------
-_pct, _num = fmt_pct, fmt_num
+def _num(x: float | None) -> str:
+    return num(x, "{:.3f}")
 
 
 def _delta(r: RunRow) -> str:
@@ -226,9 +238,34 @@ def table_rows(rep: Report) -> list[list[str]]:
     return out
 
 
+CAPACITY_HEADERS = ["run", "episodes/hour", "model share", "infra overhead median / p95 s",
+                    "sandbox MB median / p95 / max", "accepted / GPU-hour"]
+
+
+def capacity_rows(rep: Report) -> list[list[str]]:
+    out = []
+    for r in rep.runs:
+        c = r.capacity
+        if not c or not c["episodes"]:
+            out.append([r.run, "-", "-", "-", "-", "-"])
+            continue
+        io, mem = c["infra_overhead_s"], c["sandbox_mem_mb"]
+        out.append([r.run, num(c["episodes_per_hour"]), _pct(c["model_share"]),
+                    f"{num(io['median'], '{:.2f}')} / {num(io['p95'], '{:.2f}')}",
+                    f"{num(mem['median'])} / {num(mem['p95'])} / {num(mem['max'])}",
+                    num(c["trainer"]["accepted_per_gpu_hour"])])
+    return out
+
+
+CAPACITY_NOTE = ("capacity: every recorded episode (retries included); episodes/hour over busy time; infra "
+                 "overhead = setup + scoring + teardown + queue; accepted = ok episodes of groups without an "
+                 "error member ('et-hpc status RUN --capacity' has the details and a projection)")
+
+
 def format_text(rep: Report) -> str:
     lines = [format_table(HEADERS, table_rows(rep)),
-             "* the 95% interval of the change excludes 0 (pp = percentage points)"]
+             "* the 95% interval of the change excludes 0 (pp = percentage points)",
+             "", format_table(CAPACITY_HEADERS, capacity_rows(rep)), CAPACITY_NOTE]
     c = rep.changes
     if c is not None:
         lines.append(f"\n{c.previous} -> {c.last}: {len(c.newly_solved)} newly solved, "
@@ -298,6 +335,10 @@ def format_html(rep: Report) -> str:
         "* marks a change whose interval excludes 0. Errors are not counted as failures.</p>",
         svg_chart(rep.runs),
         f"<h2>Runs</h2><table><thead><tr>{head}</tr></thead><tbody>\n{body}\n</tbody></table>",
+        "<h2>Capacity</h2><table><thead><tr>" + "".join(f"<th>{e(h)}</th>" for h in CAPACITY_HEADERS)
+        + "</tr></thead><tbody>\n" + "\n".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>"
+                                             for row in capacity_rows(rep))
+        + f"\n</tbody></table><p>{e(CAPACITY_NOTE)}</p>",
     ]
     c = rep.changes
     if c is not None:

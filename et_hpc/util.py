@@ -64,6 +64,11 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+def pct(x: float | None) -> str:
+    """A fraction as a percentage with one decimal, ``-`` for None."""
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
 def format_table(headers: list[str], rows: list[list[object]]) -> str:
     """A plain-text table with aligned columns (no dependency, pipes well)."""
     cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
@@ -73,14 +78,9 @@ def format_table(headers: list[str], rows: list[list[object]]) -> str:
     return "\n".join(lines)
 
 
-def fmt_pct(x: float | None) -> str:
-    """A fraction as a percentage with one decimal (``-`` for none)."""
-    return "-" if x is None else f"{100 * x:.1f}%"
-
-
-def fmt_num(x: float | None) -> str:
-    """A number with three decimals (``-`` for none)."""
-    return "-" if x is None else f"{x:.3f}"
+def num(x: float | None, fmt: str = "{:.1f}") -> str:
+    """``x`` formatted, ``-`` for None."""
+    return "-" if x is None else fmt.format(x)
 
 
 def one_line(s: str, width: int) -> str:

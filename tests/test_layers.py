@@ -19,6 +19,7 @@ LAYERS: dict[str, int] = {
     "et_hpc": 0, "et_hpc._moved": 0, "et_hpc.errors": 0, "et_hpc.paths": 0, "et_hpc.record": 0, "et_hpc.util": 0,
     # L1 thin wrappers over the host's tools; the run store and what reads it
     "et_hpc.host": 1, "et_hpc.platform": 1, "et_hpc.store": 1, "et_hpc.export": 1, "et_hpc.report": 1,
+    "et_hpc.capacity": 1,
     # L2 tasks: the model, the sources, recipes (def and Dockerfile) and base names
     "et_hpc.tasks": 2,
     # L3 images built from recipes; sandboxes started from images

@@ -25,9 +25,9 @@ import pytest
 
 from conftest import build_user_sif
 from et_hpc.episode import run_episode
+from et_hpc.host import procfs
 from et_hpc.record import EpisodeRecord
 from et_hpc.runner.config import RunConfig
-from et_hpc.sandbox import procfs
 from et_hpc.sandbox.sandbox import Sandbox
 from et_hpc.sandbox.watchdog import PHASE_AGENT, PHASE_SCORING, Watchdog, instance_init_pid
 from et_hpc.tasks.loader import load_tasks

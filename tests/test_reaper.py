@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import random
@@ -90,3 +91,43 @@ def test_reap_cli_json(tmp_path: Path) -> None:
     assert cp.returncode == 0, cp.stderr
     rep = json.loads(cp.stdout)
     assert str(ov) in rep["deleted"] and not ov.exists()
+
+
+def test_reap_after_sigkill_of_a_run_with_warm_sandboxes(base_sif: Path, tmp_path: Path) -> None:
+    """A run SIGKILLed while it holds warm sandboxes (started ahead, not yet handed out): they are
+    registered like every sandbox, so reaping removes them with the running episode's."""
+    need("apptainer")
+    from conftest import REPO, until
+
+    demo = REPO / "defs" / "demo"
+    env = dict(os.environ, ET_HPC_SCRATCH=str(tmp_path / "scratch"))
+    et_hpc = [sys.executable, "-m", "et_hpc.cli"]
+    b = subprocess.run(et_hpc + ["build", str(demo)], env=env, capture_output=True, text=True, timeout=900)
+    assert b.returncode == 0, b.stderr[-2000:]
+    scratch = tmp_path / "scratch" / f"et-hpc-{getpass.getuser()}"
+    p = subprocess.Popen(et_hpc + ["run", str(demo), "--policy", "oracle", "--samples", "3", "--concurrency", "1",
+                                   "--store", str(tmp_path / "store"), "--run-name", "reapwarm",
+                                   "--set", "sandbox.warm=2"],
+                         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        # one episode's sandbox and two warm ones, all started
+        until("3 live sandboxes", lambda: len(_run_instances()) >= 3, 180, 0.1)
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    finally:
+        if p.poll() is None:
+            p.kill()
+    left = _run_instances()
+    assert len(left) >= 3
+    assert len(list((scratch / "live").glob("*.json"))) >= 3
+    cp = subprocess.run(et_hpc + ["reap", "--json"], env=env, capture_output=True, text=True, timeout=120)
+    assert cp.returncode == 0, cp.stderr
+    rep = json.loads(cp.stdout)
+    assert left <= set(rep["stopped"]), (left, rep)
+    assert not _run_instances()
+    assert not list((scratch / "overlays").glob("*.img"))
+    assert not list((scratch / "live").glob("*.json"))
+
+
+def _run_instances() -> set[str]:
+    return {i.name for i in apptainer.instance_list() if i.name.startswith("et-reapwarm-")}

@@ -29,11 +29,13 @@ def _table(task: str, epoch: int, version: str | None = None, statuses=("ok", "o
     return records_to_table(recs)
 
 
-def _claimer(run_dir: str, out: str) -> None:
+def _claimer(run_dir: str, out: str, start) -> None:
     q = WorkQueue(run_dir)
     got = []
+    start.wait(60)  # every claimer has imported and is ready: they start together
     while (lease := q.claim(f"w{os.getpid()}")) is not None:
         got.append(lease.unit.uid)
+        time.sleep(0.002)  # a worker does something with its unit before the next claim
     Path(out).write_text(json.dumps(got))
 
 
@@ -44,7 +46,9 @@ def test_racing_claimers_take_each_unit_once(tmp_path: Path) -> None:
         q.enqueue_epoch(tasks, samples=2)
     assert q.count()["pending"] == 200
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_claimer, args=(str(tmp_path), str(tmp_path / f"got{i}.json"))) for i in range(6)]
+    start = ctx.Barrier(6)
+    procs = [ctx.Process(target=_claimer, args=(str(tmp_path), str(tmp_path / f"got{i}.json"), start))
+             for i in range(6)]
     for p in procs:
         p.start()
     for p in procs:

@@ -20,7 +20,7 @@ from et_hpc import scripted_tokenizer as tk
 from et_hpc.agent.loop import Budgets, run_agent
 from et_hpc.agent.openai_policy import OpenAIPolicy
 from et_hpc.agent.protocols import TERMINAL_TOOL
-from et_hpc.record import EPISODE_SCHEMA, EpisodeRecord, check_tokens
+from et_hpc.record import EPISODE_SCHEMA, SCHEMA_VERSION, EpisodeRecord, check_tokens
 from et_hpc.sandbox.shell import Shell
 from et_hpc.scripted_server import ScriptedServer
 
@@ -294,4 +294,4 @@ def test_v1_shard_still_reads(tmp_path):
     store.write([EpisodeRecord(run_name="old", task_id="t", sample=1, status="ok", reward=0.0,
                                tokens_source="server-exact", prompt_token_ids=[[5]], token_ids=[[6]])])
     got = {r.sample: r for r in store.records()}
-    assert got[0].schema_version == 1 and got[1].schema_version == 2 and got[1].tokens_source == "server-exact"
+    assert got[0].schema_version == 1 and got[1].schema_version == SCHEMA_VERSION and got[1].tokens_source == "server-exact"

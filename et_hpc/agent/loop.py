@@ -91,6 +91,8 @@ class AgentResult(BaseModel):
     error: str | None = None
     usage: Usage = Field(default_factory=Usage)
     wall_s: float = 0.0
+    model_s: float = 0.0  # summed policy calls, failed ones included
+    exec_s: float = 0.0  # summed shell commands, failed ones included
     mode: str = "text"
     tokens: TokenCapture = Field(default_factory=TokenCapture)
 
@@ -133,6 +135,7 @@ def run_agent(
     error: str | None = None
     stop: StopReason | None = None
     last_context = 0
+    model_s = exec_s = 0.0
     start = clock()
 
     while stop is None:
@@ -152,7 +155,10 @@ def run_agent(
 
         t0 = clock()
         try:
-            action = policy.act(messages)
+            try:
+                action = policy.act(messages)
+            finally:
+                model_s += clock() - t0
         except ContextLengthError as e:
             stop, error = "context", str(e)
             break
@@ -208,7 +214,10 @@ def run_agent(
             turn.timeout_s = timeout
             t1 = clock()
             try:
-                res = shell.run(action.command or "", timeout=timeout)
+                try:
+                    res = shell.run(action.command or "", timeout=timeout)
+                finally:
+                    exec_s += clock() - t1
             except Exception as e:
                 turn.exec_s = clock() - t1
                 error = f"{type(e).__name__}: {e}"
@@ -252,5 +261,7 @@ def run_agent(
         error=error,
         usage=usage,
         wall_s=clock() - start,
+        model_s=model_s,
+        exec_s=exec_s,
         mode=mode,
     )

@@ -19,6 +19,11 @@ ok, errors (never counted as failures), pass rate with a 95% Wilson interval, me
 passed/total, and the change in pass rate against the previous run with a 95% interval: a change
 marked * has an interval that excludes 0, anything else may be noise. Between the last two runs
 the tasks newly solved and newly failed are listed (a task is solved when any sample passed).
+A capacity section gives per run, over every episode it recorded (retries included):
+episodes/hour over its busy time, model time as a share of episode wall time, infra overhead per
+episode (setup + scoring + teardown + queue) median/p95, sandbox peak memory median/p95/max, and
+accepted episodes per GPU-hour when sacct knows the endpoint files' jobs ('et-hpc status RUN
+--capacity' has the details and a projection).
 """
 EPILOG = """\
 examples:

@@ -111,7 +111,7 @@ class _EphemeralStream:
 
     def __init__(self, run_dir: Path, from_start: bool):
         from et_hpc.rollouts.queue import WorkQueue
-        from et_hpc.rollouts.stream import RolloutStream
+        from et_hpc.rollouts.stream import RolloutStream, fresh_telemetry
 
         self._s = RolloutStream.__new__(RolloutStream)
         s = self._s
@@ -120,6 +120,7 @@ class _EphemeralStream:
         s.next_seq = 0 if from_start else s.queue.published()
         s.counts = {"delivered": 0, "discarded_stale": 0, "discarded_masked": 0}
         s.state, s._dirty = None, False
+        s.telemetry = fresh_telemetry()
 
     def next_batch(self, *a: Any, **kw: Any):
         return self._s.next_batch(*a, **kw)

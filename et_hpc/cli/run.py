@@ -91,14 +91,49 @@ def register(sub: Any) -> None:
     p.set_defaults(func=cmd_run)
 
     s = sub.add_parser("status", help="progress of a run: units done, array tasks, pass rate",
-                       description="Show a run's progress: planned units, units done ok or with an "
-                       "error, the state of its latest Slurm array tasks, and the pass rate so far.",
-                       epilog="example:\n  et-hpc status oracle-smoke\n  et-hpc status et-hpc-runs/oracle-smoke --json",
+                       description=STATUS_HELP, epilog=STATUS_EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("run", help="run directory, or run name inside --store")
     s.add_argument("--store", type=Path, help="store root used to find a run by name")
     s.add_argument("--json", action="store_true", help="print as JSON")
+    s.add_argument("--capacity", action="store_true",
+                   help="add throughput, time split, sandbox memory, a projection and trainer KPIs")
+    s.add_argument("--cores", metavar="C", help="--capacity: cores per node for the projection "
+                   "(default: this machine's)")
+    s.add_argument("--nodes", metavar="N", help="--capacity: project for N nodes (default 1, 4 and 16)")
+    s.add_argument("--per-node", metavar="K", help="--capacity: project for K concurrent episodes per node "
+                   "(default: the run's observed concurrency and twice it)")
+    s.add_argument("--gpu-hours", metavar="X", help="--capacity: GPU-hours of the model server(s) for "
+                   "accepted episodes per GPU-hour (default: sacct of the endpoint files' jobs, if any)")
     s.set_defaults(func=cmd_status)
+
+
+STATUS_HELP = """\
+Show a run's progress: planned units, units done ok or with an error, the state of its latest
+Slurm array tasks, and the pass rate so far.
+
+--capacity adds, from every episode recorded (retries included): episodes/hour overall, per node
+and per worker (Slurm array task, or process), each counted over its busy time (the union of its
+episodes' start-stop intervals); model time as a share of episode wall time; the median/p95 of
+each part of an episode (queue, setup, model, exec, score, teardown, total) and of the infra
+overhead per episode (setup + score + teardown + queue); the sandboxes' peak memory
+(median/p95/max) and processes; accepted episodes (ok, in groups without an error member) per
+GPU-hour when the GPU-hours are known; per stream consumer of a continuous run the fraction of its
+time spent waiting in next_batch and the staleness (versions behind) of the groups it got.
+
+The projection uses a simple model: an episode holds one of a node's K slots for its wall time T
+and keeps one core busy for its CPU time c = setup + exec + score + teardown + warm (a warm
+sandbox's start, done ahead, still costs the node; model time is spent on the GPU server). A node with C cores finishes min(K/T, C/c) episodes per second: bound by its
+slots (the model) below K = C*T/c, by its CPUs above; N nodes finish N times that, as long as the
+model server keeps its measured latency.
+"""  # noqa: E501  (the help text as written)
+STATUS_EPILOG = """\
+examples:
+  et-hpc status oracle-smoke
+  et-hpc status et-hpc-runs/oracle-smoke --json
+  et-hpc status oracle-smoke --capacity --nodes 8 --per-node 16 --cores 32
+  et-hpc status et-hpc-runs/oracle-smoke --capacity --json --gpu-hours 2.5
+"""
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
@@ -287,10 +322,36 @@ def no_image_reasons(store: RunStore) -> dict[str, str]:
     return dict(sorted(out.items()))
 
 
+def _number(value: str | None, flag: str, kind: type = int) -> Any:
+    """A positive int/float option (None when not given), or one line on bad input."""
+    if value is None:
+        return None
+    try:
+        v = kind(value)
+    except ValueError:
+        v = None
+    if v is None or not 0 < v < float("inf"):  # NaN fails too
+        raise UserError(f"{flag} {value!r}: give a positive {'whole number' if kind is int else 'number'}")
+    return v
+
+
 def cmd_status(args: argparse.Namespace) -> int:
-    info = status_info(find_run_dir(args.run, args.store))
+    opts = {"cores": _number(args.cores, "--cores"), "nodes": _number(args.nodes, "--nodes"),
+            "per_node": _number(args.per_node, "--per-node"),
+            "gpu_hours": _number(args.gpu_hours, "--gpu-hours", float)}
+    run_dir = find_run_dir(args.run, args.store)
+    info = status_info(run_dir)
+    cap = None
+    if args.capacity:
+        import os
+
+        from et_hpc.capacity import run_capacity
+
+        cap = run_capacity(open_store(run_dir), cores=opts["cores"] or os.cpu_count() or 1,
+                           nodes=[opts["nodes"]] if opts["nodes"] else None,
+                           per_node=[opts["per_node"]] if opts["per_node"] else None, gpu_hours=opts["gpu_hours"])
     if args.json:
-        print(json.dumps(info, indent=2))
+        print(json.dumps({**info, "capacity": cap} if cap is not None else info, indent=2))
         return 0
     if info.get("no_image_tasks"):
         print(no_image_table(info["no_image_tasks"]))
@@ -304,4 +365,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         for k, v in queue.items():
             info[f"queue.{k}"] = "-" if v is None else v
     _print_summary(f"run {info['run']}", info, False)
+    if cap is not None:
+        from et_hpc.capacity import format_capacity
+
+        print()
+        print(format_capacity(cap))
     return 0

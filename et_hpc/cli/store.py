@@ -6,7 +6,8 @@ import argparse
 import sys
 import textwrap
 
-from et_hpc.util import fmt_num, fmt_pct, format_table
+from et_hpc import util
+from et_hpc.util import format_table
 
 _RAW = argparse.RawDescriptionHelpFormatter
 
@@ -119,7 +120,7 @@ def _group_args(p: argparse.ArgumentParser) -> None:
 
 
 def _fmt(x: float | None, pct: bool = False) -> str:
-    return fmt_pct(x) if pct else fmt_num(x)
+    return util.pct(x) if pct else util.num(x, "{:.3f}")
 
 
 def _summary(args: argparse.Namespace) -> int:

@@ -16,6 +16,10 @@ timeout, a state pytest cannot run in, an instance ended from inside, and a shel
 beyond restart (``stop_reason`` ``shell_broken``: the state it left is scored like any other).
 A shell that breaks while ``Sandbox.health`` reports a host problem, or after we stopped the
 sandbox, stays ``shell_error``.
+
+With a warm pool (``sandbox.warm``, et_hpc.sandbox.warm) the runner passes a reserved sandbox,
+started ahead with its shell; the episode uses it when it is alive (``timings.setup_s`` is then
+the hand-out, ``timings.warm_s`` the start done ahead) and otherwise starts its own.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from et_hpc.agent.loop import AgentResult, Budgets, run_agent
 from et_hpc.agent.policies import PolicyConfig, make_policy
 from et_hpc.errors import InfraError, UserError
 from et_hpc.record import EpisodeRecord, TestResult, Timings
-from et_hpc.sandbox.sandbox import Sandbox
+from et_hpc.sandbox.warm import AGENT_UMASK, Ready, SandboxSpec, Ticket, start_ready  # noqa: F401 - AGENT_UMASK re-exported
 from et_hpc.sandbox.watchdog import PHASE_SCORING, Watchdog
 from et_hpc.scoring import GONE_NOTE, score
 from et_hpc.tasks.model import Task
@@ -78,10 +82,6 @@ def _versions() -> dict[str, str]:
         "python": platform.python_version(),
     }
 
-
-# Endless Terminals' recorded agents created files group-writable (0664): their shells ran with
-# umask 002, and generated final tests check modes against that. The agent's shell does the same.
-AGENT_UMASK = "0002"
 
 _ENDPOINTS: dict[tuple, PolicyConfig] = {}
 _ENDPOINT_LOCK = threading.Lock()
@@ -147,8 +147,13 @@ def _slurm_ids() -> tuple[str | None, int | None]:
     return job, int(task) if task and task.isdigit() else None
 
 
-def run_episode(task: Task, sample: int, cfg: RunConfig, image: Any, *, stop: threading.Event | None = None) -> EpisodeRecord:
-    """Run one (task, sample) unit of a run and return its record (see the module docstring)."""
+def run_episode(task: Task, sample: int, cfg: RunConfig, image: Any, *, stop: threading.Event | None = None,
+                warm: Ticket | None = None) -> EpisodeRecord:
+    """Run one (task, sample) unit of a run and return its record (see the module docstring).
+
+    ``warm``: a sandbox reserved from a ``WarmPool`` for this episode (et_hpc.sandbox.warm); when it
+    is alive it is used, else (dead, failed, none) the episode starts its own as without a pool.
+    """
     t_start = time.time()
     t0 = time.monotonic()
     stop = stop or threading.Event()
@@ -170,6 +175,7 @@ def run_episode(task: Task, sample: int, cfg: RunConfig, image: Any, *, stop: th
         image_digest=getattr(image, "digest", None),
         image_path=str(getattr(image, "path", "") or "") or None,
         host=socket.gethostname(),
+        worker=f"{socket.gethostname()}:{os.getpid()}",
         slurm_job_id=job,
         slurm_array_task_id=array_task,
         versions=_versions(),
@@ -179,6 +185,8 @@ def run_episode(task: Task, sample: int, cfg: RunConfig, image: Any, *, stop: th
 
     def record(status: str, *, error: str | None = None, result: AgentResult | None = None, sc=None,
                events: list[str] | None = None) -> EpisodeRecord:
+        if warm is not None:
+            warm.discard()  # a reserved sandbox the episode did not use (no-op once handed out)
         timings["stop_s"] = time.time()
         timings["total_s"] = time.monotonic() - t0
         tok = result.tokens if result else None
@@ -200,7 +208,8 @@ def run_episode(task: Task, sample: int, cfg: RunConfig, image: Any, *, stop: th
             tokens_source=tok.tokens_source if tok else None,
             token_drift=tok.token_drift if tok else None,
             **versions,
-            timings=Timings(**timings),
+            timings=Timings(**{k: v for k, v in timings.items() if k not in _PEAK_KEYS}),
+            **{k: timings[k] for k in _PEAK_KEYS if k in timings},
             error=error,
             score_note=sc.note if sc is not None and status == "ok" else None,
             interpreter=sc.interpreter if sc is not None else None,
@@ -215,23 +224,16 @@ def run_episode(task: Task, sample: int, cfg: RunConfig, image: Any, *, stop: th
         policy = make_policy(resolve_policy_config(pcfg), task, max_tokens=budgets.max_tokens_per_turn)
     except (UserError, InfraError) as e:
         return record("policy_error", error=str(e))
-    storage = task.limits.storage_mb or cfg.sandbox.overlay_mb
-    from et_hpc.images.local_copy import episode_image
-    sif = episode_image(image, cfg.sandbox)  # node-local copy when configured; its lease lives as long as `sif`
-    sandbox = Sandbox(
-        sif,
-        run_prefix=f"et-{cfg.run_name()}"[:24],
-        overlay_mb=None if cfg.sandbox.writable_tmpfs else max(storage, 64),
-        writable_tmpfs=cfg.sandbox.writable_tmpfs,
-        network_none=cfg.sandbox.network == "none",
-        nproc=cfg.sandbox.max_pids + PIDS_HEADROOM,
-        vmem_mb=cfg.sandbox.vmem_mb,
-        fsize_mb=cfg.sandbox.fsize_mb,
-    )
-    outcome = _drive(task, sandbox, policy, pcfg, budgets, cfg, stop, timings)
+    ready: list[Ready] = []  # the episode's sandbox, once there is one
+    setup = functools.partial(_setup, sandbox_spec(task, cfg, image), warm, f"{task.id}#{sample}", timings, ready)
+    pre_setup = time.monotonic() - t0  # the policy and its endpoint: counted as setup
+    outcome = _drive(task, setup, policy, pcfg, budgets, cfg, stop, timings)
+    if "setup_s" in timings:
+        timings["setup_s"] += pre_setup
     base["model"] = getattr(policy, "model", None) or base["model"]  # a served model is named on first use
     t = time.monotonic()
-    sandbox.stop()
+    for r in ready:
+        r.stop()
     timings["teardown_s"] = time.monotonic() - t
     versions.update(policy_version_fields(policy))
     close = getattr(policy, "close", None)
@@ -243,17 +245,53 @@ def run_episode(task: Task, sample: int, cfg: RunConfig, image: Any, *, stop: th
     return record(status, **kw)
 
 
-def _drive(task, sandbox, policy, pcfg, budgets, cfg, stop, timings) -> tuple[str, dict[str, Any]]:
-    """Start the sandbox, run the agent, score. Returns (status, record fields); never raises."""
+def sandbox_spec(task: Task, cfg: RunConfig, image: Any) -> SandboxSpec | None:
+    """What the episode's sandbox is made of (None without an image): the key of warm sandboxes."""
+    path = getattr(image, "path", None)
+    if path is None:
+        return None
+    opts = cfg.sandbox
+    storage = task.limits.storage_mb or opts.overlay_mb
+    return SandboxSpec(
+        image_path=str(path),
+        image_digest=getattr(image, "digest", None),
+        run_prefix=f"et-{cfg.run_name()}"[:24],
+        overlay_mb=None if opts.writable_tmpfs else max(storage, 64),
+        writable_tmpfs=opts.writable_tmpfs,
+        network_none=opts.network == "none",
+        nproc=opts.max_pids + PIDS_HEADROOM,
+        vmem_mb=opts.vmem_mb,
+        fsize_mb=opts.fsize_mb,
+        output_limit=cfg.budgets.output_limit_chars,
+        memory_mb=opts.memory_mb,
+        max_pids=opts.max_pids,
+        watchdog_interval_s=opts.watchdog_interval_s,
+        local_copy=opts.local_copy,
+        local_copy_budget_gb=opts.local_copy_budget_gb,
+    )
+
+
+def _setup(spec: SandboxSpec, warm: Ticket | None, label: str, timings: dict[str, float], out: list[Ready]) -> Ready:
+    """The episode's sandbox, appended to ``out``: the warm one when it is alive, else one started now."""
+    ready = warm.take() if warm is not None else None
+    if ready is not None:
+        timings["warm_s"] = ready.start_s
+    out.append(ready or start_ready(spec))
+    log.debug("episode %s: sandbox %s (%s)", label, out[-1].sandbox.name, "warm" if ready else "started inline")
+    return out[-1]
+
+
+def _drive(task, setup, policy, pcfg, budgets, cfg, stop, timings) -> tuple[str, dict[str, Any]]:
+    """Get the sandbox from ``setup()``, run the agent, score. Returns (status, record fields); never raises."""
     result: AgentResult | None = None
     wd: Watchdog | None = None
+    sandbox = None
     try:
         try:
             t = time.monotonic()
-            sandbox.start()
-            shell = sandbox.shell(output_limit=budgets.output_limit_chars)
-            shell.run(f"umask {AGENT_UMASK}", timeout=30)
-            wd = start_watchdog(sandbox, shell, cfg.sandbox)
+            r = setup()
+            sandbox, shell = r.sandbox, r.shell
+            wd = r.watchdog.start() if r.watchdog is not None else None
             timings["setup_s"] = time.monotonic() - t
         except (InfraError, OSError) as e:
             return "infra_error", {"error": f"sandbox: {e}"}
@@ -261,6 +299,7 @@ def _drive(task, sandbox, policy, pcfg, budgets, cfg, stop, timings) -> tuple[st
         result = run_agent(task.prompt, shell, _StopAware(policy, stop), budgets, system_prompt=pcfg.system_prompt,
                            shell_blame=lambda e: not stop.is_set() and sandbox.health() in ("alive", "gone"))
         timings["agent_s"] = time.monotonic() - t
+        timings["model_s"], timings["exec_s"] = result.model_s, result.exec_s
         if stop.is_set():
             return "infra_error", {"error": "interrupted by the run", "result": result}
         if result.status != "ok":
@@ -291,21 +330,15 @@ def _drive(task, sandbox, policy, pcfg, budgets, cfg, stop, timings) -> tuple[st
     finally:
         if wd is not None:
             wd.stop()
+            timings["peak_mem_mb"], timings["peak_pids"] = round(wd.peak_kb / 1024, 3), wd.peak_pids
 
+
+# measured beside the timings, recorded as their own columns
+_PEAK_KEYS = ("peak_mem_mb", "peak_pids")
 
 # ``ulimit -u`` sits this far above ``sandbox.max_pids``, so the watchdog sees a fork bomb reach
 # max_pids and kills it, instead of the bomb saturating just under the rlimit until the timeout.
 PIDS_HEADROOM = 64
-
-
-def start_watchdog(sandbox: Sandbox, shell: Any, opts: Any) -> Watchdog | None:
-    """The episode's memory/process watchdog (None when ``watchdog_interval_s`` is 0). The agent's
-    shell is spared at first (the command that blew up returns killed) and gets the note."""
-    if not opts.watchdog_interval_s:
-        return None
-    return Watchdog(sandbox, memory_mb=opts.memory_mb, max_pids=opts.max_pids,
-                    interval_s=opts.watchdog_interval_s, protect=lambda: {shell.host_pid},
-                    on_event=shell.add_note).start()
 
 
 def watchdog_blame(wd: Watchdog, sc: Any) -> Any:

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from et_hpc.sandbox.procfs import pid_alive, start_time
+from et_hpc.host.procfs import pid_alive, start_time
 
 log = logging.getLogger(__name__)
 

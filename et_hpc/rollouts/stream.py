@@ -22,6 +22,12 @@ Filters (counted in the cursor, never silent):
   outside the agent's reach that survived the worker's retries) is discarded
   (``discarded_masked``); ``"keep-ok"`` hands out its ok members only.
 
+Telemetry (in the cursor too, key ``telemetry``, for ``et-hpc status RUN --capacity``): ``calls``
+of ``next_batch``, ``wait_s`` (seconds spent inside it: the trainer waiting for rollouts),
+``first_call_at``/``last_return_at`` (Unix times; the trainer-wait fraction is ``wait_s`` over
+their difference) and ``staleness``: how many delivered groups were k versions behind the run's
+current version when handed out (``{"k": count}``; ``"unknown"`` without versions).
+
 A compaction of the store (``et-hpc store compact``) merges the slots away: do not compact a
 continuous run while consumers read it.
 """
@@ -83,6 +89,11 @@ class RolloutGroup:
         return out
 
 
+def fresh_telemetry() -> dict[str, Any]:
+    """A consumer's telemetry before its first ``next_batch`` (see the module docstring)."""
+    return {"calls": 0, "wait_s": 0.0, "first_call_at": None, "last_return_at": None, "staleness": {}}
+
+
 class RolloutStream:
     """Complete groups of a run for one consumer (see the module docstring)."""
 
@@ -109,6 +120,8 @@ class RolloutStream:
         self.next_seq = int(saved["next_seq"])
         self.counts = {k: int(saved.get(k, 0)) for k in ("delivered", "discarded_stale", "discarded_masked")}
         self.state: Any = saved.get("state")
+        self.telemetry = fresh_telemetry()
+        self.telemetry.update(saved.get("telemetry") or {})
         self._dirty = False
 
     def close(self) -> None:
@@ -138,7 +151,7 @@ class RolloutStream:
         if state is not None:
             self.state = state
         data = {"consumer": self.consumer, "next_seq": self.next_seq, **self.counts,
-                "state": self.state, "committed_at": time.time()}
+                "state": self.state, "telemetry": self.telemetry, "committed_at": time.time()}
         atomic_write_text(self.cursor_path, json.dumps(data) + "\n")
         self.committed = data
         self._dirty = False
@@ -170,6 +183,33 @@ class RolloutStream:
             raise UserError(f"n_groups {n_groups}: ask for at least 1")
         if self.auto_commit and self._dirty:
             self.commit()
+        called = time.time()
+        try:
+            out = self._next(n_groups, timeout_s, max_staleness, on_error)
+        finally:
+            self._record_call(called, time.time())
+        self._record_staleness(out)
+        return out
+
+    def _record_call(self, called: float, returned: float) -> None:
+        tm = self.telemetry
+        tm["calls"] += 1
+        tm["wait_s"] += max(0.0, returned - called)
+        if tm["first_call_at"] is None:
+            tm["first_call_at"] = called
+        tm["last_return_at"] = returned
+
+    def _record_staleness(self, groups: list[RolloutGroup]) -> None:
+        if not groups:
+            return
+        cur = self.current_version()
+        hist = self.telemetry["staleness"]
+        for g in groups:
+            k = str(max(0, cur.version - g.version)) if cur is not None and g.version is not None else "unknown"
+            hist[k] = hist.get(k, 0) + 1
+
+    def _next(self, n_groups: int, timeout_s: float | None, max_staleness: int | None,
+              on_error: str) -> list[RolloutGroup]:
         end = None if timeout_s is None else time.monotonic() + timeout_s
         out: list[RolloutGroup] = []
         while len(out) < n_groups:
@@ -207,7 +247,7 @@ class RolloutStream:
 
     def stats(self) -> dict[str, Any]:
         return {"consumer": self.consumer, "next_seq": self.next_seq, **self.counts,
-                "published": self.queue.published()}
+                "published": self.queue.published(), "telemetry": self.telemetry}
 
     # ------------------------------------------------------------ talking to producers
     def publish_version(self, version: int | None = None, *, model: str | None = None,

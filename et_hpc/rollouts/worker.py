@@ -4,7 +4,8 @@ A ``Worker`` runs ``concurrency`` slots. Each slot claims one unit (one group) f
 :class:`~et_hpc.rollouts.queue.WorkQueue`, stamps it with the run's current policy version (read
 just before the claim, so no unit starts under a version older than the current one), runs its
 ``samples`` episodes one after another through the run's unit runner
-(``et_hpc.episode.run_episode`` by default), reruns an episode that ended with an error status up
+(``et_hpc.episode.run_episode`` by default; with ``sandbox.warm`` the slot's next episode of the
+group gets a sandbox started while the current one runs, et_hpc.sandbox.warm), reruns an episode that ended with an error status up
 to ``continuous.retries`` times, and commits the group. A heartbeat thread renews every lease the
 worker holds, sweeps the queue (expired leases of dead workers, unfinished publications), and
 interrupts a unit when it must not finish:
@@ -114,13 +115,14 @@ class Worker(Checkpointable):
 
     # ------------------------------------------------------------ the loop
     def run(self, stop: threading.Event) -> dict[str, Any]:
-        from et_hpc.runner.local import resolve_runner
+        from et_hpc.runner.local import Warming, resolve_runner
 
         opts = self.cfg.continuous
         self._stop, self._done = stop, threading.Event()
         self.queue = WorkQueue(self.run_dir, lease_s=opts.lease_s).init()
         self.versions = VersionReader(self.run_dir)
         self.runner = resolve_runner(self.cfg.unit_runner)
+        self.warming = Warming(self.runner, self.cfg, stop)
         self.wid = new_worker_id()
         self.stats = WorkerStats()
         self.lock = threading.Lock()
@@ -140,6 +142,7 @@ class Worker(Checkpointable):
                     t.join(0.5)
         finally:
             stop.set()
+            self.warming.close()
             beat.join(5.0)
             self._write_worker(exited=True)
             self._done.set()
@@ -193,9 +196,13 @@ class Worker(Checkpointable):
             while True:
                 if fl.stop.is_set():
                     break
-                rec = self.runner(task, unit.sample_index(i), cfg, image, fl.stop)
+                # a group is G episodes of one task in a row: warm the slot's next one meanwhile
+                nxt = [(task, None, image)] if i + 1 < unit.samples else []
+                ticket = self.warming.reserve(task, cfg, image, threading.current_thread().name, nxt)
+                rec = self.warming.run(self.runner, ticket, task, unit.sample_index(i), cfg, image, fl.stop)
                 if not isinstance(rec, EpisodeRecord):
                     rec = EpisodeRecord.model_validate(rec)
+                rec = rec.with_queue(unit.enqueued_at)
                 with self.lock:
                     self.stats.episodes += 1
                 if rec.status != "ok" and not fl.stop.is_set() and tries < self.cfg.continuous.retries:

@@ -7,6 +7,11 @@ return soon. Records of episodes that did not finish ok after *stop* are dropped
 does them again; everything that finished before is kept. An episode that ends with a sandbox-side
 error (``RETRIED``: outside the agent's reach) is run again at once, up to ``retries`` times; only
 the last attempt is stored, with one ``events`` line per earlier attempt.
+
+With ``sandbox.warm`` K > 0 and the default unit runner, ``UnitPool`` keeps a ``WarmPool``
+(et_hpc.sandbox.warm): each unit taken reserves a warm sandbox of its spec, if there is one, and
+the next K units are warmed; the pool is closed (unused sandboxes stopped) when the units end.
+A rerun of an episode starts its own sandbox.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from tqdm import tqdm
 
 from et_hpc.errors import UserError
 from et_hpc.host import slurm as watch
+from et_hpc.record import EpisodeRecord
 from et_hpc.runner.base import Notify, Outcome, Progress
 from et_hpc.runner.config import RunConfig
 from et_hpc.runner.plan import OK, Plan, Unit, open_store, rec_get, rec_passed
@@ -39,11 +45,69 @@ UnitRunner = Callable[..., Any]  # (task, sample, cfg, image, stop) -> record
 WorkItem = tuple[Any, int, Any]  # (task, sample, image)
 
 
-def episode_runner(task: Any, sample: int, cfg: RunConfig, image: Any, stop: threading.Event) -> Any:
-    """The default unit runner: one real episode via ``et_hpc.episode.run_episode``."""
+def episode_runner(task: Any, sample: int, cfg: RunConfig, image: Any, stop: threading.Event,
+                   warm: Any = None) -> Any:
+    """The default unit runner: one real episode via ``et_hpc.episode.run_episode``.
+
+    ``warm``: a reserved warm sandbox (et_hpc.sandbox.warm.Ticket), passed only to runners that
+    set ``uses_warm_pool``; other unit runners are called as ``(task, sample, cfg, image, stop)``.
+    """
     from et_hpc.episode import run_episode  # imported here: it pulls in the sandbox and agent code
 
-    return run_episode(task, sample, cfg, image, stop=stop)
+    return run_episode(task, sample, cfg, image, stop=stop, warm=warm)
+
+
+episode_runner.uses_warm_pool = True  # type: ignore[attr-defined]
+
+
+class Warming:
+    """A worker process's ``WarmPool``, made at the first unit (none when ``sandbox.warm`` is 0 or
+    the unit runner does not take warm sandboxes): reserve one for a unit, say which units come next."""
+
+    def __init__(self, runner: UnitRunner, cfg: RunConfig, stop: threading.Event) -> None:
+        self.size = cfg.sandbox.warm if getattr(runner, "uses_warm_pool", False) else 0
+        self.stop = stop
+        self.pool: Any = None  # made at the first reserve
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @staticmethod
+    def spec(task: Any, cfg: RunConfig, image: Any) -> Any:
+        from et_hpc.episode import sandbox_spec
+
+        return sandbox_spec(task, cfg, image)
+
+    def reserve(self, task: Any, cfg: RunConfig, image: Any, source: Any, upcoming: list[WorkItem]) -> Any:
+        """A ticket for ``task``'s sandbox (or None); then warm ``upcoming`` for ``source``."""
+        if not self.size:
+            return None
+        with self._lock:
+            if self.pool is None and not self._closed:
+                from et_hpc.sandbox.warm import WarmPool
+
+                self.pool = WarmPool(self.size, stop=self.stop)
+            pool = self.pool
+        if pool is None:
+            return None
+        ticket = pool.reserve(self.spec(task, cfg, image))
+        pool.want(source, [self.spec(t, cfg, im) for t, _, im in upcoming])
+        return ticket
+
+    def run(self, runner: UnitRunner, ticket: Any, task: Any, sample: int, cfg: RunConfig, image: Any,
+            stop: threading.Event) -> Any:
+        """``runner`` on the unit, with ``ticket`` when there is one; the ticket is discarded after."""
+        if ticket is None:
+            return runner(task, sample, cfg, image, stop)
+        try:
+            return runner(task, sample, cfg, image, stop, warm=ticket)
+        finally:
+            ticket.discard()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed, pool = True, self.pool
+        if pool is not None:
+            pool.close()
 
 
 def resolve_runner(spec: str) -> UnitRunner:
@@ -104,36 +168,44 @@ class UnitPool:
     """Threads that pull work items and run them with a unit runner until done or stopped."""
 
     def __init__(self, items: list[WorkItem], runner: UnitRunner, cfg: RunConfig, store: Any,
-                 concurrency: int, stop: threading.Event, progress: tqdm | None = None):
+                 concurrency: int, stop: threading.Event, progress: tqdm | None = None,
+                 ready_at: float | None = None):
         self.items = list(items)
+        self.ready_at = ready_at  # Unix time the units became runnable: records get queue_s from it
         self.runner, self.cfg, self.store = runner, cfg, store
         self.stop = stop
         self.progress = progress
         self.result = ExecResult()
         self._lock = threading.Lock()
         self._next = 0
+        self.warming = Warming(runner, cfg, stop)
         n = max(1, min(concurrency, len(self.items) or 1))
         self.threads = [threading.Thread(target=self._work, name=f"unit-{i}", daemon=True) for i in range(n)]
 
-    def _take(self) -> WorkItem | None:
+    def _take(self) -> tuple[WorkItem, Any] | None:
+        """The next item and its warm sandbox ticket (None without one); the pool then warms the
+        ``sandbox.warm`` items after it."""
         with self._lock:
             if self.stop.is_set() or self._next >= len(self.items):
                 return None
             item = self.items[self._next]
             self._next += 1
             self.result.started += 1
-            return item
+            upcoming = self.items[self._next:self._next + self.cfg.sandbox.warm]
+            return item, self.warming.reserve(item[0], self.cfg, item[2], "units", upcoming)
 
     def _work(self) -> None:
-        while (item := self._take()) is not None:
-            task, sample, image = item
+        while (taken := self._take()) is not None:
+            (task, sample, image), ticket = taken
             retried: list[str] = []
             while True:
                 try:
-                    rec = self.runner(task, sample, self.cfg, image, self.stop)
+                    rec = self.warming.run(self.runner, ticket, task, sample, self.cfg, image, self.stop)
                 except Exception as e:  # a bug or an interrupt in the unit runner: leave the unit to redo
                     rec = e
                     break
+                finally:
+                    ticket = None  # a warm sandbox serves one attempt
                 status = rec_get(rec, "status")
                 if status not in RETRIED or len(retried) >= self.cfg.retries or self.interrupted():
                     break
@@ -152,6 +224,8 @@ class UnitPool:
                     self.result.failures.append(f"{task.id}#{sample}: {type(rec).__name__}: {rec}")
                 self._tick()
                 continue
+            if isinstance(rec, EpisodeRecord):
+                rec = rec.with_queue(self.ready_at)
             # Interrupted episodes (stop, or the Slurm job being cancelled under us) are redone on resume.
             # So is one the agent is blamed for when that blame may be the cancel's signals (a shell
             # or the tests killed): whatever is not a clean ok is checked.
@@ -201,8 +275,11 @@ class UnitPool:
         return True
 
     def run(self) -> ExecResult:
-        self.start()
-        self.join()
+        try:
+            self.start()
+            self.join()
+        finally:
+            self.warming.close()
         self.result.not_started = len(self.items) - self.result.started
         self.result.interrupted = self.stop.is_set()
         return self.result
@@ -223,7 +300,7 @@ def run_local(plan: Plan, runner: UnitRunner | None = None, *, store: Any = None
         scratch_dir()  # a scratch directory we must not use: one line and exit 2 before any episode
     bar = tqdm(total=len(items), desc=f"run {cfg.run_name()}", unit="ep", file=sys.stderr,
                disable=not progress, dynamic_ncols=True)
-    pool = UnitPool(items, runner, cfg, store, cfg.node_concurrency(), stop, bar)
+    pool = UnitPool(items, runner, cfg, store, cfg.node_concurrency(), stop, bar, ready_at=plan.planned_at)
     try:
         with stop_on_signals(stop) if handle_signals else contextlib.nullcontext():
             return pool.run()

@@ -78,6 +78,7 @@ class Plan:
     load_errors: list[str] = field(default_factory=list)
     no_image: dict[str, str] = field(default_factory=dict)  # task id -> why it has no image
     no_image_new: list[Unit] = field(default_factory=list)  # no_image units without that record yet
+    planned_at: float = field(default_factory=time.time)  # when the units became runnable (queue_s)
 
     def no_image_units(self) -> int:
         return len(self.no_image) * self.cfg.samples

@@ -56,10 +56,11 @@ def _reap() -> None:
 class ChunkJob(Checkpointable):
     """One array task: run a chunk of units, skipping those the store already has."""
 
-    def __init__(self, cfg: RunConfig, run_dir: Path, items: list[WorkItem]):
+    def __init__(self, cfg: RunConfig, run_dir: Path, items: list[WorkItem], ready_at: float | None = None):
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.items = items
+        self.ready_at = ready_at  # the plan's time: queue_s includes the wait in Slurm's queue
         self._pool: UnitPool | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -85,7 +86,7 @@ class ChunkJob(Checkpointable):
         log.info("chunk of %d units, %d to run", len(self.items), len(items))
         stop = threading.Event()
         self._pool = UnitPool(items, resolve_runner(self.cfg.unit_runner), self.cfg, store,
-                              self.cfg.node_concurrency(), stop)
+                              self.cfg.node_concurrency(), stop, ready_at=self.ready_at)
         with stop_on_signals(stop, (signal_term(),)):
             res = self._pool.run()
         log.info("chunk finished: %s", res)
@@ -98,7 +99,7 @@ class ChunkJob(Checkpointable):
             pool.stop.set()
             if not pool.join(CHECKPOINT_GRACE_S):
                 log.warning("episodes still running after %.0f s; requeueing anyway", CHECKPOINT_GRACE_S)
-        return DelayedSubmission(ChunkJob(self.cfg, self.run_dir, self.items))
+        return DelayedSubmission(ChunkJob(self.cfg, self.run_dir, self.items, self.ready_at))
 
 
 def signal_term() -> int:
@@ -285,7 +286,7 @@ def submit(plan: Plan) -> list[dict[str, Any]]:
     subs = []
     for group in chunked(chunks, per_array):
         try:
-            jobs = ex.submit_array([ChunkJob(cfg, run_dir, c) for c in group])
+            jobs = ex.submit_array([ChunkJob(cfg, run_dir, c, plan.planned_at) for c in group])
         except Exception as e:  # sbatch refused: say why, in one line
             msg = str(e).strip().splitlines()
             raise UserError(f"sbatch refused the array: {msg[-1] if msg else e}") from None

@@ -31,6 +31,9 @@ class SandboxConfig(BaseModel):
     # scratch are on different filesystems; always forces it; never starts from the cache
     local_copy: Literal["auto", "always", "never"] = "auto"
     local_copy_budget_gb: float = Field(default=20.0, gt=0)
+    # sandboxes started ahead per worker process for the units that run next (et_hpc.sandbox.warm);
+    # 0: each episode starts its own; 2 is the recommended value (README "Runs")
+    warm: int = Field(default=0, ge=0, le=64)
 
 
 SandboxOptions = SandboxConfig  # its old name

@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field
 
 from et_hpc.errors import InfraError
 from et_hpc.host import apptainer
-from et_hpc.sandbox.procfs import pid_alive
+from et_hpc.host.procfs import pid_alive
 from et_hpc.sandbox.sandbox import scratch_paths
 
 log = logging.getLogger(__name__)

@@ -29,9 +29,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from et_hpc.errors import InfraError
-from et_hpc.sandbox.procfs import ns_ids as _ns_ids
-from et_hpc.sandbox.procfs import session_members as _session_members
-from et_hpc.sandbox.procfs import stat as _stat
+from et_hpc.host.procfs import ns_ids as _ns_ids
+from et_hpc.host.procfs import session_members as _session_members
+from et_hpc.host.procfs import stat as _stat
 
 log = logging.getLogger(__name__)
 

@@ -43,8 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from et_hpc.errors import InfraError
-from et_hpc.host import apptainer
-from et_hpc.sandbox import procfs
+from et_hpc.host import apptainer, procfs
 
 log = logging.getLogger(__name__)
 
@@ -262,8 +261,18 @@ class Watchdog:
     # -- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> Watchdog:
-        """Find the instance's init and namespace and start polling (raises InfraError if the
-        instance is not running)."""
+        """Find the instance's init and namespace (unless ``prepare`` did) and start polling
+        (raises InfraError if the instance is not running)."""
+        self.prepare()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="et-watchdog", daemon=True)
+        self._thread.start()
+        return self
+
+    def prepare(self) -> Watchdog:
+        """Everything of ``start`` but polling: init, namespace, the tmpfs helper (once)."""
+        if self.ns is not None:
+            return self
         pid = self._init_pid or getattr(self.sandbox, "init_pid", None)
         if not pid and hasattr(self.sandbox, "init_process"):
             pid = self.sandbox.init_process()[0]  # (host pid, start time), found once per start
@@ -282,9 +291,6 @@ class Watchdog:
             if not self._probe.ok:
                 log.warning("watchdog: cannot measure the instance's tmpfs (%s); /dev/shm is not limited",
                             self._probe.error)
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._loop, name="et-watchdog", daemon=True)
-        self._thread.start()
         return self
 
     def stop(self) -> None:
@@ -295,6 +301,7 @@ class Watchdog:
         if self._probe is not None:
             self._probe.close()
             self._probe = None
+        self.ns = None  # a later start() prepares again
 
     def __enter__(self) -> Watchdog:
         return self.start()

@@ -1,0 +1,143 @@
+"""Host-side ``/proc`` reading (sandboxes, the build lock): one place for every ``/proc`` parser et-hpc uses.
+
+Everything here reads the host's ``/proc`` directly (the instance's processes are ordinary host
+processes of the same user) and never raises for a process that vanished in between: such a
+process is simply left out (``None`` / skipped). Nothing here spawns a process.
+
+- ``stat(pid)``: (ppid, pgid, session) of a live process; ``None`` for gone or zombie.
+- ``ns_ids(pid)``: its (pid, pgid) in its innermost PID namespace.
+- ``session_members(sid)``: (pid, pgid) of every live process in a session.
+- ``pid_alive(pid, start)``: alive, not a zombie and (when ``start`` is given) the same process.
+- ``start_time(pid)``: when it started (clock ticks since boot, as text), to tell a reused pid.
+- ``pid_ns(pid)``: the PID namespace link (``pid:[4026532253]``) or ``None``.
+- ``ns_members(ns, exclude)``: live host pids in that PID namespace.
+- ``memory_kb(pid)``: PSS from ``smaps_rollup`` when readable, else RSS from ``statm`` (KiB).
+"""
+
+from __future__ import annotations
+
+import os
+
+_PAGE_KB = os.sysconf("SC_PAGE_SIZE") // 1024
+
+
+def _pids() -> list[int]:
+    return [int(n) for n in os.listdir("/proc") if n.isdigit()]
+
+
+def stat(pid: int) -> tuple[int, int, int] | None:
+    """(ppid, pgid, session) of a live host pid, or None if it is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    fields = data[data.rfind(b")") + 2:].split()
+    if fields[:1] in ([b"Z"], [b"X"]):
+        return None
+    try:
+        return int(fields[1]), int(fields[2]), int(fields[3])
+    except (IndexError, ValueError):
+        return None
+
+
+def ns_ids(pid: int) -> tuple[int | None, int | None]:
+    """(pid, pgid) of a host pid as seen in its innermost PID namespace."""
+    ns_pid = ns_pgid = None
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("NSpid:"):
+                    ns_pid = int(line.split()[-1])
+                elif line.startswith("NSpgid:"):
+                    ns_pgid = int(line.split()[-1])
+    except (OSError, ValueError):
+        pass
+    return ns_pid, ns_pgid
+
+
+def session_members(sid: int) -> list[tuple[int, int]]:
+    """(pid, pgid) of every live process in session ``sid``."""
+    out = []
+    for pid in _pids():
+        st = stat(pid)
+        if st and st[2] == sid:
+            out.append((pid, st[1]))
+    return out
+
+
+def start_time(pid: int) -> str | None:
+    """The start time of ``pid`` in clock ticks since boot (field 22 of /proc/PID/stat), or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    try:
+        return data[data.rfind(b")") + 2:].split()[19].decode()
+    except IndexError:
+        return None
+
+
+def pid_alive(pid: int, start: str | None = None) -> bool:
+    """The process exists and is not a zombie (a pid of another user counts as alive); with
+    ``start`` (a ``start_time`` taken earlier) a pid now held by another process counts as gone."""
+    if start is not None:
+        now = start_time(pid)
+        if now is not None and now != start:
+            return False  # pid reused by another process
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+        return data[data.rfind(b")") + 2:][:1] not in (b"Z", b"X")
+    except OSError:
+        return True
+
+
+def pid_ns(pid: int) -> str | None:
+    """``readlink /proc/PID/ns/pid`` (e.g. ``pid:[4026532253]``), None when unreadable."""
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return None
+
+
+def ns_members(ns: str, exclude: set[int] | frozenset[int] = frozenset()) -> list[int]:
+    """Live (non-zombie) host pids whose PID namespace is ``ns``, minus ``exclude``."""
+    out = []
+    for pid in _pids():
+        if pid in exclude:
+            continue
+        try:
+            if os.readlink(f"/proc/{pid}/ns/pid") != ns:
+                continue
+        except OSError:
+            continue
+        if stat(pid) is not None:
+            out.append(pid)
+    return out
+
+
+def memory_kb(pid: int) -> int:
+    """Proportional set size (``smaps_rollup`` Pss) in KiB; RSS from ``statm`` when that is not
+    readable; 0 when the process is gone."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
+            for line in f:
+                if line.startswith(b"Pss:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open(f"/proc/{pid}/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE_KB
+    except (OSError, ValueError, IndexError):
+        return 0
