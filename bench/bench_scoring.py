@@ -1,10 +1,15 @@
-"""Scoring duration: the host entry path (et_hpc.sandbox.enter) against the old apptainer-exec path.
+"""Scoring duration: the host entry path (et_hpc.sandbox.enter), where its time goes, and the old path.
 
-    python bench/bench_scoring.py [--rounds 10] [--task defs/demo/demo_csv_sum]
+    python bench/bench_scoring.py [--rounds 10] [--task defs/demo/demo_csv_sum] [--no-legacy] [--fresh]
 
-Starts one sandbox on the task's cached image, then alternates ``scoring.score`` (the real path)
-and the old entry (``apptainer exec instance://`` + the pristine python, the driver kept in
-tests/test_redteam_entry.py for positive controls) and prints the median of each.
+With ``--fresh`` every round scores a new sandbox once, as an episode does (the first scoring of
+an instance reads the pristine tree through a fresh squashfuse mount: cold). Without it, one
+sandbox on the task's cached image is scored ``--rounds`` times (warm), and the rounds
+alternate ``scoring.score`` (the real path) and the old entry (``apptainer exec instance://`` +
+the pristine python, the driver kept in tests/test_redteam_entry.py for positive controls) and
+prints the median of each, then the median time of each stage of the real path (the stage
+marks in ``ScoreResult.stages``: host, entry helper, driver in the instance, pytest) with the
+median time spent since the stage before.
 """
 
 from __future__ import annotations
@@ -18,11 +23,69 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
+# The stage marks in the order they happen, and what the time up to each one is spent on.
+STAGES = [
+    ("shells_closed", "close the agent's shells"),  # before: first; now: after helper_spawned, concurrent
+    ("instance_found", "prepare (no-op) + init pid (cached)"),
+    ("config", "scoring config, helper argv"),
+    ("helper_spawned", "fork+exec of the host helper"),
+    ("shells_closed", "close the agent's shells (while the helper starts)"),
+    ("helper_start", "host python start-up"),
+    ("imported", "helper imports (ctypes, json, subprocess)"),
+    ("config_read", "config over stdin"),
+    ("entered", "setns user/mnt/pid/net/ipc, root checks"),
+    ("private_mounts", "unshare(CLONE_NEWNS), / rprivate"),
+    ("killed", "fork into the pid ns, kill sweep"),
+    ("tmpfs", "tmpfs on the pristine tree, test file, ini"),
+    ("neutralised", "ld.so.preload / nsswitch checks"),
+    ("pytest_spawned", "fork, rlimits, caps dropped, exec of the pristine loader"),
+    ("py_start", "pristine python start-up (loader, -I -S)"),
+    ("py_pytest_imported", "site dirs, import pytest"),
+    ("py_session_start", "pytest config, plugins, options"),
+    ("py_collected", "collect (assertion rewrite) the test file"),
+    ("py_tests_done", "run the tests"),
+    ("py_fenced", "fence: kill every other process"),
+    ("py_end", "report written, pytest shutdown"),
+    ("pytest_eof", "pytest exit seen by the driver"),
+    ("report_read", "wait, last sweep, read the report"),
+    ("driver_done", "driver result to the helper"),
+    ("helper_done", "helper exit, result to the host"),
+    ("result", "parse the report, build the result"),
+]
+
+
+def stage_table(runs: list[dict[str, float]], total: list[float]) -> str:
+    lines = ["| stage (mark) | spent on | median ms since the previous mark | median ms from start |",
+             "|---|---|---|---|"]
+    prev: list[float] = [0.0] * len(runs)
+    seen: set[str] = set()
+    for pos, (key, what) in enumerate(STAGES):
+        have = [(i, r[key]) for i, r in enumerate(runs) if key in r]
+        if key in seen or not have:
+            continue
+        later = [k for k, _ in STAGES[pos + 1:]]
+        if key in later and not all(r[key] <= r.get(later[0], r[key]) for r in runs if key in r):
+            continue  # the mark comes later in these runs: its row further down
+        seen.add(key)
+        delta = [v - prev[i] for i, v in have]
+        if key == "shells_closed" and pos > 0:  # concurrent with the helper's start: not a step
+            lines.append(f"| `{key}` | {what} | ({statistics.median(delta) * 1000:.1f}) | "
+                         f"{statistics.median(v for _, v in have) * 1000:.1f} |")
+            continue
+        for i, v in have:
+            prev[i] = v
+        lines.append(f"| `{key}` | {what} | {statistics.median(delta) * 1000:.1f} | "
+                     f"{statistics.median(v for _, v in have) * 1000:.1f} |")
+    lines.append(f"| total | `scoring.score` | | {statistics.median(total) * 1000:.1f} |")
+    return "\n".join(lines)
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--task", type=Path, default=ROOT / "defs/demo/demo_csv_sum")
+    ap.add_argument("--no-legacy", action="store_true", help="skip the old apptainer-exec path")
+    ap.add_argument("--fresh", action="store_true", help="a new sandbox for every round (implies --no-legacy)")
     a = ap.parse_args()
     import test_redteam_entry as rt
 
@@ -33,19 +96,36 @@ def main() -> None:
 
     task = load_task_folder(a.task)
     img = ImageStore().ensure(task)
-    new, old = [], []
-    with Sandbox(img.path, run_prefix="bench-score") as sb:
-        sb.shell().run("true")
+    new, old, stages = [], [], []
+
+    def one(sb: Sandbox) -> None:
+        sb.shell().run("sleep 300 & true")  # an agent's shell with a background job, as scoring finds it
+        t = time.monotonic()
+        r = scoring.score(sb, task.final_tests)
+        new.append(time.monotonic() - t)
+        assert r.status == "ok", r.error
+        stages.append(r.stages)
+
+    if a.fresh:
+        with Sandbox(img.path, run_prefix="bench-score"):  # overlay template and host page cache warm
+            pass
         for _ in range(a.rounds):
-            t = time.monotonic()
-            r = scoring.score(sb, task.final_tests)
-            new.append(time.monotonic() - t)
-            assert r.status == "ok", r.error
-            t = time.monotonic()
-            rt.legacy_score(sb, task.final_tests)
-            old.append(time.monotonic() - t)
+            with Sandbox(img.path, run_prefix="bench-score") as sb:
+                one(sb)
+    else:
+        with Sandbox(img.path, run_prefix="bench-score") as sb:
+            for _ in range(a.rounds):
+                one(sb)
+                if not a.no_legacy:
+                    t = time.monotonic()
+                    rt.legacy_score(sb, task.final_tests)
+                    old.append(time.monotonic() - t)
+    print(f"load average: {' '.join(Path('/proc/loadavg').read_text().split()[:3])}")
     for name, xs in (("host entry (now)", new), ("apptainer exec (before)", old)):
-        print(f"{name:24s} median {statistics.median(xs):.3f} s  min {min(xs):.3f}  max {max(xs):.3f}")
+        if xs:
+            print(f"{name:24s} median {statistics.median(xs):.3f} s  min {min(xs):.3f}  max {max(xs):.3f}")
+    print()
+    print(stage_table(stages, new))
 
 
 if __name__ == "__main__":

@@ -199,8 +199,11 @@ class Sandbox:
         self._stopped = False
         self._init = None
         try:
+            t1 = time.monotonic()
             self._start_instance(options)
+            t2 = time.monotonic()
             self.init_process()
+            self.timings["instance_s"], self.timings["init_s"] = t2 - t1, time.monotonic() - t2
         except BaseException:
             self.stop()
             raise
@@ -308,10 +311,12 @@ class Sandbox:
         if self._init is None:
             if not self.name or self._stopped:
                 raise InfraError("the sandbox is not running")
-            found = [i for i in apptainer.instance_list() if i.name == self.name and i.pid > 0]
-            if not found:
-                raise InfraError(f"instance {self.name} is not running")
-            pid = found[0].pid
+            pid = apptainer.instance_pid(self.name)
+            if pid is None:
+                found = [i for i in apptainer.instance_list() if i.name == self.name and i.pid > 0]
+                if not found:
+                    raise InfraError(f"instance {self.name} is not running")
+                pid = found[0].pid
             try:
                 st = Path(f"/proc/{pid}/stat").read_text()
             except OSError as e:
