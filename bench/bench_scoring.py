@@ -104,7 +104,7 @@ def main() -> None:
         r = scoring.score(sb, task.final_tests)
         new.append(time.monotonic() - t)
         assert r.status == "ok", r.error
-        stages.append(r.stages)
+        stages.append(getattr(r, "stages", {}))
 
     if a.fresh:
         with Sandbox(img.path, run_prefix="bench-score"):  # overlay template and host page cache warm

@@ -34,15 +34,23 @@ before the pristine interpreter runs the tests):
    rule for symlinks). Locales come from the pristine tree (``LOCPATH``);
 6. starts the pristine loader ``/.et-pristine/.../ld-linux*.so`` with ``--inhibit-cache
    --library-path <pristine lib dirs>`` on ``/.et-pristine/usr/bin/python3 -I -S -B``, pytest with
-   ``-p no:cacheprovider --noconftest -c <empty ini> --rootdir <tmpfs>``, autoload of plugins off,
+   ``-p no:cacheprovider --noconftest -c <empty ini> --rootdir <tmpfs>`` and ``-p no:`` for the
+   builtin plugins that only act on options scoring never passes (``UNUSED_PLUGINS``), autoload of
+   plugins off,
    a clean environment, stdin the host's ``/dev/null``; in the child before ``execve``: scoring
    rlimits (address space, processes, file size, CPU time, no core), no_new_privs, every
    capability dropped (bounding, ambient, effective, permitted), cwd ``/home/user`` if usable by
    the agent's uid, else ``/``. The pristine Python marks itself non-dumpable and kills every
    other process of the instance before pytest writes its JUnit report (a program a test runs
-   cannot rewrite it);
-7. waits with the verifier timeout, kills what is left, reads the JUnit report from the tmpfs and
-   sends the result to the host process over a pipe only the driver holds.
+   cannot rewrite it), removes whatever such a program left at the report's path, and exits
+   without the interpreter's teardown once its output is flushed;
+7. waits with the verifier timeout, kills what is left, reads the JUnit report from the tmpfs (a
+   regular file only: never blocking on a FIFO) and sends the result to the host process over a
+   pipe only the driver holds.
+
+Every stage leaves a ``time.monotonic()`` mark (the host's clock: the helper, the driver and the
+pristine Python share it) in the result's ``stages``; ``et_hpc.scoring`` turns them into
+``ScoreResult.stages`` (seconds from the start of scoring), for benchmarks and telemetry.
 """
 
 from __future__ import annotations
