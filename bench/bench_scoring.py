@@ -1,9 +1,12 @@
 """Scoring duration: the host entry path (et_hpc.sandbox.enter), where its time goes, and the old path.
 
-    python bench/bench_scoring.py [--rounds 10] [--task defs/demo/demo_csv_sum] [--no-legacy] [--fresh]
+    python bench/bench_scoring.py [--rounds 10] [--task defs/demo/demo_csv_sum] [--no-legacy]
+                                  [--fresh [--agent-s 3]]
 
 With ``--fresh`` every round scores a new sandbox once, as an episode does (the first scoring of
-an instance reads the pristine tree through a fresh squashfuse mount: cold). Without it, one
+an instance reads the pristine tree through a fresh squashfuse mount: cold), ``--agent-s``
+seconds after its first shell started (the agent's turns; the scoring warm-up started with the
+instance runs meanwhile, where the code has one). Without it, one
 sandbox on the task's cached image is scored ``--rounds`` times (warm), and the rounds
 alternate ``scoring.score`` (the real path) and the old entry (``apptainer exec instance://`` +
 the pristine python, the driver kept in tests/test_redteam_entry.py for positive controls) and
@@ -86,6 +89,7 @@ def main() -> None:
     ap.add_argument("--task", type=Path, default=ROOT / "defs/demo/demo_csv_sum")
     ap.add_argument("--no-legacy", action="store_true", help="skip the old apptainer-exec path")
     ap.add_argument("--fresh", action="store_true", help="a new sandbox for every round (implies --no-legacy)")
+    ap.add_argument("--agent-s", type=float, default=3.0, help="with --fresh: seconds between shell and scoring")
     a = ap.parse_args()
     import test_redteam_entry as rt
 
@@ -98,8 +102,13 @@ def main() -> None:
     img = ImageStore().ensure(task)
     new, old, stages = [], [], []
 
-    def one(sb: Sandbox) -> None:
+    warmed = []
+
+    def one(sb: Sandbox, agent_s: float = 0.0) -> None:
         sb.shell().run("sleep 300 & true")  # an agent's shell with a background job, as scoring finds it
+        time.sleep(agent_s)
+        w = getattr(sb, "_warmer", None)
+        warmed.append(w is not None and w.poll() is not None)
         t = time.monotonic()
         r = scoring.score(sb, task.final_tests)
         new.append(time.monotonic() - t)
@@ -111,7 +120,7 @@ def main() -> None:
             pass
         for _ in range(a.rounds):
             with Sandbox(img.path, run_prefix="bench-score") as sb:
-                one(sb)
+                one(sb, a.agent_s)
     else:
         with Sandbox(img.path, run_prefix="bench-score") as sb:
             for _ in range(a.rounds):
@@ -124,6 +133,8 @@ def main() -> None:
     for name, xs in (("host entry (now)", new), ("apptainer exec (before)", old)):
         if xs:
             print(f"{name:24s} median {statistics.median(xs):.3f} s  min {min(xs):.3f}  max {max(xs):.3f}")
+    if a.fresh:
+        print(f"scoring warm-up over before scoring began in {sum(warmed)} of {len(warmed)} rounds")
     print()
     print(stage_table(stages, new))
 

@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import platform
 import secrets
-import os
 import subprocess
 import time
 import xml.etree.ElementTree as ET
@@ -145,7 +145,7 @@ def run_tests(
     cfg_r, cfg_w = os.pipe()  # the config goes through a pipe only we hold
     try:
         proc = subprocess.Popen(argv, stdin=cfg_r, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                start_new_session=True, close_fds=True)
+                                start_new_session=True, close_fds=True, env={})
     except OSError as e:
         os.close(cfg_w)
         sandbox.close_shells()
@@ -190,6 +190,38 @@ def _stages(t0: float, marks: dict) -> dict[str, float]:
         except (TypeError, ValueError):
             continue
     return dict(sorted(out.items(), key=lambda kv: kv[1]))
+
+
+def start_warmup(sandbox: Sandbox, timeout_s: float = 120.0) -> subprocess.Popen | None:
+    """Load the image's pristine python and pytest once in the background, right after the
+    instance started, so the final tests find them in the page cache of its pristine mount (a
+    fresh squashfuse mount per instance: read cold, they are most of the time scoring takes).
+
+    The entry helper in warm-up mode (``et_hpc.sandbox.enter``) joins the instance as scoring does
+    but kills nothing, and runs the pristine interpreter as the agent's uid, without capabilities,
+    niced, importing only pytest and its plugins (never a task's file), output to /dev/null; only
+    its exit status is read, so nothing the agent does to it can reach a score. The final tests'
+    kill sweep ends it if it still runs. Returns the helper (``Sandbox.stop`` reaps it), or None
+    when there is no pristine tree.
+    """
+    if not sandbox.pristine_bound:
+        return None
+    pid, start = sandbox.init_process()
+    loader, libdirs = pristine_layout()
+    cfg = {"mode": "warm", "pid": pid, "starttime": start, "marker": "ET-WARM-" + secrets.token_hex(12) + ":",
+           "pristine": PRISTINE, "loader": loader, "libdirs": libdirs, "path": CLEAN_PATH,
+           "timeout": timeout_s, "limits": scoring_limits(sandbox, timeout_s)}
+    cfg_r, cfg_w = os.pipe()
+    try:
+        proc = subprocess.Popen(enter.helper_argv(), stdin=cfg_r, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True, env={})
+    except OSError:
+        os.close(cfg_w)
+        raise
+    finally:
+        os.close(cfg_r)
+    _feed(cfg_w, json.dumps(cfg).encode())
+    return proc
 
 
 def _feed(fd: int, payload: bytes) -> None:

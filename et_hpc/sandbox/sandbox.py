@@ -144,6 +144,7 @@ class Sandbox:
         prepare_home: bool = True,
         pristine: bool = True,
         home: str = HOME,
+        warm_scoring: bool = True,
     ) -> None:
         self.sif = Path(sif)
         self.run_prefix = run_prefix
@@ -159,6 +160,8 @@ class Sandbox:
         self.pristine = pristine
         self.pristine_bound = False
         self.home = home
+        self.warm_scoring = warm_scoring
+        self._warmer: subprocess.Popen[bytes] | None = None
         self.name: str | None = None
         self.overlay: Path | None = None
         self.registry: Path | None = None
@@ -207,6 +210,13 @@ class Sandbox:
         except BaseException:
             self.stop()
             raise
+        if self.warm_scoring and self.pristine_bound:
+            from et_hpc.scoring import start_warmup  # scoring imports this module
+
+            try:
+                self._warmer = start_warmup(self)
+            except (InfraError, OSError) as e:  # only a cost: scoring reads the files itself
+                log.warning("could not start the scoring warm-up in %s: %s", self.name, e)
         self.timings["start_s"] = time.monotonic() - t0
         log.debug("sandbox %s started in %.3f s", self.name, self.timings["start_s"])
         return self
@@ -242,6 +252,17 @@ class Sandbox:
             log.warning("preparing %s in %s failed: %s", self.home, self.name, cp.stdout[-300:])
         self._prepared = True
 
+    def wait_warmup(self, timeout_s: float = 60.0) -> bool:
+        """Wait until the scoring warm-up started with the instance is over (True), or ``timeout_s``.
+        Until then it is one more process of the instance (``et_hpc.scoring.start_warmup``)."""
+        if self._warmer is None:
+            return True
+        try:
+            self._warmer.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
     def close_shells(self) -> None:
         for sh in self._shells:
             try:
@@ -257,6 +278,11 @@ class Sandbox:
         self._stopped = True
         t0 = time.monotonic()
         self.close_shells()
+        if self._warmer is not None:  # its child in the instance ends with the instance
+            if self._warmer.poll() is None:
+                self._warmer.kill()
+            self._warmer.wait()
+            self._warmer = None
         try:
             if self.name:
                 apptainer.instance_stop(self.name, timeout_s=0, check=False)
