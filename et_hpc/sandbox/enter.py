@@ -48,6 +48,11 @@ before the pristine interpreter runs the tests):
    regular file only: never blocking on a FIFO) and sends the result to the host process over a
    pipe only the driver holds.
 
+Warm-up mode (``"mode": "warm"`` in the config; ``et_hpc.scoring.start_warmup``, right after the
+instance starts): step 1, then the pristine python of step 6 without capabilities, niced, output to
+the host's /dev/null, importing pytest and its builtin plugins and nothing else. Nothing is killed,
+mounted or neutralised, and nothing it prints is read: ``kind`` ``"warm"``, with its exit status.
+
 Every stage leaves a ``time.monotonic()`` mark (the host's clock: the helper, the driver and the
 pristine Python share it) in the result's ``stages``; ``et_hpc.scoring`` turns them into
 ``ScoreResult.stages`` (seconds from the start of scoring), for benchmarks and telemetry.
