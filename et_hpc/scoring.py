@@ -193,8 +193,8 @@ def _stages(t0: float, marks: dict) -> dict[str, float]:
 
 
 def start_warmup(sandbox: Sandbox, timeout_s: float = 120.0) -> subprocess.Popen | None:
-    """Load the image's pristine python and pytest once in the background, right after the
-    instance started, so the final tests find them in the page cache of its pristine mount (a
+    """Load the image's pristine python and pytest once in the background, once the agent's first
+    shell started (``Sandbox.shell``), so the final tests find them in the page cache of its pristine mount (a
     fresh squashfuse mount per instance: read cold, they are most of the time scoring takes).
 
     The entry helper in warm-up mode (``et_hpc.sandbox.enter``) joins the instance as scoring does

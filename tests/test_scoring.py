@@ -157,7 +157,7 @@ BUILTINS_TEST = textwrap.dedent("""\
         assert not any(pm.has_plugin(n) for n in ("pastebin", "setuponly", "setupplan", "stepwise"))
     """)
 BUILTIN_PASSES = ["test_tmp_path", "test_tmpdir", "test_capsys", "test_capfd", "test_caplog", "test_monkeypatch",
-                  "test_recwarn", "test_doctest_namespace", "test_nose_setup_ran", "TestUnit::test_unit",
+                  "test_recwarn", "test_doctest_namespace", "test_nose_setup_ran", "test_unit",
                   "test_blocked_plugins_are_gone"]
 
 
@@ -172,12 +172,12 @@ def test_task_tests_keep_pytest_builtins(base_sif: Path, tmp_path: Path) -> None
         r = scoring.score(sb, good)
         r_bad = scoring.score(sb, bad)
     assert r.status == "ok" and r.reward == 1.0, r.output_tail
-    outcomes = {t.name.split("::", 1)[1]: t.outcome for t in r.tests}
+    outcomes = {t.name.rsplit("::", 1)[1]: t.outcome for t in r.tests}
     assert [n for n, o in outcomes.items() if o == "passed"] == BUILTIN_PASSES, outcomes
     assert outcomes["test_skipped"] == outcomes["test_xfail"] == "skipped"
     assert (r.passed, r.total) == (len(BUILTIN_PASSES), len(BUILTIN_PASSES))
     assert r_bad.status == "ok" and r_bad.reward == 0.0 and r_bad.passed == len(BUILTIN_PASSES)
-    assert [t.name.split("::", 1)[1] for t in r_bad.tests if t.outcome == "failed"] == ["test_fails"]
+    assert [t.name.rsplit("::", 1)[1] for t in r_bad.tests if t.outcome == "failed"] == ["test_fails"]
     # where the time went: every part of the path left its mark, in the order it runs
     order = ["config", "helper_spawned", "helper_start", "imported", "entered", "private_mounts", "killed",
              "tmpfs", "neutralised", "pytest_spawned", "py_start", "py_pytest_imported", "py_session_start",

@@ -48,8 +48,8 @@ before the pristine interpreter runs the tests):
    regular file only: never blocking on a FIFO) and sends the result to the host process over a
    pipe only the driver holds.
 
-Warm-up mode (``"mode": "warm"`` in the config; ``et_hpc.scoring.start_warmup``, right after the
-instance starts): step 1, then the pristine python of step 6 without capabilities, niced, output to
+Warm-up mode (``"mode": "warm"`` in the config; ``et_hpc.scoring.start_warmup``, once the
+agent's first shell started): step 1, then the pristine python of step 6 without capabilities, niced, output to
 the host's /dev/null, importing pytest and its builtin plugins and nothing else. Nothing is killed,
 mounted or neutralised, and nothing it prints is read: ``kind`` ``"warm"``, with its exit status.
 
@@ -82,6 +82,7 @@ NAMESPACES = (("user", CLONE_NEWUSER), ("mnt", CLONE_NEWNS), ("pid", CLONE_NEWPI
 MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 4096, 16384, 1 << 18
 PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT = 4, 24, 38, 47
 PR_CAP_AMBIENT_CLEAR_ALL = 4
+PR_SET_PDEATHSIG = 1
 NSS_BUILTIN = {"files", "dns"}  # built into glibc >= 2.34 (no dlopen)
 NSS_SAFE = ("passwd: files\ngroup: files\nshadow: files\ngshadow: files\nhosts: files dns\n"
             "networks: files\nprotocols: files\nservices: files\nethers: files\nrpc: files\n")
@@ -401,6 +402,7 @@ def _warm(cfg: dict, devnull: int) -> dict:
     env = {"PATH": cfg["path"], "HOME": "/", "LANG": "C.UTF-8", "LOCPATH": pristine + "/usr/lib/locale"}
 
     def child() -> None:  # niced already: the helper is
+        _libc.prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0)  # ends with the helper (Sandbox.stop kills it)
         _limits(cfg)
         drop_privileges()
 

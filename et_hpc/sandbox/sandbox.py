@@ -161,6 +161,7 @@ class Sandbox:
         self.pristine_bound = False
         self.home = home
         self.warm_scoring = warm_scoring
+        self._warm_pending = False
         self._warmer: subprocess.Popen[bytes] | None = None
         self.name: str | None = None
         self.overlay: Path | None = None
@@ -210,13 +211,7 @@ class Sandbox:
         except BaseException:
             self.stop()
             raise
-        if self.warm_scoring and self.pristine_bound:
-            from et_hpc.scoring import start_warmup  # scoring imports this module
-
-            try:
-                self._warmer = start_warmup(self)
-            except (InfraError, OSError) as e:  # only a cost: scoring reads the files itself
-                log.warning("could not start the scoring warm-up in %s: %s", self.name, e)
+        self._warm_pending = self.warm_scoring and self.pristine_bound  # with the first shell
         self.timings["start_s"] = time.monotonic() - t0
         log.debug("sandbox %s started in %.3f s", self.name, self.timings["start_s"])
         return self
@@ -253,8 +248,8 @@ class Sandbox:
         self._prepared = True
 
     def wait_warmup(self, timeout_s: float = 60.0) -> bool:
-        """Wait until the scoring warm-up started with the instance is over (True), or ``timeout_s``.
-        Until then it is one more process of the instance (``et_hpc.scoring.start_warmup``)."""
+        """Wait until the scoring warm-up started with the first shell is over (True), or
+        ``timeout_s``. Until then it is one more process of the instance (``_start_warmup``)."""
         if self._warmer is None:
             return True
         try:
@@ -278,7 +273,8 @@ class Sandbox:
         self._stopped = True
         t0 = time.monotonic()
         self.close_shells()
-        if self._warmer is not None:  # its child in the instance ends with the instance
+        self._warm_pending = False
+        if self._warmer is not None:  # its child in the instance dies with it (parent-death signal)
             if self._warmer.poll() is None:
                 self._warmer.kill()
             self._warmer.wait()
@@ -431,7 +427,20 @@ class Sandbox:
         sh = Shell(self.exec_argv(["bash", "--noprofile", "--norc"]), **kw)
         sh.start()
         self._shells.append(sh)
+        if self._warm_pending:  # after the shell, so the two do not compete for the CPU
+            self._warm_pending = False
+            self._start_warmup()
         return sh
+
+    def _start_warmup(self) -> None:
+        """Load the pristine python and pytest in the background while the agent works
+        (``et_hpc.scoring.start_warmup``): the final tests then find them in the page cache."""
+        from et_hpc.scoring import start_warmup  # scoring imports this module
+
+        try:
+            self._warmer = start_warmup(self)
+        except (InfraError, OSError) as e:  # only a cost: scoring reads the files itself
+            log.warning("could not start the scoring warm-up in %s: %s", self.name, e)
 
 
 # -- stopping on signals and exit ------------------------------------------------------------
