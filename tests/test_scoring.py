@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import textwrap
@@ -246,8 +247,19 @@ def test_fixture_initial_pass_final_fail(task: str, fixture_sifs: dict[str, Path
         # the same verdicts, test by test, as pytest with every builtin plugin and its normal
         # teardown gives (the old apptainer-exec driver, kept for the red team's controls)
         for ours, path in ((init, "test_initial_state.py"), (final, "test_final_state.py")):
-            plain = rt.legacy_score(sb, tdir / path, timeout=60)
+            plain = rt.legacy_score(sb, tdir / path, timeout=60)  # its file is always test_final_state.py
             assert plain.status == "ok", plain.error
-            assert [(t.name, t.outcome, t.message) for t in ours.tests] == \
-                [(t.name, t.outcome, t.message) for t in plain.tests]
+            assert [(_bare(t.name, path), t.outcome, _addr(t.message)) for t in ours.tests] == \
+                [(_bare(t.name, "test_final_state.py"), t.outcome, _addr(t.message)) for t in plain.tests]
             assert (ours.reward, ours.passed, ours.total) == (plain.reward, plain.passed, plain.total)
+
+
+def _addr(message: str | None) -> str | None:
+    """A failure message without object addresses (``<function f at 0x7f...>`` differ per run)."""
+    return re.sub(r"0x[0-9a-f]+", "0x?", message) if message else message
+
+
+def _bare(name: str, path: str) -> str:
+    """A test's name without its module (``test_x::test_y`` -> ``test_y``; classes kept)."""
+    mod = path.removesuffix(".py") + "::"
+    return name[len(mod):] if name.startswith(mod) else name
