@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 # The stage marks in the order they happen, and what the time up to each one is spent on.
 STAGES = [
-    ("shells_closed", "close the agent's shells"),  # before: first; now: after helper_spawned, concurrent
+    ("shells_closed_first", "close the agent's shells (the code before: first)"),
     ("instance_found", "prepare (no-op) + init pid (cached)"),
     ("config", "scoring config, helper argv"),
     ("helper_spawned", "fork+exec of the host helper"),
@@ -61,17 +61,12 @@ def stage_table(runs: list[dict[str, float]], total: list[float]) -> str:
     lines = ["| stage (mark) | spent on | median ms since the previous mark | median ms from start |",
              "|---|---|---|---|"]
     prev: list[float] = [0.0] * len(runs)
-    seen: set[str] = set()
-    for pos, (key, what) in enumerate(STAGES):
+    for key, what in STAGES:
         have = [(i, r[key]) for i, r in enumerate(runs) if key in r]
-        if key in seen or not have:
+        if not have:
             continue
-        later = [k for k, _ in STAGES[pos + 1:]]
-        if key in later and not all(r[key] <= r.get(later[0], r[key]) for r in runs if key in r):
-            continue  # the mark comes later in these runs: its row further down
-        seen.add(key)
         delta = [v - prev[i] for i, v in have]
-        if key == "shells_closed" and pos > 0:  # concurrent with the helper's start: not a step
+        if key == "shells_closed":  # concurrent with the helper's start-up: not a step of its own
             lines.append(f"| `{key}` | {what} | ({statistics.median(delta) * 1000:.1f}) | "
                          f"{statistics.median(v for _, v in have) * 1000:.1f} |")
             continue
