@@ -127,6 +127,8 @@ class Sandbox:
     network and ``network_isolated`` is False (a warning is logged).
     ``nproc``/``vmem_mb``/``fsize_mb`` are ``ulimit -u``/``-v``/``-f`` set in every shell of the
     sandbox (and applied to scoring by et_hpc.scoring); core dumps are off (``ulimit -c 0``).
+    ``warm_scoring`` (default True): once the first shell is up, load the image's pristine python
+    and pytest in the background so scoring finds them warm (``et_hpc.scoring.start_warmup``).
     """
 
     def __init__(
