@@ -131,6 +131,7 @@ def run_tests(
         sandbox.close_shells()
         return _gone_or_error(sandbox, f"could not reach the instance: {e}", t0)
     host["instance_found"] = time.monotonic()
+    sandbox.stop_warmup()  # if it still runs; whatever it read stays in the page cache
     marker = "ET-SCORE-" + secrets.token_hex(12) + ":"
     loader, libdirs = pristine_layout()
     cfg = {
@@ -200,8 +201,8 @@ def start_warmup(sandbox: Sandbox, timeout_s: float = 120.0) -> subprocess.Popen
     The entry helper in warm-up mode (``et_hpc.sandbox.enter``) joins the instance as scoring does
     but kills nothing, and runs the pristine interpreter as the agent's uid, without capabilities,
     niced, importing only pytest and its plugins (never a task's file), output to /dev/null; only
-    its exit status is read, so nothing the agent does to it can reach a score. The final tests'
-    kill sweep ends it if it still runs. Returns the helper (``Sandbox.stop`` reaps it), or None
+    its exit status is read, so nothing the agent does to it can reach a score. Scoring ends it
+    first if it still runs (``Sandbox.stop_warmup``). Returns the helper (``Sandbox.stop`` reaps it), or None
     when there is no pristine tree.
     """
     if not sandbox.pristine_bound:

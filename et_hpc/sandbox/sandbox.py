@@ -260,6 +260,16 @@ class Sandbox:
             return False
         return True
 
+    def stop_warmup(self) -> None:
+        """End the scoring warm-up if it still runs (its python in the instance dies with its
+        helper: parent-death signal), so none starts late, e.g. while the final tests run."""
+        self._warm_pending = False
+        if self._warmer is not None:
+            if self._warmer.poll() is None:
+                self._warmer.kill()
+            self._warmer.wait()
+            self._warmer = None
+
     def close_shells(self) -> None:
         for sh in self._shells:
             try:
@@ -275,12 +285,7 @@ class Sandbox:
         self._stopped = True
         t0 = time.monotonic()
         self.close_shells()
-        self._warm_pending = False
-        if self._warmer is not None:  # its child in the instance dies with it (parent-death signal)
-            if self._warmer.poll() is None:
-                self._warmer.kill()
-            self._warmer.wait()
-            self._warmer = None
+        self.stop_warmup()
         try:
             if self.name:
                 apptainer.instance_stop(self.name, timeout_s=0, check=False)
