@@ -335,7 +335,7 @@ def test_every_writable_place_filled_still_scores(task_sif: Path, tmp_path: Path
         assert "TMP-FULL" in runs[0].output and "HOME-FULL" in runs[0].output, runs[0].output
         res = scoring.score(sb, final_test, timeout_s=30)
         _assert_zero(res, "filled")
-        assert res.total == 2 and res.passed == 1  # the tests really ran
+        assert res.total == 2 and res.passed == 1, (res.note, res.output_tail[-1500:])  # the tests really ran
         control = legacy_score(sb, final_test)
         assert control.status == "error" and control.reward is None  # the old path had nowhere to write
 
