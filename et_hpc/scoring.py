@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import platform
 import secrets
 import subprocess
@@ -76,6 +77,9 @@ class ScoreResult(BaseModel):
     duration_s: float = 0.0
     interpreter: str = "none"  # "pristine" (the image's read-only copy) or "none" (nothing ran)
     killed_processes: int = 0
+    # seconds from the start of scoring at which each stage ended (host, helper, driver, pytest);
+    # for benchmarks and telemetry, never part of a record
+    stages: dict[str, float] = Field(default_factory=dict, exclude=True)
 
 
 def pristine_layout(pristine: str = PRISTINE) -> tuple[str, list[str]]:
@@ -115,15 +119,19 @@ def run_tests(
         source = tests.read_text(encoding="utf-8")
     except OSError as e:
         return ScoreResult(status="error", reward=None, error=f"cannot read {tests}: {e}")
-    sandbox.close_shells()
+    host: dict[str, float] = {}
     if not sandbox.pristine_bound:
+        sandbox.close_shells()
         return _error("the image's pristine copy is not bound at /.et-pristine (apptainer could not "
                       "find its root partition), so no untouched interpreter exists", "", t0)
     try:
         sandbox.prepare()  # a no-op once the agent's first shell did it
         pid, start = sandbox.init_process()
     except InfraError as e:
+        sandbox.close_shells()
         return _gone_or_error(sandbox, f"could not reach the instance: {e}", t0)
+    host["instance_found"] = time.monotonic()
+    sandbox.stop_warmup()  # if it still runs; whatever it read stays in the page cache
     marker = "ET-SCORE-" + secrets.token_hex(12) + ":"
     loader, libdirs = pristine_layout()
     cfg = {
@@ -134,13 +142,25 @@ def run_tests(
         "limits": scoring_limits(sandbox, timeout_s),
     }
     argv = enter.helper_argv()
+    host["config"] = time.monotonic()
+    cfg_r, cfg_w = os.pipe()  # the config goes through a pipe only we hold
     try:
-        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                start_new_session=True, close_fds=True)
+        proc = subprocess.Popen(argv, stdin=cfg_r, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True, close_fds=True, env={})
     except OSError as e:
+        os.close(cfg_w)
+        sandbox.close_shells()
         return _error(f"could not start the scoring helper: {e}", "", t0)
+    finally:
+        os.close(cfg_r)
+    host["helper_spawned"] = time.monotonic()
+    _feed(cfg_w, json.dumps(cfg).encode())
+    # The shells are closed while the helper starts up: its kill sweep, after it entered the
+    # instance, ends whatever they left either way.
+    sandbox.close_shells()
+    host["shells_closed"] = time.monotonic()
     try:
-        out, err = proc.communicate(json.dumps(cfg).encode(), timeout=timeout_s + 120)
+        out, err = proc.communicate(timeout=timeout_s + 120)
     except subprocess.TimeoutExpired:
         from et_hpc.sandbox.shell import kill_session
 
@@ -154,9 +174,68 @@ def run_tests(
         return _error(f"the scoring helper failed (exit {proc.returncode}): "
                       f"{(text + err.decode('utf-8', 'replace')).strip()[-500:]}", "", t0)
     res = json.loads(text[i + len(marker):].strip().splitlines()[0])
+    host["helper_done"] = time.monotonic()
     if res.get("kind") == "infra" and res.get("stage") == "enter" and "is gone" in (res.get("error") or ""):
         return _gone_or_error(sandbox, res["error"], t0)
-    return _result(res, t0, timeout_s=timeout_s)
+    r = _result(res, t0, timeout_s=timeout_s)
+    r.stages = _stages(t0, {**(res.get("stages") or {}), **host, "result": time.monotonic()})
+    return r
+
+
+def _stages(t0: float, marks: dict) -> dict[str, float]:
+    """Stage marks (``time.monotonic()`` of this host, which the helper shares) as seconds from t0."""
+    out = {}
+    for k, v in marks.items():
+        try:
+            out[str(k)] = round(float(v) - t0, 4)
+        except (TypeError, ValueError):
+            continue
+    return dict(sorted(out.items(), key=lambda kv: kv[1]))
+
+
+def start_warmup(sandbox: Sandbox, timeout_s: float = 120.0) -> subprocess.Popen | None:
+    """Load the image's pristine python and pytest once in the background, once the agent's first
+    shell started (``Sandbox.shell``), so the final tests find them in the page cache of its pristine mount (a
+    fresh squashfuse mount per instance: read cold, they are most of the time scoring takes).
+
+    The entry helper in warm-up mode (``et_hpc.sandbox.enter``) joins the instance as scoring does
+    but kills nothing, and runs the pristine interpreter as the agent's uid, without capabilities,
+    niced, importing only pytest and its plugins (never a task's file), output to /dev/null; only
+    its exit status is read, so nothing the agent does to it can reach a score. Scoring ends it
+    first if it still runs (``Sandbox.stop_warmup``). Returns the helper (``Sandbox.stop`` reaps it), or None
+    when there is no pristine tree.
+    """
+    if not sandbox.pristine_bound:
+        return None
+    pid, start = sandbox.init_process()
+    loader, libdirs = pristine_layout()
+    cfg = {"mode": "warm", "pid": pid, "starttime": start, "marker": "ET-WARM-" + secrets.token_hex(12) + ":",
+           "pristine": PRISTINE, "loader": loader, "libdirs": libdirs, "path": CLEAN_PATH,
+           "timeout": timeout_s, "limits": scoring_limits(sandbox, timeout_s)}
+    cfg_r, cfg_w = os.pipe()
+    try:
+        proc = subprocess.Popen(enter.helper_argv(), stdin=cfg_r, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True, env={})
+    except OSError:
+        os.close(cfg_w)
+        raise
+    finally:
+        os.close(cfg_r)
+    _feed(cfg_w, json.dumps(cfg).encode())
+    return proc
+
+
+def _feed(fd: int, payload: bytes) -> None:
+    """Write the config to the helper's stdin and close it (a helper that died early is seen later:
+    it prints no result). It reads all of it before anything else, so a large config cannot block."""
+    try:
+        view = memoryview(payload)
+        while view:
+            view = view[os.write(fd, view):]
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def score(sandbox: Sandbox, final_tests: Path, *, timeout_s: float = 120.0) -> ScoreResult:
