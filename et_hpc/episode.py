@@ -19,7 +19,9 @@ sandbox, stays ``shell_error``.
 
 With a warm pool (``sandbox.warm``, et_hpc.sandbox.warm) the runner passes a reserved sandbox,
 started ahead with its shell; the episode uses it when it is alive (``timings.setup_s`` is then
-the hand-out, ``timings.warm_s`` the start done ahead) and otherwise starts its own.
+the hand-out, ``timings.warm_s`` the start done ahead) and otherwise starts its own. It hands the
+finished sandbox back to the pool, which stops it in the background (``timings.teardown_s`` is
+then the hand-back).
 """
 
 from __future__ import annotations
@@ -232,8 +234,9 @@ def run_episode(task: Task, sample: int, cfg: RunConfig, image: Any, *, stop: th
         timings["setup_s"] += pre_setup
     base["model"] = getattr(policy, "model", None) or base["model"]  # a served model is named on first use
     t = time.monotonic()
-    for r in ready:
-        r.stop()
+    if warm is None or not warm.retire(ready):  # with a pool, it stops them in the background
+        for r in ready:
+            r.stop()
     timings["teardown_s"] = time.monotonic() - t
     versions.update(policy_version_fields(policy))
     close = getattr(policy, "close", None)
