@@ -2,7 +2,12 @@
 
 Run as an unprivileged user (apptainer refuses root here):
     python bench/bench_sandbox.py [--sif PATH] [--commands 300] [--episodes 10] [--markdown]
+    python bench/bench_sandbox.py --setup [--sif PATH] [--episodes 10]
 Without --sif the cached base image (et_hpc.images.base.ensure_base) is used.
+
+``--setup`` measures an episode's setup as et_hpc.episode does it (start, the first shell, the
+umask round trip) and teardown, split into parts, beside a bare ``apptainer instance start``
+and a bare ``apptainer exec instance:// true`` (medians over ``--episodes`` fresh sandboxes).
 """
 
 from __future__ import annotations
@@ -56,12 +61,59 @@ def bench_episodes(sif: Path, scratch: Path, n: int, **kw: object) -> dict[str, 
     return {"start_ms": _median_ms(starts), "stop_ms": _median_ms(stops), "total_ms": _median_ms(totals)}
 
 
+def bench_setup(sif: Path, scratch: Path, n: int) -> list[tuple[str, float]]:
+    """Median ms of each part of an episode's setup and teardown (see the module doc)."""
+    from et_hpc.host import apptainer
+
+    parts: dict[str, list[float]] = {}
+
+    def add(k: str, v: float) -> None:
+        parts.setdefault(k, []).append(v)
+
+    for i in range(n):
+        t = time.perf_counter()
+        sb = Sandbox(sif, run_prefix="bench", scratch=scratch)
+        sb.start()
+        t1 = time.perf_counter()
+        sh = sb.shell()
+        t2 = time.perf_counter()
+        sh.run("umask 0002")
+        t3 = time.perf_counter()
+        sb.stop()
+        t4 = time.perf_counter()
+        add("overlay copy, registry, pristine bind options", sb.timings["overlay_s"])
+        add("`apptainer instance start`", sb.timings.get("instance_s", float("nan")))
+        add("init pid and start time", sb.timings.get("init_s", float("nan")))
+        add("Sandbox.start total", t1 - t)
+        add("first shell (apptainer exec + bash + prepare + ulimits)", t2 - t1)
+        add("umask round trip", t3 - t2)
+        add("setup total (start + shell + umask)", t3 - t)
+        add("teardown (Sandbox.stop)", t4 - t3)
+        # references: a bare instance start, a bare exec, the first shell without the prepare script
+        name = f"bench-bare-{i}"
+        t = time.perf_counter()
+        apptainer.instance_start(sif, name, ["--containall", "--cleanenv", "--writable-tmpfs"])
+        t1 = time.perf_counter()
+        apptainer.run(["-s", "exec", "--cleanenv", f"instance://{name}", "true"])
+        t2 = time.perf_counter()
+        apptainer.instance_stop(name, timeout_s=0, check=False)
+        apptainer.wait_gone(name)
+        add("reference: bare `instance start --writable-tmpfs`", t1 - t)
+        add("reference: bare `apptainer exec instance:// true` (first)", t2 - t1)
+        with Sandbox(sif, run_prefix="bench", scratch=scratch, prepare_home=False) as sb2:
+            t = time.perf_counter()
+            sb2.shell()
+            add("reference: first shell without the prepare script", time.perf_counter() - t)
+    return [(k, statistics.median(v) * 1000) for k, v in parts.items()]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sif", type=Path)
     ap.add_argument("--commands", type=int, default=300)
     ap.add_argument("--episodes", type=int, default=10)
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--setup", action="store_true", help="only the setup/teardown breakdown")
     a = ap.parse_args()
     sif = a.sif
     if sif is None:
@@ -69,6 +121,16 @@ def main() -> None:
 
         sif = ensure_base(source="debian").path
     load = Path("/proc/loadavg").read_text().split()[:3]
+    if a.setup:
+        with tempfile.TemporaryDirectory() as d:
+            Sandbox(sif, run_prefix="bench", scratch=Path(d)).start().stop()  # warm template and page cache
+            rows = bench_setup(sif, Path(d), a.episodes)
+        print(f"load average at start: {' '.join(load)}, at end: "
+              f"{' '.join(Path('/proc/loadavg').read_text().split()[:3])}\n")
+        print("| episode setup part | median ms |\n|---|---|")
+        for name, ms in rows:
+            print(f"| {name} | {ms:.1f} |")
+        return
     with tempfile.TemporaryDirectory() as d:
         scratch = Path(d)
         Sandbox(sif, run_prefix="bench", scratch=scratch).start().stop()  # warm template and page cache

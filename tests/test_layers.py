@@ -27,7 +27,7 @@ LAYERS: dict[str, int] = {
     # L4 the agent (policies, loop, endpoints) and the scripted server that stands in for a model
     "et_hpc.agent": 4, "et_hpc.scripted_server": 4, "et_hpc.scripted_tokenizer": 4,
     # L5 one episode: sandbox + agent + scoring; the task check built on it
-    "et_hpc.episode": 5, "et_hpc.scoring": 5,
+    "et_hpc.episode": 5, "et_hpc.scoring": 5,  # scoring: a shim (sandbox/scoring.py)
     # L6 many episodes: run config, plan, executors
     "et_hpc.runner": 6,
     # L7 what drives the runner: continuous rollouts, integrations with trainers

@@ -181,6 +181,7 @@ def test_watchdog_spares_the_shell_and_sees_only_its_instance(limits_sif: Path, 
     with Sandbox(limits_sif, run_prefix="t-lim", scratch=tmp_path) as sb, \
             Sandbox(limits_sif, run_prefix="t-lim", scratch=tmp_path) as other:
         sh, osh = sb.shell(), other.shell()
+        assert sb.wait_warmup() and other.wait_warmup()  # the scoring warm-up is not counted below
         osh.run("sleep 120 &", timeout=10)
         assert instance_init_pid(sb.name) == sb.init_process()[0]
         with Watchdog(sb, memory_mb=CEILING_MB, max_pids=MAX_PIDS, protect=lambda: {sh.host_pid},

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from et_hpc import scoring
+from et_hpc.sandbox import scoring
 from et_hpc.sandbox.sandbox import Sandbox
 
 FINAL_TEST = textwrap.dedent('''\

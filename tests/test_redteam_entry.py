@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from et_hpc import scoring
 from et_hpc.agent.loop import Budgets, run_agent
 from et_hpc.agent.policies import Action
+from et_hpc.sandbox import scoring
 from et_hpc.sandbox.sandbox import Sandbox
 
 FINAL_TEST = textwrap.dedent('''\
@@ -335,12 +335,12 @@ def test_every_writable_place_filled_still_scores(task_sif: Path, tmp_path: Path
         assert "TMP-FULL" in runs[0].output and "HOME-FULL" in runs[0].output, runs[0].output
         res = scoring.score(sb, final_test, timeout_s=30)
         _assert_zero(res, "filled")
-        assert res.total == 2 and res.passed == 1  # the tests really ran
+        assert res.total == 2 and res.passed == 1, (res.note, res.output_tail[-1500:])  # the tests really ran
         control = legacy_score(sb, final_test)
         assert control.status == "error" and control.reward is None  # the old path had nowhere to write
 
 
-@pytest.mark.parametrize("how", ["kill_pytest", "kill_everything", "rewrite_report"])
+@pytest.mark.parametrize("how", ["kill_pytest", "kill_everything", "rewrite_report", "fifo_report"])
 def test_programs_the_tests_run_cannot_dodge_or_forge(how: str, task_sif: Path, tmp_path: Path) -> None:
     final = tmp_path / "test_final_state.py"
     final.write_text(RUNS_PROGRAM_TEST)
@@ -351,6 +351,9 @@ def test_programs_the_tests_run_cannot_dodge_or_forge(how: str, task_sif: Path, 
         "rewrite_report": ("touch /home/user/.bg-started; (for i in $(seq 600); do for f in /.et-pristine/*/junit.xml "
                            "/tmp/et-score-*/junit.xml; do [ -f \"$f\" ] && printf '%s' '" + FORGED_JUNIT
                            + "' > \"$f\"; done; sleep 0.01; done) >/dev/null 2>&1 & echo 41"),
+        # FIFOs where pytest writes its report and the driver reads it: opening either would block
+        "fifo_report": ("for d in /.et-pristine/*/; do [ -f \"$d/test_final_state.py\" ] && mkfifo \"$d/junit.xml\" "
+                        "\"$d/stages.json\" && touch /home/user/.fifo-made; done; echo 41"),
     }[how]
     with Sandbox(task_sif, run_prefix="t-rte", scratch=tmp_path) as sb:
         _agent(sb, [f"cat > /home/user/solve.sh <<'EOF'\n#!/bin/bash\n{body}\nEOF\nchmod +x /home/user/solve.sh"])
@@ -362,9 +365,12 @@ def test_programs_the_tests_run_cannot_dodge_or_forge(how: str, task_sif: Path, 
             assert control.status == "error" and control.reward is None  # a dodged 0 in the old path
         elif how == "kill_everything":
             assert res.note and ("killed" in res.note or "signal" in res.note), res
-        else:
+        elif how == "rewrite_report":
             assert res.total == 1
             assert sb.exec(["test", "-e", "/home/user/.bg-started"]).returncode == 0  # the writer started
+        else:
+            assert res.total == 1 and res.passed == 0, res  # the real report was written and read
+            assert sb.exec(["test", "-e", "/home/user/.fifo-made"]).returncode == 0  # the FIFOs were made
 
 
 # -- the agent breaking its own shell or instance ------------------------------------------------

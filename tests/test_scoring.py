@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import textwrap
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import need
-from et_hpc import scoring
+from et_hpc.sandbox import scoring
 from et_hpc.sandbox.sandbox import Sandbox
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" errors="0"
@@ -95,6 +96,99 @@ def test_tests_run_in_home_with_clean_env(base_sif: Path, tmp_path: Path) -> Non
         assert b"et-score-" not in sb.exec(["ls", "-a", "/tmp"]).stdout
 
 
+# A task's test file using what pytest offers tests: the plugins scoring blocks must not be missed.
+BUILTINS_TEST = textwrap.dedent("""\
+    import logging, os, unittest, warnings
+    import pytest
+
+    CALLED = []
+
+    def setup():  # nose-style module setup (pytest's nose plugin, where the image's pytest has it)
+        CALLED.append("setup")
+
+    def test_tmp_path(tmp_path):
+        (tmp_path / "a").write_text("x")
+        assert (tmp_path / "a").read_text() == "x"
+
+    def test_tmpdir(tmpdir):
+        tmpdir.join("b").write("y")
+        assert tmpdir.join("b").read() == "y"
+
+    def test_capsys(capsys):
+        print("hello")
+        assert capsys.readouterr().out == "hello\\n"
+
+    def test_capfd(capfd):
+        os.write(1, b"fd\\n")
+        assert capfd.readouterr().out == "fd\\n"
+
+    def test_caplog(caplog):
+        logging.getLogger("t").warning("warned")
+        assert "warned" in caplog.text
+
+    def test_monkeypatch(monkeypatch):
+        monkeypatch.setenv("ET_X", "1")
+        assert os.environ["ET_X"] == "1"
+
+    def test_recwarn(recwarn):
+        warnings.warn("w", UserWarning)
+        assert len(recwarn) == 1
+
+    def test_doctest_namespace(doctest_namespace):
+        doctest_namespace["x"] = 1
+
+    def test_nose_setup_ran(request):
+        assert CALLED == (["setup"] if request.config.pluginmanager.has_plugin("nose") else [])
+
+    @pytest.mark.skip(reason="skipped on purpose")
+    def test_skipped():
+        assert False
+
+    @pytest.mark.xfail(reason="fails on purpose", strict=True)
+    def test_xfail():
+        assert False
+
+    class TestUnit(unittest.TestCase):
+        def test_unit(self):
+            self.assertEqual(1 + 1, 2)
+
+    def test_blocked_plugins_are_gone(request):
+        pm = request.config.pluginmanager
+        assert pm.has_plugin("tmpdir") and pm.has_plugin("junitxml") and pm.has_plugin("capture")
+        assert not any(pm.has_plugin(n) for n in ("pastebin", "setuponly", "setupplan", "stepwise"))
+    """)
+BUILTIN_PASSES = ["test_tmp_path", "test_tmpdir", "test_capsys", "test_capfd", "test_caplog", "test_monkeypatch",
+                  "test_recwarn", "test_doctest_namespace", "test_nose_setup_ran", "test_unit",
+                  "test_blocked_plugins_are_gone"]
+
+
+def test_task_tests_keep_pytest_builtins(base_sif: Path, tmp_path: Path) -> None:
+    need("apptainer")
+    good = tmp_path / "test_builtins.py"
+    good.write_text(BUILTINS_TEST)
+    bad = tmp_path / "test_builtins_bad.py"  # the same with one failing test: the check can fail
+    bad.write_text(BUILTINS_TEST + "\n\ndef test_fails(capsys):\n    print('x')\n    assert capsys.readouterr().out == 'y'\n")
+    with Sandbox(base_sif, run_prefix="t-score", scratch=tmp_path) as sb:
+        sb.shell().run("true")
+        r = scoring.score(sb, good)
+        r_bad = scoring.score(sb, bad)
+    assert r.status == "ok" and r.reward == 1.0, r.output_tail
+    outcomes = {t.name.rsplit("::", 1)[1]: t.outcome for t in r.tests}
+    assert [n for n, o in outcomes.items() if o == "passed"] == BUILTIN_PASSES, outcomes
+    assert outcomes["test_skipped"] == outcomes["test_xfail"] == "skipped"
+    assert (r.passed, r.total) == (len(BUILTIN_PASSES), len(BUILTIN_PASSES))
+    assert r_bad.status == "ok" and r_bad.reward == 0.0 and r_bad.passed == len(BUILTIN_PASSES)
+    assert [t.name.rsplit("::", 1)[1] for t in r_bad.tests if t.outcome == "failed"] == ["test_fails"]
+    # where the time went: every part of the path left its mark, in the order it runs
+    order = ["config", "helper_spawned", "helper_start", "imported", "entered", "private_mounts", "killed",
+             "tmpfs", "neutralised", "pytest_spawned", "py_start", "py_pytest_imported", "py_session_start",
+             "py_collected", "py_tests_done", "py_fenced", "py_end", "pytest_eof", "report_read", "driver_done",
+             "helper_done", "result"]
+    assert all(k in r.stages for k in order), sorted(r.stages)
+    assert [r.stages[k] for k in order] == sorted(r.stages[k] for k in order), r.stages
+    assert "stages" not in r.model_dump()  # never part of a record
+
+
 def test_image_without_python_is_error(tmp_path: Path, base_sif: Path) -> None:
     need("apptainer")
     d = tmp_path / "img"
@@ -141,6 +235,8 @@ def fixture_sifs(fixtures_dir: Path, base_sif: Path, tmp_path_factory: pytest.Te
 @pytest.mark.parametrize("task", FIXTURE_TASKS)
 def test_fixture_initial_pass_final_fail(task: str, fixture_sifs: dict[str, Path], fixtures_dir: Path,
                                          tmp_path: Path) -> None:
+    import test_redteam_entry as rt
+
     tdir = fixtures_dir / "native" / task
     with Sandbox(fixture_sifs[task], run_prefix="t-fix", scratch=tmp_path) as sb:
         init = scoring.run_initial_tests(sb, tdir / "test_initial_state.py")
@@ -148,3 +244,22 @@ def test_fixture_initial_pass_final_fail(task: str, fixture_sifs: dict[str, Path
         final = scoring.score(sb, tdir / "test_final_state.py")
         assert final.status == "ok" and final.reward == 0.0, final.output_tail
         assert final.interpreter == "pristine"
+        # the same verdicts, test by test, as pytest with every builtin plugin and its normal
+        # teardown gives (the old apptainer-exec driver, kept for the red team's controls)
+        for ours, path in ((init, "test_initial_state.py"), (final, "test_final_state.py")):
+            plain = rt.legacy_score(sb, tdir / path, timeout=60)  # its file is always test_final_state.py
+            assert plain.status == "ok", plain.error
+            assert [(_bare(t.name, path), t.outcome, _addr(t.message)) for t in ours.tests] == \
+                [(_bare(t.name, "test_final_state.py"), t.outcome, _addr(t.message)) for t in plain.tests]
+            assert (ours.reward, ours.passed, ours.total) == (plain.reward, plain.passed, plain.total)
+
+
+def _addr(message: str | None) -> str | None:
+    """A failure message without object addresses (``<function f at 0x7f...>`` differ per run)."""
+    return re.sub(r"0x[0-9a-f]+", "0x?", message) if message else message
+
+
+def _bare(name: str, path: str) -> str:
+    """A test's name without its module (``test_x::test_y`` -> ``test_y``; classes kept)."""
+    mod = path.removesuffix(".py") + "::"
+    return name[len(mod):] if name.startswith(mod) else name

@@ -218,3 +218,30 @@ def test_unwanted_warm_sandbox_makes_room_and_tickets_hand_out_once(demo_built: 
         ready.stop()
     assert not _instances("et-warmtest-room")
     assert _leftovers(_scratch(tmp_path)) == []
+
+
+def test_finished_sandboxes_are_retired_in_the_background(demo_built: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ET_HPC_SCRATCH", str(tmp_path / "scratch"))
+    from et_hpc.episode import sandbox_spec
+    from et_hpc.runner.config import RunConfig
+    from et_hpc.runner.plan import make_plan
+    from et_hpc.sandbox.warm import WarmPool, start_ready
+
+    cfg = RunConfig(name="warmtest-retire", store=tmp_path / "store", policy={"kind": "oracle"},
+                    tasks={"source": str(DEMO)})
+    plan = make_plan(cfg)
+    tid = sorted(plan.tasks)[0]
+    spec = sandbox_spec(plan.tasks[tid], cfg, plan.images[tid])
+    pool = WarmPool(0)
+    ready = [start_ready(spec), start_ready(spec)]
+    names = {r.sandbox.name for r in ready}
+    assert names <= _instances("et-warmtest-retire")  # positive control: both run
+    assert pool.retire(ready)  # returns at once; the pool stops them
+    pool.close()  # waits for the retired ones
+    assert not _instances("et-warmtest-retire") and _leftovers(_scratch(tmp_path)) == []
+    late = start_ready(spec)
+    assert not pool.retire([late])  # a closed pool takes nothing: the caller stops it
+    assert late.sandbox.name in _instances("et-warmtest-retire")
+    late.stop()
+    assert not _instances("et-warmtest-retire")

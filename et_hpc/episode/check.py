@@ -200,7 +200,7 @@ class _Checker:
         return box
 
     def start_and_initial(self) -> StageStatus:
-        from et_hpc.scoring import run_initial_tests
+        from et_hpc.sandbox.scoring import run_initial_tests
 
         box = self._started()
         try:
@@ -220,7 +220,7 @@ class _Checker:
         return "ok"
 
     def untouched(self) -> StageStatus:
-        from et_hpc.scoring import score
+        from et_hpc.sandbox.scoring import score
 
         box = self._started()
         try:
@@ -237,7 +237,7 @@ class _Checker:
 
     def solution(self) -> StageStatus:
         from et_hpc.agent.policies import OraclePolicy
-        from et_hpc.scoring import score
+        from et_hpc.sandbox.scoring import score
 
         if self.task.solution is None:
             return "skipped"

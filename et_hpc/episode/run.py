@@ -19,7 +19,9 @@ sandbox, stays ``shell_error``.
 
 With a warm pool (``sandbox.warm``, et_hpc.sandbox.warm) the runner passes a reserved sandbox,
 started ahead with its shell; the episode uses it when it is alive (``timings.setup_s`` is then
-the hand-out, ``timings.warm_s`` the start done ahead) and otherwise starts its own.
+the hand-out, ``timings.warm_s`` the start done ahead) and otherwise starts its own. It hands the
+finished sandbox back to the pool, which stops it in the background (``timings.teardown_s`` is
+then the hand-back).
 """
 
 from __future__ import annotations
@@ -38,9 +40,9 @@ from et_hpc.agent.loop import AgentResult, Budgets, run_agent
 from et_hpc.agent.policies import PolicyConfig, make_policy
 from et_hpc.errors import InfraError, UserError
 from et_hpc.record import EpisodeRecord, TestResult, Timings
+from et_hpc.sandbox.scoring import GONE_NOTE, score
 from et_hpc.sandbox.warm import AGENT_UMASK, Ready, SandboxSpec, Ticket, start_ready  # noqa: F401 - AGENT_UMASK re-exported
 from et_hpc.sandbox.watchdog import PHASE_SCORING, Watchdog
-from et_hpc.scoring import GONE_NOTE, score
 from et_hpc.tasks.model import Task
 
 if TYPE_CHECKING:
@@ -232,8 +234,9 @@ def run_episode(task: Task, sample: int, cfg: RunConfig, image: Any, *, stop: th
         timings["setup_s"] += pre_setup
     base["model"] = getattr(policy, "model", None) or base["model"]  # a served model is named on first use
     t = time.monotonic()
-    for r in ready:
-        r.stop()
+    if warm is None or not warm.retire(ready):  # with a pool, it stops them in the background
+        for r in ready:
+            r.stop()
     timings["teardown_s"] = time.monotonic() - t
     versions.update(policy_version_fields(policy))
     close = getattr(policy, "close", None)

@@ -133,6 +133,23 @@ def instance_files(name: str) -> list[Path]:
     return list(base.glob(f"*/{user}/{name}/{name}.json"))
 
 
+def instance_pid(name: str) -> int | None:
+    """The pid ``apptainer instance list`` shows for a running instance of ours, read from the
+    same state file it reads (written by apptainer on the host, outside every container), without
+    starting apptainer; None when there is no single readable file naming a live process."""
+    files = instance_files(name)
+    if len(files) != 1:
+        return None
+    try:
+        data = json.loads(files[0].read_text())
+        pid = int(data.get("pid") or 0)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+    if data.get("name") != name or pid <= 0 or not Path(f"/proc/{pid}").is_dir():
+        return None
+    return pid
+
+
 def wait_gone(name: str, timeout: float = 10.0) -> bool:
     """Wait until apptainer has removed the instance's state (it does so just after ``stop``)."""
     deadline = time.monotonic() + timeout

@@ -34,18 +34,35 @@ before the pristine interpreter runs the tests):
    rule for symlinks). Locales come from the pristine tree (``LOCPATH``);
 6. starts the pristine loader ``/.et-pristine/.../ld-linux*.so`` with ``--inhibit-cache
    --library-path <pristine lib dirs>`` on ``/.et-pristine/usr/bin/python3 -I -S -B``, pytest with
-   ``-p no:cacheprovider --noconftest -c <empty ini> --rootdir <tmpfs>``, autoload of plugins off,
+   ``-p no:cacheprovider --noconftest -c <empty ini> --rootdir <tmpfs>`` and ``-p no:`` for the
+   builtin plugins that only act on options scoring never passes (``UNUSED_PLUGINS``), autoload of
+   plugins off,
    a clean environment, stdin the host's ``/dev/null``; in the child before ``execve``: scoring
    rlimits (address space, processes, file size, CPU time, no core), no_new_privs, every
    capability dropped (bounding, ambient, effective, permitted), cwd ``/home/user`` if usable by
    the agent's uid, else ``/``. The pristine Python marks itself non-dumpable and kills every
    other process of the instance before pytest writes its JUnit report (a program a test runs
-   cannot rewrite it);
-7. waits with the verifier timeout, kills what is left, reads the JUnit report from the tmpfs and
-   sends the result to the host process over a pipe only the driver holds.
+   cannot rewrite it), removes whatever such a program left at the report's path, and exits
+   without the interpreter's teardown once its output is flushed;
+7. waits with the verifier timeout, kills what is left, reads the JUnit report from the tmpfs (a
+   regular file only: never blocking on a FIFO) and sends the result to the host process over a
+   pipe only the driver holds.
+
+Warm-up mode (``"mode": "warm"`` in the config; ``et_hpc.sandbox.scoring.start_warmup``, once the
+agent's first shell started): step 1, then the pristine python of step 6 without capabilities, niced, output to
+the host's /dev/null, importing pytest and its builtin plugins and nothing else. Nothing is killed,
+mounted or neutralised, and nothing it prints is read: ``kind`` ``"warm"``, with its exit status.
+
+Every stage leaves a ``time.monotonic()`` mark (the host's clock: the helper, the driver and the
+pristine Python share it) in the result's ``stages``; ``et_hpc.sandbox.scoring`` turns them into
+``ScoreResult.stages`` (seconds from the start of scoring), for benchmarks and telemetry.
 """
 
 from __future__ import annotations
+
+import time
+
+T_START = time.monotonic()  # when this helper began (stage timings, CLOCK_MONOTONIC: host-comparable)
 
 import ctypes
 import json
@@ -54,7 +71,6 @@ import select
 import signal
 import subprocess
 import sys
-import time
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWIPC = 0x08000000
@@ -66,10 +82,22 @@ NAMESPACES = (("user", CLONE_NEWUSER), ("mnt", CLONE_NEWNS), ("pid", CLONE_NEWPI
 MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 4096, 16384, 1 << 18
 PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT = 4, 24, 38, 47
 PR_CAP_AMBIENT_CLEAR_ALL = 4
+PR_SET_PDEATHSIG = 1
 NSS_BUILTIN = {"files", "dns"}  # built into glibc >= 2.34 (no dlopen)
 NSS_SAFE = ("passwd: files\ngroup: files\nshadow: files\ngshadow: files\nhosts: files dns\n"
             "networks: files\nprotocols: files\nservices: files\nethers: files\nrpc: files\n")
 WORK_DIRS = ("tmp", "mnt", "media", "srv", "opt", "run")  # in the pristine tree, first that exists
+# Builtin pytest plugins that only act on command-line options scoring never passes (--pastebin,
+# --setup-only/--setup-plan/--setup-show, --stepwise) or on the ini's ``pythonpath`` (the ini is
+# empty): blocked to save their import and option set-up. Everything a test can use (fixtures such
+# as tmp_path, tmpdir, capsys, caplog, monkeypatch, recwarn, doctest_namespace; nose-style setup;
+# unittest; skip/xfail marks; warnings) stays.
+UNUSED_PLUGINS = ("pastebin", "setuponly", "setupplan", "stepwise", "python_path")
+STAGES: dict[str, float] = {"helper_start": T_START}  # stage -> time.monotonic(), sent with the result
+
+
+def _mark(stage: str) -> None:
+    STAGES[stage] = time.monotonic()
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p)
@@ -267,6 +295,8 @@ def _limits(cfg: dict) -> None:
 
 # Run by the pristine python: its own site dirs only, non-dumpable, a fence before the report.
 BOOT = r'''
+import time
+_t = {"start": time.monotonic()}
 import os, sys, site
 for d in %(sitedirs)r:
     if os.path.isdir(d) and not os.path.islink(d):
@@ -281,6 +311,7 @@ try:
 except ImportError as e:
     sys.stderr.write("ET-NO-PYTEST: %%s\n" %% e)
     sys.exit(97)
+_t["pytest_imported"] = time.monotonic()
 
 def _fence():
     keep = (1, os.getpid(), os.getppid())
@@ -297,12 +328,96 @@ def _fence():
             return
 
 class _Fence:
+    def pytest_sessionstart(self, session):
+        _t["session_start"] = time.monotonic()
+
+    def pytest_collection_finish(self, session):
+        _t["collected"] = time.monotonic()
+
     @pytest.hookimpl(tryfirst=True)
     def pytest_sessionfinish(self, session, exitstatus):
+        _t["tests_done"] = time.monotonic()
         _fence()  # nothing a test started can touch the report written after this
+        for p in (%(junit)r, %(stages)r):  # whatever a test's program left at these paths goes
+            try:
+                os.unlink(p)
+            except OSError:
+                pass
+        _t["fenced"] = time.monotonic()
 
-sys.exit(pytest.main(plugins=[_Fence()]))
+rc = pytest.main(plugins=[_Fence()])
+_t["end"] = time.monotonic()
+try:
+    import json
+    fd = os.open(%(stages)r, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    os.write(fd, json.dumps(_t).encode())
+    os.close(fd)
+except Exception:
+    pass
+# The report is written and every other process is gone: skip the interpreter's teardown of
+# hundreds of modules (tens of ms, more on a cold image) once the output is out.
+for f in (sys.stdout, sys.stderr):
+    try:
+        f.flush()
+    except Exception:
+        pass
+os._exit(rc if isinstance(rc, int) else 1)
 '''
+
+
+# Warm-up mode: the pristine python as far as pytest and its builtin plugins, nothing of a task's.
+WARM = r'''
+import os, sys, site
+for d in %(sitedirs)r:
+    if os.path.isdir(d) and not os.path.islink(d):
+        site.addsitedir(d)
+try:
+    import ctypes, json
+    import pytest
+    from _pytest.config import default_plugins
+    for n in default_plugins:
+        try:
+            __import__("_pytest." + n)
+        except Exception:
+            pass
+    import xml.etree.ElementTree
+except Exception:
+    pass
+os._exit(0)
+'''
+
+
+def _warm(cfg: dict, devnull: int) -> dict:
+    """Warm-up mode (see ``et_hpc.sandbox.scoring.start_warmup``): run the pristine python once, as far as
+    importing pytest and its plugins, so the final tests find those files in the pristine mount's
+    page cache. It runs as the agent's uid without capabilities, niced, output to the host's
+    /dev/null; nothing it does is read back (only its exit status)."""
+    pristine = cfg["pristine"]
+    loader, python = cfg["loader"], pristine + "/usr/bin/python3"
+    ver = _python_version(pristine)
+    if ver is None or not (os.path.isfile(loader) and os.path.isfile(python)):
+        return {"kind": "warm", "ran": False}
+    argv = [loader, "--inhibit-cache", "--library-path", ":".join(cfg["libdirs"]), python, "-I", "-S", "-B",
+            "-c", WARM % {"sitedirs": _sitedirs(pristine, ver)}]
+    env = {"PATH": cfg["path"], "HOME": "/", "LANG": "C.UTF-8", "LOCPATH": pristine + "/usr/lib/locale"}
+
+    def child() -> None:  # niced already: the helper is
+        _libc.prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0)  # ends with the helper (Sandbox.stop kills it)
+        _limits(cfg)
+        drop_privileges()
+
+    try:
+        p = subprocess.Popen(argv, env=env, stdin=devnull, stdout=devnull, stderr=devnull, close_fds=True,
+                             start_new_session=True, preexec_fn=child, cwd="/")
+    except OSError as e:
+        return {"kind": "warm", "ran": False, "error": str(e)}
+    try:
+        rc = p.wait(timeout=float(cfg["timeout"]))
+    except subprocess.TimeoutExpired:
+        p.kill()
+        rc = p.wait()
+    _mark("warmed")
+    return {"kind": "warm", "ran": True, "rc": rc, "stages": STAGES}
 
 
 def _sitedirs(pristine: str, ver: str) -> list[str]:
@@ -326,6 +441,7 @@ def _run_pytest(cfg: dict, send, devnull: int) -> dict:
     me = os.getpid()
     _libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
     ok, killed = kill_all(me)
+    _mark("killed")
     if not ok:
         raise Infra("processes left in the instance could not be killed")
     pristine = cfg["pristine"]
@@ -352,8 +468,11 @@ def _run_pytest(cfg: dict, send, devnull: int) -> dict:
     with open(ini, "w") as f:
         f.write("[pytest]\n")
     junit = os.path.join(work, "junit.xml")
+    stages = os.path.join(work, "stages.json")
+    _mark("tmpfs")
     notes: list[str] = []
     neutralise(work, notes, cfg["libdirs"], pristine)
+    _mark("neutralised")
     home = cfg["home"]
     why = _usable_dir(home)
     cwd = home if why is None else "/"
@@ -361,9 +480,9 @@ def _run_pytest(cfg: dict, send, devnull: int) -> dict:
         notes.append(f"{why}: the tests ran from /")
     libdirs = ":".join(cfg["libdirs"])
     argv = [loader, "--inhibit-cache", "--library-path", libdirs, python, "-I", "-S", "-B", "-c",
-            BOOT % {"sitedirs": _sitedirs(pristine, ver)},
-            "-p", "no:cacheprovider", "--rootdir", work, "-c", ini, "--noconftest",
-            "--junitxml", junit, "-q", path]
+            BOOT % {"sitedirs": _sitedirs(pristine, ver), "junit": junit, "stages": stages},
+            "-p", "no:cacheprovider", *(a for n in UNUSED_PLUGINS for a in ("-p", "no:" + n)),
+            "--rootdir", work, "-c", ini, "--noconftest", "--junitxml", junit, "-q", path]
     env = {"PATH": cfg["path"], "HOME": home, "LANG": "C.UTF-8", "LOCPATH": pristine + "/usr/lib/locale",
            "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
 
@@ -381,6 +500,7 @@ def _run_pytest(cfg: dict, send, devnull: int) -> dict:
                              close_fds=True, start_new_session=True, preexec_fn=child, cwd="/")
     except OSError as e:
         raise Infra(f"the pristine interpreter could not be started: {e}") from None
+    _mark("pytest_spawned")
     send({"stage": "pytest_started"})
     tail, limit = b"", int(cfg["tail"])
     deadline = time.monotonic() + float(cfg["timeout"])
@@ -397,18 +517,19 @@ def _run_pytest(cfg: dict, send, devnull: int) -> dict:
             if not chunk:
                 break
             tail = (tail + chunk)[-limit:]
+    _mark("pytest_eof")
     if timed_out:
         kill_all(me)
     rc = p.wait()
     # Output written after EOF was seen is not waited for; a last sweep for what the tests started.
     _, more = kill_all(me)
     killed_after = more
-    report = None
-    try:
-        with open(junit, encoding="utf-8", errors="replace") as f:
-            report = f.read(8 << 20)
-    except OSError:
-        pass
+    try:  # a regular file only: a FIFO a test's program left there must not block the driver
+        report = _read_small(junit, 8 << 20)
+    except Refused:
+        report = None
+    _read_stages(stages)
+    _mark("report_read")
     out = tail.decode("utf-8", "replace")
     if rc == 97 and "ET-NO-PYTEST" in out:
         raise Infra("pytest is not installed in the image's pristine python: " + out.strip()[-300:], "tests")
@@ -416,7 +537,16 @@ def _run_pytest(cfg: dict, send, devnull: int) -> dict:
         raise Infra("the pristine interpreter could not start: " + out.strip()[-300:])
     return {"kind": "ran", "rc": rc if rc >= 0 else None, "signal": -rc if rc < 0 else None,
             "timed_out": timed_out, "junit": report, "out": out, "killed": killed,
-            "killed_after": killed_after, "cwd": cwd, "notes": notes}
+            "killed_after": killed_after, "cwd": cwd, "notes": notes, "stages": STAGES}
+
+
+def _read_stages(path: str) -> None:
+    """The pristine python's own stage times (numbers only; a missing or odd file is ignored)."""
+    try:
+        got = json.loads(_read_small(path, 4096) or "{}")
+        STAGES.update({"py_" + str(k): float(v) for k, v in dict(got).items()})
+    except (Refused, ValueError, TypeError):
+        pass
 
 
 def _enter(cfg: dict) -> None:
@@ -458,14 +588,18 @@ def _enter(cfg: dict) -> None:
         raise Infra("after entering, / is not the instance's root")
     if not os.path.isdir(cfg["pristine"]):
         raise Infra(f"the image's pristine copy is not mounted at {cfg['pristine']}")
+    _mark("entered")
     _check(_libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
     _mount("none", "/", None, MS_REC | MS_PRIVATE)
+    _mark("private_mounts")
 
 
 def main() -> None:
     import resource  # noqa: F401 - needed after entering, when nothing can be imported
     import stat  # noqa: F401
+    _mark("imported")
     raw = sys.stdin.buffer.read()
+    _mark("config_read")
     cfg = json.loads(raw)
     marker = cfg["marker"]
 
@@ -474,12 +608,18 @@ def main() -> None:
         os._exit(0)
 
     devnull = os.open("/dev/null", os.O_RDWR)  # the host's, opened before entering
+    _libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)  # and what it forks, until they exec
+    warm = cfg.get("mode") == "warm"
+    if warm:
+        os.nice(10)
     try:
         _enter(cfg)
     except Infra as e:
         emit({"kind": "infra", "error": str(e), "stage": "enter"})
     except OSError as e:
         emit({"kind": "infra", "error": f"could not enter the instance: {e}", "stage": "enter"})
+    if warm:
+        emit(_warm(cfg, devnull))
     r, w = os.pipe()
     cpid = os.fork()
     if cpid == 0:
@@ -524,6 +664,8 @@ def main() -> None:
             pass
     final = [m for m in msgs if "kind" in m]
     if final:
+        _mark("driver_done")
+        final[-1]["stages"] = {**final[-1].get("stages", {}), **STAGES}
         emit(final[-1])
     how = (f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status)
            else f"exit {os.WEXITSTATUS(status)}")

@@ -38,7 +38,7 @@ from et_hpc.sandbox.shell import Shell, kill_session
 log = logging.getLogger(__name__)
 
 HOME = "/home/user"
-PRISTINE = "/.et-pristine"  # where the image is bound read-only (see et_hpc.scoring)
+PRISTINE = "/.et-pristine"  # where the image is bound read-only (see et_hpc.sandbox.scoring)
 # Shell limits: contain fork bombs and memory hogs without cgroups (rootless, no systemd here).
 DEFAULT_NPROC = 512
 DEFAULT_VMEM_MB = 8192
@@ -126,7 +126,9 @@ class Sandbox:
     instance only a loopback interface; when the host refuses, the sandbox starts with the host
     network and ``network_isolated`` is False (a warning is logged).
     ``nproc``/``vmem_mb``/``fsize_mb`` are ``ulimit -u``/``-v``/``-f`` set in every shell of the
-    sandbox (and applied to scoring by et_hpc.scoring); core dumps are off (``ulimit -c 0``).
+    sandbox (and applied to scoring by et_hpc.sandbox.scoring); core dumps are off (``ulimit -c 0``).
+    ``warm_scoring`` (default True): once the first shell is up, load the image's pristine python
+    and pytest in the background so scoring finds them warm (``et_hpc.sandbox.scoring.start_warmup``).
     """
 
     def __init__(
@@ -144,6 +146,7 @@ class Sandbox:
         prepare_home: bool = True,
         pristine: bool = True,
         home: str = HOME,
+        warm_scoring: bool = True,
     ) -> None:
         self.sif = Path(sif)
         self.run_prefix = run_prefix
@@ -159,6 +162,9 @@ class Sandbox:
         self.pristine = pristine
         self.pristine_bound = False
         self.home = home
+        self.warm_scoring = warm_scoring
+        self._warm_pending = False
+        self._warmer: subprocess.Popen[bytes] | None = None
         self.name: str | None = None
         self.overlay: Path | None = None
         self.registry: Path | None = None
@@ -199,11 +205,15 @@ class Sandbox:
         self._stopped = False
         self._init = None
         try:
+            t1 = time.monotonic()
             self._start_instance(options)
+            t2 = time.monotonic()
             self.init_process()
+            self.timings["instance_s"], self.timings["init_s"] = t2 - t1, time.monotonic() - t2
         except BaseException:
             self.stop()
             raise
+        self._warm_pending = self.warm_scoring and self.pristine_bound  # with the first shell
         self.timings["start_s"] = time.monotonic() - t0
         log.debug("sandbox %s started in %.3f s", self.name, self.timings["start_s"])
         return self
@@ -239,6 +249,27 @@ class Sandbox:
             log.warning("preparing %s in %s failed: %s", self.home, self.name, cp.stdout[-300:])
         self._prepared = True
 
+    def wait_warmup(self, timeout_s: float = 60.0) -> bool:
+        """Wait until the scoring warm-up started with the first shell is over (True), or
+        ``timeout_s``. Until then it is one more process of the instance (``_start_warmup``)."""
+        if self._warmer is None:
+            return True
+        try:
+            self._warmer.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
+    def stop_warmup(self) -> None:
+        """End the scoring warm-up if it still runs (its python in the instance dies with its
+        helper: parent-death signal), so none starts late, e.g. while the final tests run."""
+        self._warm_pending = False
+        if self._warmer is not None:
+            if self._warmer.poll() is None:
+                self._warmer.kill()
+            self._warmer.wait()
+            self._warmer = None
+
     def close_shells(self) -> None:
         for sh in self._shells:
             try:
@@ -254,6 +285,7 @@ class Sandbox:
         self._stopped = True
         t0 = time.monotonic()
         self.close_shells()
+        self.stop_warmup()
         try:
             if self.name:
                 apptainer.instance_stop(self.name, timeout_s=0, check=False)
@@ -308,10 +340,12 @@ class Sandbox:
         if self._init is None:
             if not self.name or self._stopped:
                 raise InfraError("the sandbox is not running")
-            found = [i for i in apptainer.instance_list() if i.name == self.name and i.pid > 0]
-            if not found:
-                raise InfraError(f"instance {self.name} is not running")
-            pid = found[0].pid
+            pid = apptainer.instance_pid(self.name)
+            if pid is None:
+                found = [i for i in apptainer.instance_list() if i.name == self.name and i.pid > 0]
+                if not found:
+                    raise InfraError(f"instance {self.name} is not running")
+                pid = found[0].pid
             try:
                 st = Path(f"/proc/{pid}/stat").read_text()
             except OSError as e:
@@ -400,7 +434,20 @@ class Sandbox:
         sh = Shell(self.exec_argv(["bash", "--noprofile", "--norc"]), **kw)
         sh.start()
         self._shells.append(sh)
+        if self._warm_pending:  # after the shell, so the two do not compete for the CPU
+            self._warm_pending = False
+            self._start_warmup()
         return sh
+
+    def _start_warmup(self) -> None:
+        """Load the pristine python and pytest in the background while the agent works
+        (``et_hpc.sandbox.scoring.start_warmup``): the final tests then find them in the page cache."""
+        from et_hpc.sandbox.scoring import start_warmup  # scoring imports enter, which this module loads lazily too
+
+        try:
+            self._warmer = start_warmup(self)
+        except (InfraError, OSError) as e:  # only a cost: scoring reads the files itself
+            log.warning("could not start the scoring warm-up in %s: %s", self.name, e)
 
 
 # -- stopping on signals and exit ------------------------------------------------------------

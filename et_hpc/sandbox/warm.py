@@ -20,8 +20,10 @@ Contract:
   one inline). ``Ticket.discard()`` stops a reserved sandbox that was not handed out.
 - A sandbox is handed out at most once: an entry leaves the pool when reserved, and a ticket
   hands out at most once.
+- ``Ticket.retire(readies)``: a finished episode hands its sandboxes back, and the pool stops them
+  in the background, so teardown leaves the critical path too.
 - ``close()`` (also when the run's ``stop`` event is set, and at interpreter exit) stops every
-  sandbox not handed out, including those still starting. Warm sandboxes are ordinary
+  sandbox not handed out, including those still starting, and waits for retired ones to stop. Warm sandboxes are ordinary
   ``Sandbox`` objects: they have registry files, so ``et-hpc reap`` removes them after a SIGKILL.
 - A start that fails pauses warming for a while (2, 4, ... up to 60 s), so a broken image does
   not keep the node busy; the episodes then start inline and record the error themselves.
@@ -181,6 +183,12 @@ class Ticket:
             return None
         return ready
 
+    def retire(self, readies: list[Ready]) -> bool:
+        """Hand the episode's finished sandboxes back to the pool to stop in the background (the
+        teardown leaves the critical path; ``close()`` waits for it). False when the pool is closed:
+        the caller stops them itself."""
+        return self._pool.retire(readies)
+
     def discard(self) -> None:
         """Stop the sandbox unless it was handed out (safe to call more than once)."""
         if self._used:
@@ -233,6 +241,25 @@ class WarmPool:
             self._stock.remove(entry)
             self.handed += 1
             return Ticket(self, entry)
+
+    def retire(self, readies: list[Ready]) -> bool:
+        """Stop ``readies`` (finished episodes' sandboxes) in a background thread that ``close()``
+        waits for; False (nothing done) when the pool is closed."""
+        def run() -> None:
+            try:
+                for r in readies:
+                    r.stop()
+            finally:
+                with self._lock:
+                    self._threads.discard(threading.current_thread())
+
+        with self._lock:
+            if self.closed:
+                return False
+            t = threading.Thread(target=run, name="warm-retire", daemon=True)
+            self._threads.add(t)
+            t.start()
+        return True
 
     def close(self, wait_s: float = 60.0) -> None:
         """Stop every sandbox not handed out, waiting up to ``wait_s`` for starts in progress

@@ -339,7 +339,7 @@ class Watchdog:
             if self.max_pids and len(s.pids) >= self.max_pids:
                 return self._trip(f"process limit {self.max_pids} reached ({len(s.pids)} processes)", s)
             if self.memory_mb and s.total_kb > self.memory_mb * 1024:
-                what = f"{s.total_kb // 1024} MB"
+                what = f"{-(-s.total_kb // 1024)} MB"  # rounded up: over the ceiling reads as over it
                 if s.tmpfs_kb >= 1024:
                     what += f": processes {s.proc_kb // 1024} MB, tmpfs {s.tmpfs_kb // 1024} MB"
                 return self._trip(f"memory ceiling {self.memory_mb} MB reached ({what})", s)
