@@ -279,6 +279,7 @@ def test_group_with_one_infra_error_is_not_sent(tokenizer_dir, tmp_path, monkeyp
         assert env.counts["groups_masked"] == 1
         assert env.group_from_records([_rec(0, 1.0), _rec(1, 0.0, tokens=False)]) is None  # no token ids
         assert env.counts["groups_without_tokens"] == 1
+        assert env.group_from_records([]) is None  # a stop dropped every interrupted episode
     finally:
         env.close()
     keep = _offline_env(tokenizer_dir, tmp_path, on_error="keep-ok")

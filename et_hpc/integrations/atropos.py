@@ -205,6 +205,8 @@ class EndlessTerminalsEnv(BaseEnv):
 
     def group_from_records(self, records: list[EpisodeRecord]) -> ScoredDataGroup | None:
         """The ScoredDataGroup to send for one group's episodes, or None (masked, or no tokens)."""
+        if not records:
+            return None
         errors = [r for r in records if r.status != "ok"]
         ok = [r for r in records if r.status == "ok"]
         if errors and (self.config.on_error == "mask" or not ok):
@@ -226,6 +228,8 @@ class EndlessTerminalsEnv(BaseEnv):
 
     async def collect_trajectories(self, item: Any) -> tuple[ScoredDataGroup | None, list[Any]]:
         records = await self.run_episodes(item, self.config.group_size)
+        if self._stop.is_set():  # stopping: its interrupted episodes were dropped, so no whole group
+            return None, []
         return self.group_from_records(records), []
 
     async def evaluate(self, *args: Any, **kwargs: Any) -> None:
