@@ -43,6 +43,17 @@ def demo_built(base_sif: Path) -> Path:
     return DEMO
 
 
+def _demo_specs(tmp_path: Path, name: str) -> dict:
+    """The sandbox spec of each demo task, for a run called ``name``."""
+    from et_hpc.episode import sandbox_spec
+    from et_hpc.runner.config import RunConfig
+    from et_hpc.runner.plan import make_plan
+
+    cfg = RunConfig(name=name, store=tmp_path / "store", policy={"kind": "oracle"}, tasks={"source": str(DEMO)})
+    plan = make_plan(cfg)
+    return {t: sandbox_spec(plan.tasks[t], cfg, plan.images[t]) for t in sorted(plan.tasks)}
+
+
 def _run(tmp_path: Path, name: str, *extra: str) -> tuple[subprocess.CompletedProcess, list]:
     cp = subprocess.run(ET_HPC + ["-vv", "run", str(DEMO), "--policy", "oracle", "--concurrency", "2",
                                   "--store", str(tmp_path / "store"), "--run-name", name, *extra],
@@ -118,15 +129,9 @@ def test_pool_close_stops_warm_and_starting_sandboxes(demo_built: Path, tmp_path
     monkeypatch.setenv("ET_HPC_SCRATCH", str(tmp_path / "scratch"))
     import threading
 
-    from et_hpc.episode import sandbox_spec
-    from et_hpc.runner.config import RunConfig
-    from et_hpc.runner.plan import make_plan
     from et_hpc.sandbox.warm import WarmPool
 
-    cfg = RunConfig(name="warmtest-close", store=tmp_path / "store", policy={"kind": "oracle"},
-                    tasks={"source": str(DEMO)})
-    plan = make_plan(cfg)
-    specs = [sandbox_spec(plan.tasks[t], cfg, plan.images[t]) for t in sorted(plan.tasks)]
+    specs = list(_demo_specs(tmp_path, "warmtest-close").values())
     stop = threading.Event()
     pool = WarmPool(3, stop=stop)
     pool.want("a", specs)  # 4 wanted, 3 allowed
@@ -188,15 +193,10 @@ def test_shards_without_warm_s_still_read(tmp_path: Path) -> None:
 def test_unwanted_warm_sandbox_makes_room_and_tickets_hand_out_once(demo_built: Path, tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ET_HPC_SCRATCH", str(tmp_path / "scratch"))
-    from et_hpc.episode import sandbox_spec
-    from et_hpc.runner.config import RunConfig
-    from et_hpc.runner.plan import make_plan
     from et_hpc.sandbox.warm import WarmPool
 
-    cfg = RunConfig(name="warmtest-room", store=tmp_path / "store", policy={"kind": "oracle"},
-                    tasks={"source": str(DEMO), "ids": ["demo_hello_file", "demo_csv_sum"]})
-    plan = make_plan(cfg)
-    a, b = (sandbox_spec(plan.tasks[t], cfg, plan.images[t]) for t in ("demo_hello_file", "demo_csv_sum"))
+    specs = _demo_specs(tmp_path, "warmtest-room")
+    a, b = specs["demo_hello_file"], specs["demo_csv_sum"]
     assert a != b
     with WarmPool(1) as pool:
         pool.want("q", [a])
@@ -223,16 +223,9 @@ def test_unwanted_warm_sandbox_makes_room_and_tickets_hand_out_once(demo_built: 
 def test_finished_sandboxes_are_retired_in_the_background(demo_built: Path, tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ET_HPC_SCRATCH", str(tmp_path / "scratch"))
-    from et_hpc.episode import sandbox_spec
-    from et_hpc.runner.config import RunConfig
-    from et_hpc.runner.plan import make_plan
     from et_hpc.sandbox.warm import WarmPool, start_ready
 
-    cfg = RunConfig(name="warmtest-retire", store=tmp_path / "store", policy={"kind": "oracle"},
-                    tasks={"source": str(DEMO)})
-    plan = make_plan(cfg)
-    tid = sorted(plan.tasks)[0]
-    spec = sandbox_spec(plan.tasks[tid], cfg, plan.images[tid])
+    spec = next(iter(_demo_specs(tmp_path, "warmtest-retire").values()))
     pool = WarmPool(0)
     ready = [start_ready(spec), start_ready(spec)]
     names = {r.sandbox.name for r in ready}
