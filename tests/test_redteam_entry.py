@@ -330,9 +330,15 @@ def test_every_writable_place_filled_still_scores(task_sif: Path, tmp_path: Path
     fill = ("for d in /home/user /tmp /var/tmp /dev/shm /; do dd if=/dev/zero of=$d/.fill bs=1M count=400 "
             "2>/dev/null; done; dd if=/dev/zero of=/tmp/probe bs=1M count=1 2>/dev/null || echo TMP-FULL; "
             "dd if=/dev/zero of=/home/user/probe bs=1M count=1 2>/dev/null || echo HOME-FULL")
+    # The last free blocks too (a full filesystem may still take a 4-byte file): Python's tempfile
+    # then finds no usable directory at all in the instance.
+    crumbs = ("for d in /home/user /tmp /var/tmp /dev/shm /; do i=0; while [ $i -lt 20000 ] && "
+              "echo x > $d/.c$i 2>/dev/null; do i=$((i+1)); done; done; "
+              "python3 -c 'import tempfile; tempfile.gettempdir()' 2>/dev/null || echo NO-TEMPDIR")
     with Sandbox(task_sif, run_prefix="t-rte", scratch=tmp_path, overlay_mb=64) as sb:
-        runs = _agent(sb, [fill], timeout=120)
+        runs = _agent(sb, [fill, crumbs], timeout=120)
         assert "TMP-FULL" in runs[0].output and "HOME-FULL" in runs[0].output, runs[0].output
+        assert "NO-TEMPDIR" in runs[1].output, runs[1].output  # the trick takes effect
         res = scoring.score(sb, final_test, timeout_s=30)
         _assert_zero(res, "filled")
         assert res.total == 2 and res.passed == 1, (res.note, res.output_tail[-1500:])  # the tests really ran

@@ -23,9 +23,11 @@ before the pristine interpreter runs the tests):
 3. forks: the child is in the instance's pid namespace. With capabilities still held it kills
    every process but init (``kill(-1, SIGKILL)`` until ``/proc`` shows none, fork bombs included)
    and marks itself non-dumpable, so nothing the tests start can ptrace or read it;
-4. mounts a fresh 32 MiB tmpfs (mode 0700) on a directory of the pristine read-only tree
-   (``/.et-pristine/tmp``) and writes the test file, an empty pytest config there: scoring needs
-   no writable place of the agent's;
+4. mounts a fresh 64 MiB tmpfs (mode 0700) on a directory of the pristine read-only tree
+   (``/.et-pristine/tmp``) and writes the test file, an empty pytest config there, with a ``tmp``
+   directory in it that is the tests' ``TMPDIR`` (pytest's capture files, ``tmp_path``): scoring
+   needs no writable place of the agent's, so an agent that fills every disk it can reach still
+   gets its tests run;
 5. neutralises what the loader and libc read from the writable root: ``/etc/ld.so.preload``
    (a regular file in a real ``/etc`` gets an empty file bound over it; a symlink, a non-file, or
    an ``/etc`` that is not a directory is refused as the agent's failure, because binding over it
@@ -460,8 +462,10 @@ def _run_pytest(cfg: dict, send, devnull: int) -> dict:
             break
     if work is None:
         raise Infra(f"no directory to mount the scoring tmpfs on in {pristine}")
-    _mount("et-score", work, "tmpfs", MS_NOSUID | MS_NODEV, "size=32m,mode=0700")
+    _mount("et-score", work, "tmpfs", MS_NOSUID | MS_NODEV, "size=64m,mode=0700")
     path = os.path.join(work, cfg["name"])
+    tmpdir = os.path.join(work, "tmp")  # the tests' TMPDIR: never a place the agent could fill
+    os.mkdir(tmpdir, 0o700)
     with open(path, "w", encoding="utf-8") as f:
         f.write(cfg["source"])
     ini = os.path.join(work, "pytest.ini")
@@ -484,7 +488,7 @@ def _run_pytest(cfg: dict, send, devnull: int) -> dict:
             "-p", "no:cacheprovider", *(a for n in UNUSED_PLUGINS for a in ("-p", "no:" + n)),
             "--rootdir", work, "-c", ini, "--noconftest", "--junitxml", junit, "-q", path]
     env = {"PATH": cfg["path"], "HOME": home, "LANG": "C.UTF-8", "LOCPATH": pristine + "/usr/lib/locale",
-           "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+           "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "TMPDIR": tmpdir}
 
     def child() -> None:
         _limits(cfg)
