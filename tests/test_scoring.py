@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import need
+from conftest import need, until
 from et_hpc.sandbox import scoring
 from et_hpc.sandbox.sandbox import Sandbox
 
@@ -263,3 +263,28 @@ def _bare(name: str, path: str) -> str:
     """A test's name without its module (``test_x::test_y`` -> ``test_y``; classes kept)."""
     mod = path.removesuffix(".py") + "::"
     return name[len(mod):] if name.startswith(mod) else name
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+@pytest.mark.apptainer
+def test_an_ended_warmup_leaves_no_zombie_in_the_instance(task_sif: Path, tmp_path: Path) -> None:
+    """Ending the scoring warm-up mid-run reaps its python: an orphan would be a zombie of the
+    instance's pid namespace that only the host's init reaps, and apptainer waits for that
+    before it drops a stopped instance."""
+    with Sandbox(task_sif, run_prefix="t-wup", scratch=tmp_path) as sb:
+        sb.shell().run("true")  # the first shell starts the warm-up
+        helper = sb._warmer
+        assert helper is not None and helper.poll() is None
+        pys = until("the warm-up's python", lambda: _children(helper.pid), 30, every_s=0.005)
+        assert len(pys) == 1
+        py = pys[0]
+        assert Path(f"/proc/{py}").exists()
+        sb.stop_warmup()
+        assert helper.returncode == 0  # it ended on SIGTERM (a SIGKILLed helper would say -9)
+        assert not Path(f"/proc/{py}").exists()  # killed and reaped, not a zombie
