@@ -55,7 +55,6 @@ _LOADERS = {
 }
 # Scoring rlimits when the sandbox does not set its own (``vmem_mb``, ``nproc``, ``fsize_mb``).
 DEFAULT_LIMITS = {"vmem_mb": 8192, "nproc": 512, "fsize_mb": 4096}
-WARMUP_GRACE_S = 1.0  # how long scoring lets a running warm-up finish before it ends it
 GONE_NOTE = ("the instance ended before scoring (its init exited while the sandbox was live; "
              "an agent can do this from inside, e.g. kill -TERM 1)")
 
@@ -131,9 +130,8 @@ def run_tests(
         sandbox.close_shells()
         return _gone_or_error(sandbox, f"could not reach the instance: {e}", t0)
     host["instance_found"] = time.monotonic()
-    # A warm-up near its end is let finish (what it reads the tests read next); one that does
-    # not is ended, and whatever it read stays in the page cache
-    sandbox.wait_warmup(WARMUP_GRACE_S)
+    # Ended if it still runs (waiting for it would read the same files twice when the agent was
+    # quick); whatever it read stays in the page cache
     sandbox.stop_warmup()
     marker = "ET-SCORE-" + secrets.token_hex(12) + ":"
     loader, libdirs = pristine_layout()
@@ -204,8 +202,8 @@ def start_warmup(sandbox: Sandbox, timeout_s: float = 120.0) -> subprocess.Popen
     The entry helper in warm-up mode (``et_hpc.sandbox.enter``) joins the instance as scoring does
     but kills nothing, and runs the pristine interpreter as the agent's uid, without capabilities,
     niced, importing only pytest and its plugins (never a task's file), output to /dev/null; only
-    its exit status is read, so nothing the agent does to it can reach a score. Scoring lets it
-    run ``WARMUP_GRACE_S`` more if it has not ended, then ends it (``Sandbox.stop_warmup``). Returns the helper (``Sandbox.stop`` reaps it), or None
+    its exit status is read, so nothing the agent does to it can reach a score. Scoring ends it
+    first if it still runs (``Sandbox.stop_warmup``). Returns the helper (``Sandbox.stop`` reaps it), or None
     when there is no pristine tree.
     """
     if not sandbox.pristine_bound:
