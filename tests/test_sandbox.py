@@ -109,6 +109,26 @@ def test_shell_in_instance(base_sif: Path, scratch: Path) -> None:
         assert sh.run("echo back").output == "back\n"
 
 
+@pytest.mark.apptainer
+def test_a_closed_idle_shell_ends_on_its_own(base_sif: Path, scratch: Path) -> None:
+    """Closing an idle shell lets bash end on EOF, so apptainer's exec process reaps it (both killed
+    at once, bash would be left for the host's init to reap, which delays the instance's stop)."""
+    with Sandbox(base_sif, run_prefix="t-shell", scratch=scratch, warm_scoring=False) as sb:
+        for _ in range(8):  # killing at once loses the race to bash's own exit about 1 time in 4
+            idle = sb.shell()
+            assert idle.run("true").exit_code == 0 and idle.host_pid
+            bash = idle.host_pid
+            idle.close()
+            assert idle.exit_status == 0  # ended, not killed (that would be -9)
+            assert not Path(f"/proc/{bash}").exists()  # and reaped
+        busy = sb.shell()
+        busy.run("sleep 100 &")
+        ps = ["sh", "-c", "cat /proc/[0-9]*/cmdline | tr '\\0' ' '"]
+        assert b"sleep 100" in sb.exec(ps).stdout
+        busy.close()  # a job still running: its session is killed
+        assert b"sleep 100" not in sb.exec(ps).stdout
+
+
 def test_exec_timeout_kills_inside(base_sif: Path, scratch: Path) -> None:
     need("apptainer")
     with Sandbox(base_sif, run_prefix="t-exec", scratch=scratch) as sb:

@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 _READ_SIZE = 1 << 16
 _SLACK = 1 << 16  # bytes kept beyond the tail so the end marker (and job list) is always seen
 _KILL_GRACE_S = 3.0  # how long to wait for the shell after killing a timed-out command
+_EOF_GRACE_S = 0.5  # how long a closed shell gets to end on its own before its session is killed
 _START_TIMEOUT_S = 60.0
 
 _ANSI_RE = re.compile(
@@ -222,6 +223,7 @@ class Shell:
         self._protected: set[int] = set()  # namespace pgids of background jobs from earlier commands
         self.ns_pid: int | None = None  # the shell's pid inside its PID namespace
         self.host_pid: int | None = None  # the shell's pid on the host
+        self.exit_status: int | None = None  # of the shell's process once closed (negative: a signal)
         self.restarts = 0
         self._notes: list[str] = []  # added from other threads (the watchdog), shown with the next result
 
@@ -302,6 +304,13 @@ class Shell:
                 proc.stdin.close()
         except OSError:
             pass
+        # An idle bash ends on EOF and apptainer's exec process reaps it and exits. Killing both
+        # at once would leave bash to be reaped outside the instance (by the host's init, whenever
+        # it gets to it), and apptainer waits for that before it drops a stopped instance.
+        try:
+            proc.wait(timeout=_EOF_GRACE_S)
+        except subprocess.TimeoutExpired:
+            pass
         for _ in range(5):
             members = _session_members(proc.pid)
             if not members and proc.poll() is not None:
@@ -316,6 +325,7 @@ class Shell:
             self._reader.join(timeout=2)
         if proc.stdout:
             proc.stdout.close()
+        self.exit_status = proc.returncode
         self._proc = None
 
     def __enter__(self) -> Shell:
