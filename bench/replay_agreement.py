@@ -32,7 +32,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from et_hpc.agent.policies import recorded_runs  # noqa: E402
-from et_hpc.store import open_run  # noqa: E402
+from et_hpc.runs.store import open_run  # noqa: E402
 from et_hpc.tasks.loader import load_tasks  # noqa: E402
 
 DEFAULT_SOURCE = Path(os.environ.get("ET_HPC_FIXTURES", HERE.parent.parent / "shared" / "fixtures"

@@ -51,7 +51,7 @@ def _slurm_up() -> bool:
 
 
 def cmd_demo(args) -> int:
-    from et_hpc.store import RunStore
+    from et_hpc.runs.store import RunStore
 
     if not DEMO_TASKS.is_dir():
         raise UserError(f"demo tasks not found at {DEMO_TASKS}: run et-hpc from its source checkout")

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from et_hpc.errors import UserError
-from et_hpc.report import build_report, format_html, format_text
+from et_hpc.runs.report import build_report, format_html, format_text
 from et_hpc.util import atomic_write_text
 
 DESCRIPTION = """\

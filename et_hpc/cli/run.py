@@ -17,7 +17,7 @@ from et_hpc.runner.base import Outcome
 from et_hpc.runner.config import RunConfig, config_keys_text, load_config, parse_set
 from et_hpc.runner.executors import get_executor
 from et_hpc.runner.plan import NO_IMAGE, OK, Plan, make_plan, open_store, read_run_json
-from et_hpc.store import RunStore
+from et_hpc.runs.store import RunStore
 from et_hpc.util import format_table
 
 RUN_HELP_TEMPLATE = """\
@@ -345,7 +345,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.capacity:
         import os
 
-        from et_hpc.capacity import run_capacity
+        from et_hpc.runs.capacity import run_capacity
 
         cap = run_capacity(open_store(run_dir), cores=opts["cores"] or os.cpu_count() or 1,
                            nodes=[opts["nodes"]] if opts["nodes"] else None,
@@ -366,7 +366,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             info[f"queue.{k}"] = "-" if v is None else v
     _print_summary(f"run {info['run']}", info, False)
     if cap is not None:
-        from et_hpc.capacity import format_capacity
+        from et_hpc.runs.capacity import format_capacity
 
         print()
         print(format_capacity(cap))

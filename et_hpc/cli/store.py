@@ -124,7 +124,7 @@ def _fmt(x: float | None, pct: bool = False) -> str:
 
 
 def _summary(args: argparse.Namespace) -> int:
-    from et_hpc.store import open_run
+    from et_hpc.runs.store import open_run
 
     s = open_run(args.run_dir).summary()
     if args.json:
@@ -146,7 +146,7 @@ def _summary(args: argparse.Namespace) -> int:
 
 def _compact(args: argparse.Namespace) -> int:
     from et_hpc.errors import UserError
-    from et_hpc.store import DEFAULT_TARGET_ROWS, open_run
+    from et_hpc.runs.store import DEFAULT_TARGET_ROWS, open_run
 
     target = args.target_rows or DEFAULT_TARGET_ROWS
     if target < 1:
@@ -169,8 +169,8 @@ def _report_export(res, args: argparse.Namespace) -> int:
 
 
 def _export_atropos(args: argparse.Namespace) -> int:
-    from et_hpc.export import export_atropos
-    from et_hpc.store import open_run
+    from et_hpc.runs.export import export_atropos
+    from et_hpc.runs.store import open_run
 
     res = export_atropos(open_run(args.run_dir), args.output, on_error=args.on_error,
                          drop_zero_variance=not args.keep_equal_scores, progress=True)
@@ -178,8 +178,8 @@ def _export_atropos(args: argparse.Namespace) -> int:
 
 
 def _export_skyrl(args: argparse.Namespace) -> int:
-    from et_hpc.export import export_skyrl
-    from et_hpc.store import open_run
+    from et_hpc.runs.export import export_skyrl
+    from et_hpc.runs.store import open_run
 
     res = export_skyrl(open_run(args.run_dir), args.output, on_error=args.on_error,
                        drop_zero_variance=args.drop_zero_variance, progress=True)

@@ -52,7 +52,7 @@ def episode_runner(task: Any, sample: int, cfg: RunConfig, image: Any, stop: thr
     ``warm``: a reserved warm sandbox (et_hpc.sandbox.warm.Ticket), passed only to runners that
     set ``uses_warm_pool``; other unit runners are called as ``(task, sample, cfg, image, stop)``.
     """
-    from et_hpc.episode import run_episode  # imported here: it pulls in the sandbox and agent code
+    from et_hpc.episode.run import run_episode  # imported here: it pulls in the sandbox and agent code
 
     return run_episode(task, sample, cfg, image, stop=stop, warm=warm)
 
@@ -73,7 +73,7 @@ class Warming:
 
     @staticmethod
     def spec(task: Any, cfg: RunConfig, image: Any) -> Any:
-        from et_hpc.episode import sandbox_spec
+        from et_hpc.episode.run import sandbox_spec
 
         return sandbox_spec(task, cfg, image)
 

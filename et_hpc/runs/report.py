@@ -10,7 +10,7 @@ Counting follows the store: one record per unit ``(task_id, sample)``; only ``ok
 scored (errors are counted apart, never as failures); an episode passes when its reward is 1.
 A task is *solved* in a run when at least one of its ok samples passed.
 
-A capacity section follows (``et_hpc.capacity``, over every episode a run recorded, retries
+A capacity section follows (``et_hpc.runs.capacity``, over every episode a run recorded, retries
 included): per run episodes/hour, model-time share of episode wall time, infra overhead per
 episode (setup + scoring + teardown + queue) median/p95, sandbox peak memory median/p95/max, and
 accepted episodes per GPU-hour where the GPU time is known.
@@ -29,10 +29,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from et_hpc.capacity import run_capacity
 from et_hpc.errors import UserError
 from et_hpc.record import solved as is_solved
-from et_hpc.store import RUN_CONFIG, RunStore, Store
+from et_hpc.runs.capacity import run_capacity
+from et_hpc.runs.store import RUN_CONFIG, RunStore, Store
 from et_hpc.util import format_table, num
 from et_hpc.util import pct as _pct
 
@@ -61,7 +61,7 @@ class RunRow(BaseModel):
     delta_ci: tuple[float, float] | None = None  # 95% Newcombe interval of the difference
     significant: bool | None = None  # delta_ci excludes 0
     task_rates: dict[str, float] = {}  # per task: solved / ok samples (tasks with an ok sample)
-    capacity: dict[str, Any] | None = None  # et_hpc.capacity.capacity() of every recorded episode
+    capacity: dict[str, Any] | None = None  # et_hpc.runs.capacity.capacity() of every recorded episode
 
 
 class TaskChanges(BaseModel):

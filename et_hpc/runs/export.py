@@ -1,7 +1,7 @@
 """Exports of a run into the formats trainers read: Atropos JSONL, SkyRL/verl parquet.
 
 What is exported: the ``ok`` episodes of the groups ``RunStore.select`` keeps (see
-``et_hpc.store``: a group is one task under one run and one policy version). By default a group
+``et_hpc.runs.store``: a group is one task under one run and one policy version). By default a group
 with any member that ended in an error status (outside the agent's reach) is left out whole
 (``on_error="mask"``); ``on_error="keep-ok"`` keeps its ok members; ``drop_zero_variance`` leaves
 out groups whose scores are all equal. Error episodes are never exported: they carry no reward.
@@ -71,7 +71,7 @@ from tqdm import tqdm
 
 from et_hpc.errors import UserError
 from et_hpc.record import EpisodeRecord
-from et_hpc.store import Group, GroupCounts, RunStore
+from et_hpc.runs.store import Group, GroupCounts, RunStore
 from et_hpc.util import atomic_open, atomic_write_bytes
 
 log = logging.getLogger(__name__)
