@@ -1,11 +1,11 @@
-"""Small helpers used across et-hpc: atomic file writes, hashing, human formatting."""
+"""Small helpers used across et-hpc: atomic file writes, hashing, human formatting, output tails."""
 
 from __future__ import annotations
 
 import hashlib
 import os
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
@@ -87,3 +87,35 @@ def one_line(s: str, width: int) -> str:
     """``s`` with its whitespace collapsed, cut to ``width`` characters with ``...``."""
     s = " ".join(s.split())
     return s if len(s) <= width else s[: width - 3] + "..."
+
+
+def as_text(data: str | bytes | None) -> str:
+    """Command output as text: bytes decoded as UTF-8 (bad bytes replaced), None as ``""``."""
+    if data is None:
+        return ""
+    return data.decode("utf-8", "replace") if isinstance(data, bytes) else data
+
+
+def tail_lines(text: str | bytes | None, n: int | None = None, *, raw: bool = False, width: int | None = None,
+               drop: Callable[[str], bool] | None = None) -> list[str]:
+    """The last ``n`` lines of ``text`` (all when None). Blank lines are left out and trailing spaces
+    cut unless ``raw``; lines for which ``drop`` is true are left out; each is cut to ``width``."""
+    lines = as_text(text).splitlines()
+    if not raw:
+        lines = [ln.rstrip() for ln in lines if ln.strip()]
+    if drop is not None:
+        lines = [ln for ln in lines if not drop(ln)]
+    if n is not None:
+        lines = lines[-n:]
+    return [ln[:width] for ln in lines] if width else lines
+
+
+def file_tail(path: Path | None, n: int | None = None, **kw: object) -> list[str]:
+    """``tail_lines`` of a file's text; ``[]`` when there is no path or it cannot be read."""
+    if path is None:
+        return []
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError:
+        return []
+    return tail_lines(text, n, **kw)  # type: ignore[arg-type]

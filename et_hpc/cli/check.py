@@ -87,8 +87,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         if getattr(args, name) <= 0:
             raise UserError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be more than 0 seconds")
     res = load_source(args)
-    broken = [e for e in res.errors if getattr(e, "task_id", None)]
-    bad_input = [e for e in res.errors if not getattr(e, "task_id", None)]
+    broken = [e for e in res.errors if e.task_id]
+    bad_input = [e for e in res.errors if not e.task_id]
     if bad_input:
         raise UserError(str(bad_input[0]))
     if not res.tasks and not broken:
@@ -99,7 +99,7 @@ def cmd_check(args: argparse.Namespace) -> int:
                              test_timeout_s=args.test_timeout, solution_timeout_s=args.solution_timeout,
                              build_slots=build_jobs())
     t0 = time.monotonic()
-    results = [load_failure(e.task_id, str(e)) for e in broken]  # type: ignore[attr-defined]
+    results = [load_failure(e.task_id, str(e)) for e in broken]
     bar = tqdm(total=len(res.tasks) + len(results), desc="checking", unit="task", file=sys.stderr,
                dynamic_ncols=True, disable=None)
     lock = threading.Lock()

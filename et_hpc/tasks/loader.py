@@ -131,7 +131,7 @@ def load_tasks(
         raise UserError(f"{source}: no such file or folder; pass a task folder, a folder of tasks, a .parquet file or org/name")
 
     if ids is not None:
-        found = {t.id for t in res.tasks} | {_err_id(e) for e in res.errors}
+        found = {t.id for t in res.tasks} | {e.task_id for e in res.errors}
         for i in ids:
             if i not in found:
                 res.errors.append(TaskError(f"{source}: no task with id {i!r}; check the id ('et-hpc tasks list {source}')"))
@@ -145,16 +145,11 @@ def load_tasks(
             try:
                 validate_recipe(t, bm)
             except TaskError as e:
-                e.task_id = t.id  # type: ignore[attr-defined]
-                res.errors.append(e)
+                res.errors.append(TaskError(str(e), task_id=t.id))
             else:
                 good.append(t)
         res.tasks = good
     return res
-
-
-def _err_id(e: TaskError) -> str | None:
-    return getattr(e, "task_id", None)
 
 
 def _dedupe(tasks: list[Task]) -> list[Task]:
@@ -172,8 +167,7 @@ def _load_one(folder: Path, res: LoadResult) -> None:
     try:
         res.tasks.append(load_task_folder(folder))
     except TaskError as e:
-        e.task_id = folder.name  # type: ignore[attr-defined]
-        res.errors.append(e)
+        res.errors.append(TaskError(str(e), task_id=folder.name))
 
 
 def _load_parquets(files: list[Path], tdir: Path | None, split: str | None, want, res: LoadResult) -> None:
