@@ -5,10 +5,11 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 
 @contextmanager
@@ -119,3 +120,11 @@ def file_tail(path: Path | None, n: int | None = None, **kw: object) -> list[str
     except OSError:
         return []
     return tail_lines(text, n, **kw)  # type: ignore[arg-type]
+
+
+def progress_bar(items: Any = None, *, desc: str, unit: str, show: bool | None = None, **kw: Any) -> Any:
+    """A tqdm progress bar on stderr (tqdm is imported on first use). ``show``: True always, False
+    never, None only when stderr is a terminal. Other keywords go to tqdm."""
+    from tqdm import tqdm
+
+    return tqdm(items, desc=desc, unit=unit, file=sys.stderr, disable=None if show is None else not show, **kw)

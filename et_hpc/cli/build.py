@@ -17,7 +17,7 @@ from et_hpc.errors import UserError
 from et_hpc.host.slurm import SlurmConfig, submitit_executor
 from et_hpc.images.slurm_build import BuildChunk  # noqa: F401  (submitit pickles name this path too)
 from et_hpc.images.store import ImageResult, ImageStore, default_jobs
-from et_hpc.util import format_table, one_line
+from et_hpc.util import format_table, one_line, progress_bar
 
 _check_base = check_base_once  # its old name
 
@@ -161,8 +161,6 @@ def _one_line(s: str, width: int = 110) -> str:
 
 # -- Slurm -----------------------------------------------------------------------------------------
 def build_on_slurm(store: ImageStore, tasks: list[Any], args: argparse.Namespace) -> list[ImageResult]:
-    from tqdm import tqdm
-
     from et_hpc.host import slurm as watch
 
     time_min = parse_minutes(args.time)
@@ -194,7 +192,7 @@ def build_on_slurm(store: ImageStore, tasks: list[Any], args: argparse.Namespace
 
     waves = math.ceil(len(chunks) / args.array_parallelism)
     deadline_s = 60 * (args.deadline if args.deadline else time_min * waves + 10)
-    bar = tqdm(total=len(todo), desc="images", unit="task", dynamic_ncols=True)
+    bar = progress_bar(total=len(todo), desc="images", unit="task", show=True, dynamic_ncols=True)
     state = {"last": 0.0}
 
     def on_poll(states: dict[str, str]) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 from et_hpc.cli.common import add_source_args, check_base_once, load_source
 from et_hpc.episode.check import CheckResult, CheckSettings, check_tasks, default_jobs, load_failure
 from et_hpc.errors import UserError
-from et_hpc.util import format_table, one_line
+from et_hpc.util import format_table, one_line, progress_bar
 
 DESCRIPTION = """\
 Check that tasks are sound: for each task, stages run in order and stop at the first failure:
@@ -76,8 +76,6 @@ def _one_line(s: str, width: int = 100) -> str:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
     from et_hpc.images.store import ImageStore
     from et_hpc.images.store import default_jobs as build_jobs
 
@@ -100,14 +98,13 @@ def cmd_check(args: argparse.Namespace) -> int:
                              build_slots=build_jobs())
     t0 = time.monotonic()
     results = [load_failure(e.task_id, str(e)) for e in broken]
-    bar = tqdm(total=len(res.tasks) + len(results), desc="checking", unit="task", file=sys.stderr,
-               dynamic_ncols=True, disable=None)
+    bar = progress_bar(total=len(res.tasks) + len(results), desc="checking", unit="task", dynamic_ncols=True)
     lock = threading.Lock()
     counts = {"ok": 0, "failed": 0}
 
     def write(line: str) -> None:
         if not args.json:
-            tqdm.write(line, file=sys.stderr)
+            bar.write(line, file=sys.stderr)
 
     def done(r: CheckResult) -> None:
         with lock:

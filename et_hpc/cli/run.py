@@ -8,8 +8,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 from et_hpc.errors import UserError
 from et_hpc.host import slurm as watch
 from et_hpc.paths import find_run_dir
@@ -18,7 +16,7 @@ from et_hpc.runner.config import RunConfig, config_keys_text, load_config, parse
 from et_hpc.runner.executors import get_executor
 from et_hpc.runner.plan import NO_IMAGE, OK, Plan, make_plan, open_store, read_run_json
 from et_hpc.runs.store import RunStore
-from et_hpc.util import format_table
+from et_hpc.util import format_table, progress_bar
 
 RUN_HELP_TEMPLATE = """\
 Run agent episodes for every selected task, SAMPLES times each (a unit is one task and sample),
@@ -263,8 +261,8 @@ def _execute(plan: Plan, store: Any, detach: bool) -> Outcome:
 
     def progress(done: int, c: dict[str, int]) -> None:
         if not bars:
-            bars.append(tqdm(total=len(set(plan.units)), desc=f"slurm {plan.cfg.run_name()}", unit="ep",
-                             file=sys.stderr, dynamic_ncols=True))
+            bars.append(progress_bar(total=len(set(plan.units)), desc=f"slurm {plan.cfg.run_name()}", unit="ep",
+                                     show=True, dynamic_ncols=True))
         bar = bars[0]
         bar.set_postfix_str(f"tasks q{c['queued']} r{c['running']} done{c['done']} fail{c['failed']}", refresh=False)
         bar.update(done - bar.n)

@@ -48,7 +48,7 @@ from et_hpc.errors import UserError
 from et_hpc.host import slurm as watch
 from et_hpc.host.apptainer import exe as apptainer_exe
 from et_hpc.images.lock import BuildLock, LockInfo, LockTimeout
-from et_hpc.util import atomic_write_text, file_tail, fsync_dir, sha256_file
+from et_hpc.util import atomic_write_text, file_tail, fsync_dir, progress_bar, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -658,9 +658,7 @@ class ImageStore:
         results: list[ImageResult | None] = [None] * len(tasks)
         bar = None
         if progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(tasks), desc="images", unit="task", dynamic_ncols=True)
+            bar = progress_bar(total=len(tasks), desc="images", unit="task", show=True, dynamic_ncols=True)
         counts: dict[str, int] = {}
 
         def one(i: int) -> None:

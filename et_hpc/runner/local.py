@@ -34,6 +34,7 @@ from et_hpc.record import EpisodeRecord
 from et_hpc.runner.base import Notify, Outcome, Progress
 from et_hpc.runner.config import RunConfig
 from et_hpc.runner.plan import OK, Plan, Unit, open_store, rec_get, rec_passed
+from et_hpc.util import progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -298,8 +299,8 @@ def run_local(plan: Plan, runner: UnitRunner | None = None, *, store: Any = None
         from et_hpc.paths import scratch_dir
 
         scratch_dir()  # a scratch directory we must not use: one line and exit 2 before any episode
-    bar = tqdm(total=len(items), desc=f"run {cfg.run_name()}", unit="ep", file=sys.stderr,
-               disable=not progress, dynamic_ncols=True)
+    bar = progress_bar(total=len(items), desc=f"run {cfg.run_name()}", unit="ep", show=bool(progress),
+                       dynamic_ncols=True)
     pool = UnitPool(items, runner, cfg, store, cfg.node_concurrency(), stop, bar, ready_at=plan.planned_at)
     try:
         with stop_on_signals(stop) if handle_signals else contextlib.nullcontext():

@@ -22,7 +22,6 @@ import fnmatch
 import html
 import math
 import os
-import sys
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ from et_hpc.errors import UserError
 from et_hpc.record import solved as is_solved
 from et_hpc.runs.capacity import run_capacity
 from et_hpc.runs.store import RUN_CONFIG, RunStore, Store
-from et_hpc.util import format_table, num
+from et_hpc.util import format_table, num, progress_bar
 from et_hpc.util import pct as _pct
 
 Z95 = 1.959963984540054
@@ -207,9 +206,7 @@ def build_report(store: Path | str, glob: str = "*", split: str | None = None) -
 
 
 def _progress(items: list[str]):
-    from tqdm import tqdm
-
-    return tqdm(items, desc="report", unit="run", file=sys.stderr, disable=None if len(items) > 3 else True)
+    return progress_bar(items, desc="report", unit="run", show=None if len(items) > 3 else False)
 
 
 # --- output ----------------------------------------------------------------------------------

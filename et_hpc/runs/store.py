@@ -64,7 +64,7 @@ from et_hpc.errors import UserError
 from et_hpc.paths import store_dir
 from et_hpc.record import EPISODE_SCHEMA, STATUSES, EpisodeRecord, records_to_table
 from et_hpc.record import solved as is_solved
-from et_hpc.util import atomic_open, atomic_write_text, fsync_dir
+from et_hpc.util import atomic_open, atomic_write_text, fsync_dir, progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -552,9 +552,7 @@ def compact(run: RunStore | Path | str, target_rows: int = DEFAULT_TARGET_ROWS, 
 
 
 def _progress(total: int, enabled: bool):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc="compact", unit="shard", disable=None if enabled and total else True)
+    return progress_bar(total=total, desc="compact", unit="shard", show=None if enabled and total else False)
 
 
 def _remove_stale_tmp(path: Path, max_age_s: float = STALE_TMP_S) -> int:

@@ -9,7 +9,6 @@ tasks load; a missing source or tasks dir raises ``UserError`` for the whole loa
 from __future__ import annotations
 
 import logging
-import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +20,7 @@ from et_hpc.tasks import dataset, filters
 from et_hpc.tasks.bases import default_base_map
 from et_hpc.tasks.folder import is_task_folder, load_task_folder  # noqa: F401  (re-exported)
 from et_hpc.tasks.model import Task
+from et_hpc.util import progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +63,7 @@ def validate_recipe(task: Task, base_map: dict[str, Path] | None = None) -> None
 def _progress(items: list, desc: str, enabled: bool):
     if not enabled or len(items) < 50:
         return items
-    from tqdm import tqdm
-
-    return tqdm(items, desc=desc, unit="task", file=sys.stderr, disable=None, leave=False)
+    return progress_bar(items, desc=desc, unit="task", leave=False)
 
 
 def load_tasks(
