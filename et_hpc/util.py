@@ -13,14 +13,16 @@ from typing import Any, BinaryIO
 
 
 @contextmanager
-def atomic_open(path: Path, *, tmp_name: str | None = None) -> Iterator[BinaryIO]:
+def atomic_open(path: Path, *, tmp_name: str | None = None, mode: int = 0o666,
+                dir_mode: int = 0o777) -> Iterator[BinaryIO]:
     """Open a hidden temp file beside ``path`` for writing; on success fsync it and rename it over
-    ``path``, so readers see the old file or the whole new one, never part. On error it is removed."""
+    ``path``, so readers see the old file or the whole new one, never part. On error it is removed.
+    ``mode``: the file's permissions, ``dir_mode`` those of a directory made for it (umask applies)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=dir_mode)
     tmp = path.parent / (tmp_name or f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
-        with open(tmp, "xb") as f:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "wb") as f:
             yield f
             f.flush()
             os.fsync(f.fileno())

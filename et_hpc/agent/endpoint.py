@@ -34,10 +34,22 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from et_hpc.errors import UserError
+from et_hpc.util import atomic_open
 
 log = logging.getLogger(__name__)
 
 DEFAULT_KEY_ENV = "OPENAI_API_KEY"
+NO_KEY = "EMPTY"  # sent when no key is known (vLLM without --api-key takes any)
+
+# The OpenAI client's defaults, for PolicyConfig and OpenAIPolicy alike
+TEMPERATURE = 0.7
+TOP_P = 1.0
+REQUEST_TIMEOUT_S = 300.0  # one request
+MAX_RETRIES = 6  # retries of a failed request
+RETRY_BUDGET_S = 180.0  # all retries of one request
+BACKOFF_BASE_S = 1.0
+BACKOFF_MAX_S = 30.0
+FAILOVER_AFTER = 2  # endpoint_dir: failed attempts in a row before another server
 
 
 class Endpoint(BaseModel):
@@ -75,20 +87,9 @@ def endpoint_record(
 
 def write_endpoint_file(path: Path, record: dict) -> None:
     """Publish ``record`` at ``path``: mode 0600, temp file + rename in a 0700 directory if new."""
-    path = Path(path)
-    if not path.parent.exists():
-        path.parent.mkdir(parents=True, mode=0o700)
-    tmp = path.parent / f".endpoint.{os.getpid()}.{time.monotonic_ns()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(json.dumps(record, indent=2) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_open(Path(path), tmp_name=f".endpoint.{os.getpid()}.{time.monotonic_ns()}", mode=0o600,
+                     dir_mode=0o700) as f:
+        f.write((json.dumps(record, indent=2) + "\n").encode("utf-8"))
 
 
 def check_endpoint_file(path: Path, st: os.stat_result, has_key: bool) -> None:
@@ -161,12 +162,17 @@ def resolve_api_key(explicit: str | None = None, env_name: str | None = None,
                     endpoint: dict | Endpoint | None = None) -> str:
     """The key to send: the endpoint file's, else the configured one, else ``$env_name``, else "EMPTY"."""
     from_file = endpoint.get("api_key") if isinstance(endpoint, dict) else getattr(endpoint, "api_key", None)
-    return from_file or explicit or os.environ.get(env_name or DEFAULT_KEY_ENV) or "EMPTY"
+    return key_or_default(from_file or explicit, env_name)
+
+
+def key_or_default(key: str | None, env_name: str | None = None) -> str:
+    """``key``, else ``$env_name`` (default ``$OPENAI_API_KEY``), else "EMPTY"."""
+    return key or os.environ.get(env_name or DEFAULT_KEY_ENV) or NO_KEY
 
 
 def probe_models(base_url: str, timeout: float = 5.0, api_key: str | None = None) -> tuple[bool, str | None, str]:
     """``GET {base_url}/models``: (answered 200, first model id, what happened)."""
-    key = api_key or os.environ.get(DEFAULT_KEY_ENV) or "EMPTY"
+    key = key_or_default(api_key)
     try:
         req = urllib.request.Request(base_url.rstrip("/") + "/models", headers={"Authorization": f"Bearer {key}"})
         with urllib.request.urlopen(req, timeout=timeout) as r:

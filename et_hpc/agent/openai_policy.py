@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import random
 import re
 import time
@@ -43,7 +42,19 @@ import httpx
 import openai
 
 from et_hpc.agent.base import DEFAULT_MAX_TOKENS, Action, ContextLengthError, PolicyError, TokenCapture, text_action
-from et_hpc.agent.endpoint import EndpointWatch, resolve_api_key
+from et_hpc.agent.endpoint import (
+    BACKOFF_BASE_S,
+    BACKOFF_MAX_S,
+    FAILOVER_AFTER,
+    MAX_RETRIES,
+    REQUEST_TIMEOUT_S,
+    RETRY_BUDGET_S,
+    TEMPERATURE,
+    TOP_P,
+    EndpointWatch,
+    key_or_default,
+    resolve_api_key,
+)
 from et_hpc.agent.protocols import TERMINAL_TOOL, Mode, ToolArgsError, parse_tool_arguments
 
 if TYPE_CHECKING:
@@ -118,22 +129,22 @@ class OpenAIPolicy:
         *,
         api_key: str | None = None,
         mode: Mode = "tools",
-        temperature: float = 0.7,
-        top_p: float = 1.0,
+        temperature: float = TEMPERATURE,
+        top_p: float = TOP_P,
         max_tokens: int = DEFAULT_MAX_TOKENS,
         seed: int | None = None,
         logprobs: bool = False,
         return_token_ids: bool = True,
-        request_timeout_s: float = 300.0,
-        max_retries: int = 6,
-        retry_budget_s: float = 180.0,
-        backoff_base_s: float = 1.0,
-        backoff_max_s: float = 30.0,
+        request_timeout_s: float = REQUEST_TIMEOUT_S,
+        max_retries: int = MAX_RETRIES,
+        retry_budget_s: float = RETRY_BUDGET_S,
+        backoff_base_s: float = BACKOFF_BASE_S,
+        backoff_max_s: float = BACKOFF_MAX_S,
         sleep: Callable[[float], None] = time.sleep,
         rng: random.Random | None = None,
         endpoint_file: Path | None = None,
         replicas: ReplicaSet | None = None,
-        failover_after: int = 2,
+        failover_after: int = FAILOVER_AFTER,
     ):
         self.mode: Mode = mode
         self.model = model
@@ -164,7 +175,7 @@ class OpenAIPolicy:
             self.model = model or got.model
         if not base_url:
             raise PolicyError("no policy server address")
-        self._api_key = api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY"
+        self._api_key = key_or_default(api_key)
         self.client = openai.OpenAI(
             base_url=base_url,
             api_key=self._api_key,
