@@ -28,6 +28,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,15 +42,23 @@ log = logging.getLogger(__name__)
 DEFAULT_KEY_ENV = "OPENAI_API_KEY"
 NO_KEY = "EMPTY"  # sent when no key is known (vLLM without --api-key takes any)
 
-# The OpenAI client's defaults, for PolicyConfig and OpenAIPolicy alike
-TEMPERATURE = 0.7
-TOP_P = 1.0
-REQUEST_TIMEOUT_S = 300.0  # one request
-MAX_RETRIES = 6  # retries of a failed request
-RETRY_BUDGET_S = 180.0  # all retries of one request
-BACKOFF_BASE_S = 1.0
-BACKOFF_MAX_S = 30.0
-FAILOVER_AFTER = 2  # endpoint_dir: failed attempts in a row before another server
+
+
+@dataclass(frozen=True)
+class ClientDefaults:
+    """The OpenAI client's defaults, for PolicyConfig and OpenAIPolicy alike."""
+
+    temperature: float = 0.7
+    top_p: float = 1.0
+    request_timeout_s: float = 300.0  # one request
+    max_retries: int = 6  # retries of a failed request
+    retry_budget_s: float = 180.0  # all retries of one request
+    backoff_base_s: float = 1.0
+    backoff_max_s: float = 30.0
+    failover_after: int = 2  # endpoint_dir: failed attempts in a row before another server
+
+
+CLIENT = ClientDefaults()
 
 
 class Endpoint(BaseModel):
