@@ -33,11 +33,10 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
+from et_hpc.host import slurm
 from et_hpc.util import num
 
 MODEL = ("episodes/hour per node = 3600 * min(K / T, C / c): T = mean episode wall time (slot held), "
@@ -225,14 +224,10 @@ def read_consumers(run_dir: Path) -> list[dict[str, Any]]:
 
 def sacct_gpu_hours(job_id: str, timeout: float = 10.0) -> float | None:
     """GPU-hours Slurm accounted to job ``job_id`` (elapsed x allocated GPUs), or None."""
-    if not job_id or not shutil.which("sacct"):
+    if not job_id:
         return None
-    try:
-        cp = subprocess.run(["sacct", "-n", "-P", "-X", "-j", str(job_id), "-o", "ElapsedRaw,AllocTRES"],
-                            capture_output=True, text=True, timeout=timeout)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return gpu_hours_from_sacct(cp.stdout)
+    out = slurm.query(["sacct", "-n", "-P", "-X", "-j", str(job_id), "-o", "ElapsedRaw,AllocTRES"], timeout)
+    return None if out is None else gpu_hours_from_sacct(out)
 
 
 def gpu_hours_from_sacct(text: str) -> float | None:
