@@ -16,7 +16,7 @@ from et_hpc.runner.config import RunConfig, config_keys_text, load_config, parse
 from et_hpc.runner.executors import get_executor
 from et_hpc.runner.plan import NO_IMAGE, OK, Plan, make_plan, open_store, read_run_json
 from et_hpc.runs.store import RunStore
-from et_hpc.util import format_table, progress_bar
+from et_hpc.util import format_table, pct, progress_bar
 
 RUN_HELP_TEMPLATE = """\
 Run agent episodes for every selected task, SAMPLES times each (a unit is one task and sample),
@@ -175,7 +175,7 @@ def _print_summary(title: str, info: dict[str, Any], as_json: bool) -> None:
     rate = info.get("pass_rate")
     rows = [[k, v] for k, v in info.items()
             if k not in ("pass_rate", "array_tasks", "missing_units", "no_image_tasks")]
-    rows.append(["pass_rate", f"{100 * rate:.1f}%" if rate is not None else "-"])
+    rows.append(["pass_rate", pct(rate)])
     print(title)
     print(format_table(["", "value"], rows))
 

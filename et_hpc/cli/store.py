@@ -119,10 +119,6 @@ def _group_args(p: argparse.ArgumentParser) -> None:
                    "the default) or keep its ok episodes (keep-ok)")
 
 
-def _fmt(x: float | None, pct: bool = False) -> str:
-    return util.pct(x) if pct else util.num(x, "{:.3f}")
-
-
 def _summary(args: argparse.Namespace) -> int:
     from et_hpc.runs.store import open_run
 
@@ -135,8 +131,8 @@ def _summary(args: argparse.Namespace) -> int:
     if s.planned_units is not None:
         print(f"planned: {s.planned_units}")
     print(format_table(["status", "episodes"], rows))
-    print(f"pass rate {_fmt(s.pass_rate, True)}  mean reward {_fmt(s.mean_reward)}  "
-          f"mean test fraction {_fmt(s.mean_test_fraction)}")
+    print(f"pass rate {util.pct(s.pass_rate)}  mean reward {util.num(s.mean_reward, '{:.3f}')}  "
+          f"mean test fraction {util.num(s.mean_test_fraction, '{:.3f}')}")
     if s.groups is not None:
         g = s.groups
         print(f"groups {g.total}: {g.complete} complete, {g.masked} masked (an episode ended in an error), "

@@ -32,8 +32,7 @@ from et_hpc.errors import UserError
 from et_hpc.record import solved as is_solved
 from et_hpc.runs.capacity import run_capacity
 from et_hpc.runs.store import RUN_CONFIG, RunStore, Store
-from et_hpc.util import format_table, num, progress_bar
-from et_hpc.util import pct as _pct
+from et_hpc.util import format_table, num, pct, progress_bar
 
 Z95 = 1.959963984540054
 _COLUMNS = ["task_id", "sample", "status", "reward", "passed", "total", "split", "model", "created_at",
@@ -210,10 +209,6 @@ def _progress(items: list[str]):
 
 
 # --- output ----------------------------------------------------------------------------------
-def _num(x: float | None) -> str:
-    return num(x, "{:.3f}")
-
-
 def _delta(r: RunRow) -> str:
     if r.delta is None:
         return "-"
@@ -228,9 +223,9 @@ HEADERS = ["run", "date", "model", "episodes", "ok", "errors", "pass rate [95% C
 def table_rows(rep: Report) -> list[list[str]]:
     out = []
     for r in rep.runs:
-        ci = f" [{_pct(r.pass_rate_ci[0])}, {_pct(r.pass_rate_ci[1])}]" if r.pass_rate_ci else ""
+        ci = f" [{pct(r.pass_rate_ci[0])}, {pct(r.pass_rate_ci[1])}]" if r.pass_rate_ci else ""
         out.append([r.run, (r.time or "-")[:16].replace("T", " "), r.model or "-", str(r.episodes), str(r.ok),
-                    str(r.errors), _pct(r.pass_rate) + ci, _num(r.mean_reward), _num(r.mean_test_fraction),
+                    str(r.errors), pct(r.pass_rate) + ci, num(r.mean_reward, "{:.3f}"), num(r.mean_test_fraction, "{:.3f}"),
                     _delta(r)])
     return out
 
@@ -247,7 +242,7 @@ def capacity_rows(rep: Report) -> list[list[str]]:
             out.append([r.run, "-", "-", "-", "-", "-"])
             continue
         io, mem = c["infra_overhead_s"], c["sandbox_mem_mb"]
-        out.append([r.run, num(c["episodes_per_hour"]), _pct(c["model_share"]),
+        out.append([r.run, num(c["episodes_per_hour"]), pct(c["model_share"]),
                     f"{num(io['median'], '{:.2f}')} / {num(io['p95'], '{:.2f}')}",
                     f"{num(mem['median'])} / {num(mem['p95'])} / {num(mem['max'])}",
                     num(c["trainer"]["accepted_per_gpu_hour"])])
@@ -306,7 +301,7 @@ def svg_chart(runs: list[RunRow], width: int = 760, height: int = 300) -> str:
                        f'<line x1="{cx - 4:.1f}" y1="{lo:.1f}" x2="{cx + 4:.1f}" y2="{lo:.1f}" stroke="#555"/>'
                        f'<line x1="{cx - 4:.1f}" y1="{hi:.1f}" x2="{cx + 4:.1f}" y2="{hi:.1f}" stroke="#555"/>')
         out.append(f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="4" fill="#1f77b4">'
-                   f'<title>{html.escape(r.run)}: {_pct(r.pass_rate)} of {r.ok}</title></circle>')
+                   f'<title>{html.escape(r.run)}: {pct(r.pass_rate)} of {r.ok}</title></circle>')
     for i, (r, label) in enumerate(zip(runs, labels)):
         out.append(f'<text x="{x(i):.1f}" y="{top + h + 14}" font-size="10" text-anchor="end" '
                    f'transform="rotate(-30 {x(i):.1f} {top + h + 14})"><title>{html.escape(r.run)}</title>'
