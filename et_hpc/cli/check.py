@@ -9,7 +9,6 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from et_hpc.cli.common import add_source_args, check_base_once, load_source
 from et_hpc.episode.check import CheckResult, CheckSettings, check_tasks, default_jobs, load_failure
@@ -40,8 +39,8 @@ examples:
 """
 
 
-def register(tasks_subparsers: Any) -> None:
-    p = tasks_subparsers.add_parser(
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
         "check", help="build, start and test each task: initial tests, trivially solved, reference solution",
         description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )

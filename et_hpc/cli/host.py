@@ -10,8 +10,8 @@ from pathlib import Path
 from et_hpc.util import format_table
 
 
-def register(sub) -> None:
-    p = sub.add_parser(
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
         "doctor",
         help="check apptainer, rootless support, Slurm, scratch and cache",
         description="Check that this machine can build images and run episodes. Prints OK/WARN/FAIL per "
@@ -21,7 +21,7 @@ def register(sub) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_doctor)
 
-    b = sub.add_parser("base", help="build or show the base image task defs start from",
+    b = subparsers.add_parser("base", help="build or show the base image task defs start from",
                        description="The base image is what task defs name as 'From: ./ubuntu_22.04.sif'.")
     bsub = b.add_subparsers(dest="base_cmd", metavar="ACTION")
     bb = bsub.add_parser(

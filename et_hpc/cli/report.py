@@ -6,7 +6,6 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
 from et_hpc.errors import UserError
 from et_hpc.runs.report import build_report, format_html, format_text
@@ -33,8 +32,8 @@ examples:
 """
 
 
-def register(sub: Any) -> None:
-    p = sub.add_parser("report", help="pass-rate trend over runs (table, JSON or an HTML page)",
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("report", help="pass-rate trend over runs (table, JSON or an HTML page)",
                        description=DESCRIPTION, epilog=EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("store", type=Path, help="store folder holding one folder per run")

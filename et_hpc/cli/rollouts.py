@@ -26,8 +26,8 @@ examples:
 """
 
 
-def register(sub: Any) -> None:
-    p = sub.add_parser("rollouts", help="the group stream of a continuous run: tail, publish, stop",
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("rollouts", help="the group stream of a continuous run: tail, publish, stop",
                        description=HELP, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     rs = p.add_subparsers(dest="rollouts_cmd", metavar="SUBCOMMAND")
 

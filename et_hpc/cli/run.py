@@ -59,8 +59,8 @@ examples:
 """
 
 
-def register(sub: Any) -> None:
-    p = sub.add_parser("run", help="run episodes (locally or as Slurm arrays); resumable",
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("run", help="run episodes (locally or as Slurm arrays); resumable",
                        description=RUN_HELP, epilog=RUN_EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", nargs="?", help="task source: a folder of tasks or a parquet file")
@@ -88,7 +88,7 @@ def register(sub: Any) -> None:
     p.add_argument("--workers", type=int, help="--continuous with slurm: long-lived worker array tasks")
     p.set_defaults(func=cmd_run)
 
-    s = sub.add_parser("status", help="progress of a run: units done, array tasks, pass rate",
+    s = subparsers.add_parser("status", help="progress of a run: units done, array tasks, pass rate",
                        description=STATUS_HELP, epilog=STATUS_EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("run", help="run directory, or run name inside --store")

@@ -150,7 +150,7 @@ examples:
 """
 
 
-def register(subparsers) -> None:
+def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "tasks", help="list and inspect task sources",
         description="Find tasks in folders (native and Harbor layouts) and SkyRL parquet files.",
