@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from et_hpc.cli.common import add_source_args, check_base_once, load_source
+from et_hpc.cli.common import add_command, add_source_args, check_base_once, load_source
 from et_hpc.errors import UserError
 from et_hpc.host.slurm import SlurmConfig, submitit_executor
 from et_hpc.images.slurm_build import BuildChunk  # noqa: F401  (submitit pickles name this path too)
@@ -44,9 +44,8 @@ examples:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("build", help="build task images into the shared cache (locally or on Slurm)",
-                              description=DESCRIPTION, epilog=EPILOG,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = add_command(subparsers, "build", help="build task images into the shared cache (locally or on Slurm)",
+                    description=DESCRIPTION, epilog=EPILOG)
     add_source_args(p)
     p.add_argument("--jobs", "-j", type=int, metavar="N",
                    help=f"builds at once on this node (default: half the cores, here {default_jobs()})")

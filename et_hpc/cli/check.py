@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from et_hpc.cli.common import add_source_args, check_base_once, load_source
+from et_hpc.cli.common import add_command, add_source_args, check_base_once, load_source
 from et_hpc.episode.check import CheckResult, CheckSettings, check_tasks, default_jobs, load_failure
 from et_hpc.errors import UserError
 from et_hpc.util import format_table, one_line, progress_bar
@@ -40,9 +40,9 @@ examples:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "check", help="build, start and test each task: initial tests, trivially solved, reference solution",
-        description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = add_command(
+        subparsers, "check", help="build, start and test each task: initial tests, trivially solved, reference solution",
+        description=DESCRIPTION, epilog=EPILOG
     )
     add_source_args(p)
     p.add_argument("--jobs", "-j", type=int, metavar="N",

@@ -7,6 +7,7 @@ import json
 import time
 from pathlib import Path
 
+from et_hpc.cli.common import add_command
 from et_hpc.util import format_table
 
 
@@ -22,17 +23,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_doctor)
 
     b = subparsers.add_parser("base", help="build or show the base image task defs start from",
-                       description="The base image is what task defs name as 'From: ./ubuntu_22.04.sif'.")
+                              description="The base image is what task defs name as 'From: ./ubuntu_22.04.sif'.")
     bsub = b.add_subparsers(dest="base_cmd", metavar="ACTION")
-    bb = bsub.add_parser(
-        "build",
+    bb = add_command(
+        bsub, "build",
         help="build the base image into the cache (a no-op when present)",
         description="Build the base SIF into the image cache. --source auto uses docker://ubuntu:22.04 when "
         "a registry is reachable, else builds offline from Debian's archive with mmdebstrap and a "
         "compatibility layer (defs/base/debian-compat.sh). A second run finds the cached image.",
         epilog="examples:\n  et-hpc base build\n  et-hpc base build --source debian\n"
         "  et-hpc base build --from-sif ~/ubuntu_22.04.sif   # pulled elsewhere",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     bb.add_argument("--source", choices=["auto", "docker", "debian"], default="auto",
                     help="where the base comes from (default: auto)")

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from et_hpc.cli.common import add_command
 from et_hpc.errors import UserError
 from et_hpc.runs.report import build_report, format_html, format_text
 from et_hpc.util import atomic_write_text
@@ -33,9 +34,8 @@ examples:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("report", help="pass-rate trend over runs (table, JSON or an HTML page)",
-                       description=DESCRIPTION, epilog=EPILOG,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = add_command(subparsers, "report", help="pass-rate trend over runs (table, JSON or an HTML page)",
+                    description=DESCRIPTION, epilog=EPILOG)
     p.add_argument("store", type=Path, help="store folder holding one folder per run")
     p.add_argument("--glob", default="*", help="run names to include (shell pattern, default '*')")
     p.add_argument("--split", help="count only episodes of this task split, e.g. validation")

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from et_hpc.cli.common import add_command
 from et_hpc.errors import UserError
 
 HELP = """\
@@ -27,8 +28,8 @@ examples:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("rollouts", help="the group stream of a continuous run: tail, publish, stop",
-                       description=HELP, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = add_command(subparsers, "rollouts", help="the group stream of a continuous run: tail, publish, stop",
+                    description=HELP, epilog=EPILOG)
     rs = p.add_subparsers(dest="rollouts_cmd", metavar="SUBCOMMAND")
 
     t = rs.add_parser("tail", help="print groups as they arrive",

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from et_hpc.cli.common import add_command
 from et_hpc.errors import UserError
 from et_hpc.host import slurm as watch
 from et_hpc.paths import find_run_dir
@@ -60,9 +61,8 @@ examples:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("run", help="run episodes (locally or as Slurm arrays); resumable",
-                       description=RUN_HELP, epilog=RUN_EPILOG,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = add_command(subparsers, "run", help="run episodes (locally or as Slurm arrays); resumable",
+                    description=RUN_HELP, epilog=RUN_EPILOG)
     p.add_argument("source", nargs="?", help="task source: a folder of tasks or a parquet file")
     p.add_argument("--config", type=Path, help="YAML run config")
     p.add_argument("--tasks-dir", type=Path, help="folder of task folders")
@@ -88,9 +88,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, help="--continuous with slurm: long-lived worker array tasks")
     p.set_defaults(func=cmd_run)
 
-    s = subparsers.add_parser("status", help="progress of a run: units done, array tasks, pass rate",
-                       description=STATUS_HELP, epilog=STATUS_EPILOG,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    s = add_command(subparsers, "status", help="progress of a run: units done, array tasks, pass rate",
+                    description=STATUS_HELP, epilog=STATUS_EPILOG)
     s.add_argument("run", help="run directory, or run name inside --store")
     s.add_argument("--store", type=Path, help="store root used to find a run by name")
     s.add_argument("--json", action="store_true", help="print as JSON")
