@@ -22,9 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import stat
-import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -35,6 +33,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from et_hpc.errors import UserError
+from et_hpc.host import slurm
 from et_hpc.util import atomic_open
 
 log = logging.getLogger(__name__)
@@ -204,25 +203,10 @@ def probe_models(base_url: str, timeout: float = 5.0, api_key: str | None = None
     return True, model, "HTTP 200"
 
 
-def slurm_job_state(job_id: str | None) -> str | None:
-    """The job's state from ``squeue`` ("PENDING", "RUNNING", ...), "gone", or None without Slurm."""
-    if not job_id or not shutil.which("squeue"):
-        return None
-    try:
-        r = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%T"], capture_output=True,
-                           text=True, timeout=15)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    state = r.stdout.strip()
-    if r.returncode == 0 and state:
-        return state.splitlines()[0]
-    return "gone"
-
-
 def _describe_job(job_id: str | None) -> str:
     if not job_id:
         return ""
-    state = slurm_job_state(job_id)
+    state = slurm.job_state(job_id)
     if state is None:
         return f"; server job {job_id}"
     if state == "gone":

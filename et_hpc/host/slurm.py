@@ -1,4 +1,5 @@
-"""Watching Slurm array tasks without ever hanging.
+"""Slurm's commands, each with a timeout so et-hpc never hangs on them: ``query`` (squeue, sacct,
+scontrol, sacctmgr) and what is built on it, chiefly watching array tasks.
 
 State comes from ``squeue`` (live jobs) and ``sacct`` (finished jobs, when accounting exists).
 A task known to neither, while squeue answers, has ended (purged after MinJobAge): a task that
@@ -12,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -160,6 +162,22 @@ def wait_tasks(expected: list[str], *, poll_s: float = 10.0, timeout_s: float | 
         if end is not None and time.monotonic() >= end:
             return states, False
         time.sleep(poll_s if end is None else max(0.0, min(poll_s, end - time.monotonic())))
+
+
+def job_state(job_id: str | None) -> str | None:
+    """One job's state from ``squeue`` ("PENDING", "RUNNING", ...); "gone" when squeue does not list
+    it (or fails); None without squeue or when it does not answer in 15 s."""
+    if not job_id or not shutil.which("squeue"):
+        return None
+    try:
+        r = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%T"], capture_output=True,
+                           text=True, timeout=15)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    state = r.stdout.strip()
+    if r.returncode == 0 and state:
+        return state.splitlines()[0]
+    return "gone"
 
 
 def slurm_job_ending() -> bool:
