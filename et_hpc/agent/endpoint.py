@@ -42,7 +42,6 @@ DEFAULT_KEY_ENV = "OPENAI_API_KEY"
 NO_KEY = "EMPTY"  # sent when no key is known (vLLM without --api-key takes any)
 
 
-
 @dataclass(frozen=True)
 class ClientDefaults:
     """The OpenAI client's defaults, for PolicyConfig and OpenAIPolicy alike."""
