@@ -22,6 +22,12 @@ def add_command(subparsers: argparse._SubParsersAction, name: str, **kw: Any) ->
     return subparsers.add_parser(name, formatter_class=argparse.RawDescriptionHelpFormatter, **kw)
 
 
+def add_subcommands(parser: argparse.ArgumentParser, dest: str, metavar: str = "SUBCOMMAND") -> argparse._SubParsersAction:
+    """The subcommands of ``parser``; given none, the command prints its help and exits 2."""
+    parser.set_defaults(func=lambda a: (parser.print_help(), 2)[1])
+    return parser.add_subparsers(dest=dest, metavar=metavar)
+
+
 def add_source_args(p: argparse.ArgumentParser, positional: bool = True) -> None:
     if positional:
         p.add_argument("source", nargs="?", metavar="SOURCE", help=SOURCE_HELP + " (default: --tasks-dir)")

@@ -7,7 +7,7 @@ import json
 import time
 from pathlib import Path
 
-from et_hpc.cli.common import add_command
+from et_hpc.cli.common import add_command, add_subcommands
 from et_hpc.util import format_table
 
 
@@ -24,7 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     b = subparsers.add_parser("base", help="build or show the base image task defs start from",
                               description="The base image is what task defs name as 'From: ./ubuntu_22.04.sif'.")
-    bsub = b.add_subparsers(dest="base_cmd", metavar="ACTION")
+    bsub = add_subcommands(b, "base_cmd", "ACTION")
     bb = add_command(
         bsub, "build",
         help="build the base image into the cache (a no-op when present)",
@@ -45,7 +45,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     bs = bsub.add_parser("show", help="show the cached base image")
     bs.add_argument("--json", action="store_true")
     bs.set_defaults(func=cmd_base_show)
-    b.set_defaults(func=lambda a: (b.print_help(), 2)[1])
 
 
 def cmd_doctor(args) -> int:

@@ -7,7 +7,7 @@ import sys
 import textwrap
 
 from et_hpc import util
-from et_hpc.cli.common import add_command
+from et_hpc.cli.common import add_command, add_subcommands
 from et_hpc.util import format_table
 
 
@@ -24,8 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         epilog="examples:\n  et-hpc store summary et-hpc-runs/nightly-0412\n"
         "  et-hpc store compact et-hpc-runs/nightly-0412",
     )
-    store.set_defaults(func=lambda a: (store.print_help(), 2)[1])
-    ssub = store.add_subparsers(dest="store_command", metavar="SUBCOMMAND")
+    ssub = add_subcommands(store, "store_command")
 
     p = add_command(
         ssub, "summary",
@@ -62,8 +61,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         epilog="examples:\n  et-hpc export atropos et-hpc-runs/my-run -o groups.jsonl\n"
         "  et-hpc export skyrl et-hpc-runs/my-run -o episodes.parquet",
     )
-    exp.set_defaults(func=lambda a: (exp.print_help(), 2)[1])
-    esub = exp.add_subparsers(dest="export_format", metavar="FORMAT")
+    esub = add_subcommands(exp, "export_format", "FORMAT")
 
     p = add_command(
         esub, "atropos",
@@ -78,9 +76,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         epilog="examples:\n  et-hpc export atropos et-hpc-runs/my-run -o data/endless.jsonl\n"
         "  et-hpc export atropos et-hpc-runs/my-run -o all.jsonl --keep-equal-scores --on-error keep-ok",
     )
-    p.add_argument("run_dir", metavar="RUN_DIR", help="the run's folder")
-    p.add_argument("-o", "--output", required=True, help="the JSONL file to write")
-    _group_args(p)
+    _export_args(p, "the JSONL file to write")
     p.add_argument("--keep-equal-scores", action="store_true", help="also write groups whose scores are all equal")
     p.add_argument("--json", action="store_true", help="print what was written as JSON")
     p.set_defaults(func=_export_atropos)
@@ -98,15 +94,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         epilog="examples:\n  et-hpc export skyrl et-hpc-runs/my-run -o episodes.parquet\n"
         "  et-hpc export skyrl et-hpc-runs/my-run -o grpo.parquet --drop-zero-variance",
     )
-    p.add_argument("run_dir", metavar="RUN_DIR", help="the run's folder")
-    p.add_argument("-o", "--output", required=True, help="the parquet file to write")
-    _group_args(p)
+    _export_args(p, "the parquet file to write")
     p.add_argument("--drop-zero-variance", action="store_true", help="leave out groups whose scores are all equal")
     p.add_argument("--json", action="store_true", help="print what was written as JSON")
     p.set_defaults(func=_export_skyrl)
 
 
-def _group_args(p: argparse.ArgumentParser) -> None:
+def _export_args(p: argparse.ArgumentParser, output_help: str) -> None:
+    """RUN_DIR, -o and --on-error: what every export format takes."""
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run's folder")
+    p.add_argument("-o", "--output", required=True, help=output_help)
     p.add_argument("--on-error", choices=["mask", "keep-ok"], default="mask",
                    help="a group with an episode that ended in an error: leave it out whole (mask, "
                    "the default) or keep its ok episodes (keep-ok)")

@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-from et_hpc.cli.common import SOURCE_HELP, add_command, add_source_args, load_source
+from et_hpc.cli.common import SOURCE_HELP, add_command, add_source_args, add_subcommands, load_source
 from et_hpc.errors import TaskError, UserError
 from et_hpc.util import format_table
 
@@ -155,8 +155,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "tasks", help="list and inspect task sources",
         description="Find tasks in folders (native and Harbor layouts) and SkyRL parquet files.",
     )
-    sub = p.add_subparsers(dest="tasks_command", metavar="SUBCOMMAND")
-    p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
+    sub = add_subcommands(p, "tasks_command")
 
     pl = add_command(
         sub, "list", help="table of the tasks a source holds",
