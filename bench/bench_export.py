@@ -20,9 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from et_hpc.export import export_atropos, export_skyrl, selected_groups
 from et_hpc.record import EpisodeRecord
-from et_hpc.store import RunStore
+from et_hpc.runs.export import export_atropos, export_skyrl, selected_groups
+from et_hpc.runs.store import RunStore
 
 
 def synthetic(i: int, group: int, turns: int, rng: random.Random) -> EpisodeRecord:

@@ -22,7 +22,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from et_hpc.record import EpisodeRecord, TestResult, Timings
-from et_hpc.store import RunStore
+from et_hpc.runs.store import RunStore
 
 WORDS = ["ls", "cd", "cat", "grep", "awk", "sed", "sort", "uniq", "wc", "echo", "mkdir", "chmod", "python3", "pytest",
          "config.yaml", "data.csv", "/home/user"]

@@ -32,8 +32,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from et_hpc.agent.policies import recorded_runs  # noqa: E402
-from et_hpc.store import open_run  # noqa: E402
+from et_hpc.runs.store import open_run  # noqa: E402
 from et_hpc.tasks.loader import load_tasks  # noqa: E402
+from et_hpc.util import tail_lines  # noqa: E402
 
 DEFAULT_SOURCE = Path(os.environ.get("ET_HPC_FIXTURES", HERE.parent.parent / "shared" / "fixtures"
                                      / "endless-terminals")) / "native"
@@ -175,11 +176,6 @@ def replay_task(task: Any, source: Path, store: Path, concurrency: int, env: dic
     return time.monotonic() - t
 
 
-def _tail(text: str, n: int = 12) -> str:
-    lines = [ln for ln in text.splitlines() if ln.strip()]
-    return "\n".join(lines[-n:])
-
-
 def report(results: dict[str, list[RunCompare]], seconds: dict[str, float],
            repaired: dict[str, list[RunCompare]] | None = None) -> str:
     total = sum(len(v) for v in results.values())
@@ -227,7 +223,7 @@ def report(results: dict[str, list[RunCompare]], seconds: dict[str, float],
             lines += [f"Error: `{c.error[:300]}`", ""]
         if c.failed_tests:
             lines += [f"Our failing final tests: {', '.join(c.failed_tests)}", ""]
-        lines += ["Recorded test output (tail):", "```", _tail(c.recorded_output), "```"]
+        lines += ["Recorded test output (tail):", "```", "\n".join(tail_lines(c.recorded_output, 12)), "```"]
         if c.first_diff:
             lines += ["First differing observation:", "```", c.first_diff, "```"]
         lines.append("")

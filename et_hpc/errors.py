@@ -16,7 +16,12 @@ class UserError(Exception):
 
 
 class TaskError(UserError):
-    """A task folder or row that cannot be loaded; names the file."""
+    """A task folder or row that cannot be loaded; names the file. ``task_id``: the task it belongs
+    to, when the loader knows it."""
+
+    def __init__(self, message: str, task_id: str | None = None):
+        super().__init__(message)
+        self.task_id = task_id
 
 
 class InfraError(RuntimeError):

@@ -1,25 +1,28 @@
-"""Small helpers used across et-hpc: atomic file writes, hashing, human formatting."""
+"""Small helpers used across et-hpc: atomic file writes, hashing, human formatting, output tails."""
 
 from __future__ import annotations
 
 import hashlib
 import os
 import secrets
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 
 @contextmanager
-def atomic_open(path: Path, *, tmp_name: str | None = None) -> Iterator[BinaryIO]:
+def atomic_open(path: Path, *, tmp_name: str | None = None, mode: int = 0o666,
+                dir_mode: int = 0o777) -> Iterator[BinaryIO]:
     """Open a hidden temp file beside ``path`` for writing; on success fsync it and rename it over
-    ``path``, so readers see the old file or the whole new one, never part. On error it is removed."""
+    ``path``, so readers see the old file or the whole new one, never part. On error it is removed.
+    ``mode``: the file's permissions, ``dir_mode`` those of a directory made for it (umask applies)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=dir_mode)
     tmp = path.parent / (tmp_name or f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
-        with open(tmp, "xb") as f:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "wb") as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
@@ -87,3 +90,43 @@ def one_line(s: str, width: int) -> str:
     """``s`` with its whitespace collapsed, cut to ``width`` characters with ``...``."""
     s = " ".join(s.split())
     return s if len(s) <= width else s[: width - 3] + "..."
+
+
+def as_text(data: str | bytes | None) -> str:
+    """Command output as text: bytes decoded as UTF-8 (bad bytes replaced), None as ``""``."""
+    if data is None:
+        return ""
+    return data.decode("utf-8", "replace") if isinstance(data, bytes) else data
+
+
+def tail_lines(text: str | bytes | None, n: int | None = None, *, raw: bool = False, width: int | None = None,
+               drop: Callable[[str], bool] | None = None) -> list[str]:
+    """The last ``n`` lines of ``text`` (all when None). Blank lines are left out and trailing spaces
+    cut unless ``raw``; lines for which ``drop`` is true are left out; each is cut to ``width``."""
+    lines = as_text(text).splitlines()
+    if not raw:
+        lines = [ln.rstrip() for ln in lines if ln.strip()]
+    if drop is not None:
+        lines = [ln for ln in lines if not drop(ln)]
+    if n is not None:
+        lines = lines[-n:]
+    return [ln[:width] for ln in lines] if width else lines
+
+
+def file_tail(path: Path | None, n: int | None = None, **kw: object) -> list[str]:
+    """``tail_lines`` of a file's text; ``[]`` when there is no path or it cannot be read."""
+    if path is None:
+        return []
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError:
+        return []
+    return tail_lines(text, n, **kw)  # type: ignore[arg-type]
+
+
+def progress_bar(items: Any = None, *, desc: str, unit: str, show: bool | None = None, **kw: Any) -> Any:
+    """A tqdm progress bar on stderr (tqdm is imported on first use). ``show``: True always, False
+    never, None only when stderr is a terminal. Other keywords go to tqdm."""
+    from tqdm import tqdm
+
+    return tqdm(items, desc=desc, unit=unit, file=sys.stderr, disable=None if show is None else not show, **kw)

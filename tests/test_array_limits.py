@@ -13,8 +13,9 @@ import pytest
 
 from conftest import need
 from et_hpc.errors import UserError
+from et_hpc.host.slurm import parse_scontrol_config
 from et_hpc.runner.config import RunConfig, SlurmOptions
-from et_hpc.runner.slurm import SubmitLimits, check_fits, parse_sacctmgr, parse_scontrol_config, submit_limits
+from et_hpc.runner.slurm import SubmitLimits, check_fits, parse_sacctmgr, submit_limits
 
 TESTS = Path(__file__).resolve().parent
 ET_HPC = [sys.executable, "-m", "et_hpc.cli"]

@@ -120,14 +120,14 @@ def _env_flags(tokenizer_dir: Path, srv, store: Path, run_name: str, ids: list[s
 
 
 def _stored(store: Path, run_name: str) -> list:
-    from et_hpc.store import open_run
+    from et_hpc.runs.store import open_run
 
     return open_run(store / run_name).records()
 
 
 def _check_group_against_episodes(group: dict, records: list, tokenizer) -> None:
     """Tokens, masks, logprobs and scores of one group are those of its stored episodes."""
-    from et_hpc.export import validate_atropos_group
+    from et_hpc.runs.export import validate_atropos_group
 
     validate_atropos_group(group)
     by_tokens = {tuple(r.token_sequence()[0]): r for r in records if r.has_tokens}

@@ -18,7 +18,7 @@ import pytest
 
 from conftest import REPO, need
 from et_hpc.record import EpisodeRecord, Timings, records_to_table
-from et_hpc.store import RunStore
+from et_hpc.runs.store import RunStore
 
 DEMO = REPO / "defs" / "demo"
 TASKS = ["demo_hello_file", "demo_csv_sum"]
@@ -143,7 +143,7 @@ def _nearest_rank(values: list[float], p: float) -> float:
 
 
 def test_capacity_numbers_from_known_records(tmp_path: Path) -> None:
-    from et_hpc.capacity import run_capacity
+    from et_hpc.runs.capacity import run_capacity
 
     rs = _synthetic_store(tmp_path)
     cap = run_capacity(rs, cores=4, nodes=[2], per_node=[1, 3], gpu_hours=0.5)
@@ -185,7 +185,7 @@ def test_capacity_numbers_from_known_records(tmp_path: Path) -> None:
 
 
 def test_gpu_hours_from_sacct_lines() -> None:
-    from et_hpc.capacity import gpu_hours_from_sacct
+    from et_hpc.runs.capacity import gpu_hours_from_sacct
 
     lines = "5400|billing=8,cpu=16,gres/gpu=4,mem=128G,node=1\n1800|billing=1,cpu=2,gres/gpu=1,node=1\n"
     assert gpu_hours_from_sacct(lines) == pytest.approx(5400 * 4 / 3600 + 1800 * 1 / 3600)
@@ -193,8 +193,8 @@ def test_gpu_hours_from_sacct_lines() -> None:
 
 
 def test_report_has_a_capacity_section(tmp_path: Path) -> None:
-    from et_hpc.capacity import num
-    from et_hpc.report import build_report, format_html, format_text
+    from et_hpc.runs.capacity import num
+    from et_hpc.runs.report import build_report, format_html, format_text
 
     _synthetic_store(tmp_path)
     rep = build_report(tmp_path)

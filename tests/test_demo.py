@@ -19,7 +19,7 @@ def test_demo_end_to_end(base_sif, tmp_path):
     assert {(row[1], row[2]) for row in rows} == {("local", "oracle"), ("local", "null"), ("slurm", "oracle")}
     for row in rows:
         assert row[-2:] == ["as", "expected"], row
-    from et_hpc.store import RunStore
+    from et_hpc.runs.store import RunStore
 
     runs = sorted(p for p in store.iterdir() if p.is_dir())
     assert len(runs) == 3

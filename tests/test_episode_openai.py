@@ -49,7 +49,7 @@ def _run(tmp: Path, name: str, *args: str, env: dict | None = None, timeout: flo
 
 
 def _records(tmp: Path, name: str) -> list:
-    from et_hpc.store import open_run
+    from et_hpc.runs.store import open_run
 
     return open_run(tmp / "store" / name).records()
 
@@ -102,7 +102,7 @@ def test_always_500_is_policy_error_not_zero(demo_image, tmp_path: Path) -> None
     rec = _one(tmp_path, "down")
     assert rec.status == "policy_error" and rec.reward is None and rec.error
     assert info["ok"] == 0
-    from et_hpc.store import open_run
+    from et_hpc.runs.store import open_run
 
     summary = open_run(tmp_path / "store" / "down").summary()
     assert summary.by_status.get("policy_error") == 1 and summary.ok == 0 and summary.pass_rate is None  # not a 0% pass rate
@@ -158,9 +158,9 @@ def test_missing_image_is_recorded_as_error(tmp_path: Path) -> None:
     need("apptainer")
     from types import SimpleNamespace
 
-    from et_hpc.episode import run_episode
+    from et_hpc.episode.run import run_episode
     from et_hpc.runner.config import RunConfig
-    from et_hpc.store import RunStore
+    from et_hpc.runs.store import RunStore
     from et_hpc.tasks.loader import load_tasks
 
     task = next(t for t in load_tasks(str(DEMO)).tasks if t.id == TASK)

@@ -27,7 +27,7 @@ def test_replay_agrees_with_recorded_success(task_id: str, fixtures_dir: Path, b
     need("apptainer")
     from et_hpc.agent.policies import recorded_runs
     from et_hpc.images.store import ImageStore
-    from et_hpc.store import open_run
+    from et_hpc.runs.store import open_run
     from et_hpc.tasks.loader import load_tasks
 
     src = tmp_path / "tasks"

@@ -16,7 +16,8 @@ import pytest
 
 from et_hpc.cli import main
 from et_hpc.errors import UserError
-from et_hpc.export import (
+from et_hpc.record import EpisodeRecord
+from et_hpc.runs.export import (
     ATROPOS_KEYS,
     GENERATOR_OUTPUT_COLUMNS,
     SKYRL_SCHEMA,
@@ -25,8 +26,7 @@ from et_hpc.export import (
     generator_output,
     validate_atropos_group,
 )
-from et_hpc.record import EpisodeRecord
-from et_hpc.store import RunStore
+from et_hpc.runs.store import RunStore
 
 SYSTEM = {"role": "system", "content": "You are a terminal agent."}
 

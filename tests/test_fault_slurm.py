@@ -23,7 +23,7 @@ import pytest
 from conftest import REPO, need, until
 from et_hpc.host import slurm as watch
 from et_hpc.runner.slurm import load_jobs, task_ids
-from et_hpc.store import RunStore
+from et_hpc.runs.store import RunStore
 
 ET_HPC = [sys.executable, "-m", "et_hpc.cli"]
 DEMO = REPO / "defs" / "demo"

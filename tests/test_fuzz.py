@@ -263,7 +263,7 @@ def _digest(paths: list[Path]) -> dict[str, str]:
 def _seed_run(store: Path) -> list[Path]:
     """A run already on disk: its run.json and one shard, as an earlier `et-hpc run` left them."""
     from et_hpc.record import EpisodeRecord
-    from et_hpc.store import RunStore
+    from et_hpc.runs.store import RunStore
 
     run = RunStore(store / "fz")
     run.path.mkdir(parents=True)

@@ -9,7 +9,7 @@ import pytest
 from et_hpc.cli import main
 from et_hpc.errors import UserError
 from et_hpc.record import EpisodeRecord
-from et_hpc.store import RunStore, count_groups, group_key, groups_of, select_groups
+from et_hpc.runs.store import RunStore, count_groups, group_key, groups_of, select_groups
 
 
 def rec(task: str, sample: int, reward: float | None, status: str = "ok", version: str | None = None,

@@ -18,8 +18,7 @@ LAYERS: dict[str, int] = {
     # L0 contracts: errors, where things live, the episode record, small utilities
     "et_hpc": 0, "et_hpc._moved": 0, "et_hpc.errors": 0, "et_hpc.paths": 0, "et_hpc.record": 0, "et_hpc.util": 0,
     # L1 thin wrappers over the host's tools; the run store and what reads it
-    "et_hpc.host": 1, "et_hpc.platform": 1, "et_hpc.store": 1, "et_hpc.export": 1, "et_hpc.report": 1,
-    "et_hpc.capacity": 1,
+    "et_hpc.host": 1, "et_hpc.runs": 1, "et_hpc.store": 1,  # store: a shim (runs/store.py)
     # L2 tasks: the model, the sources, recipes (def and Dockerfile) and base names
     "et_hpc.tasks": 2,
     # L3 images built from recipes; sandboxes started from images
@@ -27,7 +26,7 @@ LAYERS: dict[str, int] = {
     # L4 the agent (policies, loop, endpoints) and the scripted server that stands in for a model
     "et_hpc.agent": 4, "et_hpc.scripted_server": 4, "et_hpc.scripted_tokenizer": 4,
     # L5 one episode: sandbox + agent + scoring; the task check built on it
-    "et_hpc.episode": 5, "et_hpc.scoring": 5,  # scoring: a shim (sandbox/scoring.py)
+    "et_hpc.episode": 5,
     # L6 many episodes: run config, plan, executors
     "et_hpc.runner": 6,
     # L7 what drives the runner: continuous rollouts, integrations with trainers

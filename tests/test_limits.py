@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import build_user_sif
-from et_hpc.episode import run_episode
+from et_hpc.episode.run import run_episode
 from et_hpc.host import procfs
 from et_hpc.record import EpisodeRecord
 from et_hpc.runner.config import RunConfig

@@ -239,7 +239,7 @@ def test_instance_starts_from_the_local_copy(base_sif: Path, tmp_path: Path) -> 
 def test_episode_runs_from_a_forced_local_copy(fixtures_dir: Path, base_sif: Path, tmp_path: Path) -> None:
     need("apptainer")
     from et_hpc.images.store import ImageStore
-    from et_hpc.store import open_run
+    from et_hpc.runs.store import open_run
     from et_hpc.tasks.loader import load_tasks
 
     task_id = "task_000000_9cc1e5be"

@@ -35,7 +35,7 @@ def demo_image(base_sif: Path):
 
 
 def test_version_fields_from_turns() -> None:
-    from et_hpc.episode import policy_version_fields
+    from et_hpc.episode.run import policy_version_fields
 
     class P:
         start_version = "a"
@@ -97,7 +97,7 @@ def test_switch_mid_run_is_recorded(demo_image, tmp_path: Path) -> None:
     log = "".join(out)
     assert switched.is_set() and "switched (restart)" in log, log
 
-    from et_hpc.store import open_run
+    from et_hpc.runs.store import open_run
 
     recs = sorted(open_run(tmp_path / "store" / "switch").records(), key=lambda x: x.timings.start_s)
     a, b = f"{ckpts}/step-10@step-10", f"{ckpts}/step-20@step-20"

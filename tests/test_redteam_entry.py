@@ -445,8 +445,8 @@ def _run_demo(tmp: Path, name: str, script: dict, timeout: float = 600):
 
     from conftest import REPO
     from et_hpc.images.store import ImageStore
+    from et_hpc.runs.store import open_run
     from et_hpc.scripted_server import ScriptedServer
-    from et_hpc.store import open_run
     from et_hpc.tasks.loader import load_tasks
 
     demo = REPO / "defs" / "demo"

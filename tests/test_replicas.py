@@ -327,7 +327,7 @@ def _run_cmd(tmp: Path, d: Path, name: str, tasks: list[str], samples: int) -> l
 
 
 def _records(tmp: Path, name: str) -> list:
-    from et_hpc.store import open_run
+    from et_hpc.runs.store import open_run
 
     return open_run(tmp / "store" / name).records()
 

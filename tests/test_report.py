@@ -15,8 +15,8 @@ import pytest
 
 from et_hpc.cli import main
 from et_hpc.record import EpisodeRecord
-from et_hpc.report import build_report, newcombe, wilson
-from et_hpc.store import RunStore
+from et_hpc.runs.report import build_report, newcombe, wilson
+from et_hpc.runs.store import RunStore
 
 T0 = datetime(2025, 3, 1, 2, 0, tzinfo=timezone.utc)
 TASKS = [f"task_{i:02d}" for i in range(10)]

@@ -83,7 +83,7 @@ def _run(tmp: Path, name: str, *args: str, env: dict, timeout: float = 900) -> d
 
 
 def _check(tmp: Path, name: str, srv) -> None:
-    from et_hpc.store import open_run
+    from et_hpc.runs.store import open_run
 
     recs = open_run(tmp / "store" / name).records()
     assert len(recs) == 1 and recs[0].status == "ok" and recs[0].reward == 1.0, [(r.status, r.error) for r in recs]
@@ -136,7 +136,7 @@ def test_key_from_endpoint_file_through_slurm(demo_image, tmp_path: Path) -> Non
         _run(tmp_path, "ep", "--set", "policy.kind=openai", "--set", f"policy.endpoint_file={ep}",
              "--set", "policy.endpoint_wait_s=30", *SLURM, env=_env(tmp_path, OPENAI_API_KEY="wrong-key"))
         _check(tmp_path, "ep", srv)
-    from et_hpc.store import open_run
+    from et_hpc.runs.store import open_run
 
     assert open_run(tmp_path / "store" / "ep").records()[0].policy_version == "ckpt@step-1"
 
@@ -151,8 +151,8 @@ def test_key_from_environment_local(demo_image, tmp_path: Path) -> None:
 
 
 def test_wrong_key_is_a_policy_error_not_a_zero(demo_image, tmp_path: Path) -> None:
+    from et_hpc.runs.store import open_run
     from et_hpc.scripted_server import ScriptedServer
-    from et_hpc.store import open_run
 
     with ScriptedServer(SCRIPT, api_key=SECRET) as srv:
         _run(tmp_path, "bad", "--set", "policy.kind=openai", "--set", f"policy.base_url={srv.base_url}",

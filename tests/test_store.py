@@ -19,7 +19,7 @@ import pytest
 from et_hpc.cli import main
 from et_hpc.errors import UserError
 from et_hpc.record import EPISODE_SCHEMA, EpisodeRecord
-from et_hpc.store import RunStore, Store, compact, open_run
+from et_hpc.runs.store import RunStore, Store, compact, open_run
 
 T0 = datetime(2026, 12, 1, tzinfo=timezone.utc)
 
@@ -85,7 +85,7 @@ def test_run_config_is_atomic_json(tmp_path):
 WRITER = """
 import sys
 from et_hpc.record import EpisodeRecord
-from et_hpc.store import RunStore
+from et_hpc.runs.store import RunStore
 rs = RunStore(sys.argv[1]); w = int(sys.argv[2])
 for i in range(50):
     rs.write([EpisodeRecord(run_name="r", task_id=f"t{w}", sample=i, status="ok", reward=float(i % 2),
@@ -110,7 +110,7 @@ def test_many_concurrent_writers_lose_nothing(tmp_path):
 KILLED_WRITER = """
 import os, sys
 from et_hpc.record import EpisodeRecord, records_to_table
-from et_hpc.store import write_table_atomic
+from et_hpc.runs.store import write_table_atomic
 from pathlib import Path
 blob = os.urandom(48_000).hex()  # incompressible, ~96 KB per record
 recs = [EpisodeRecord(run_name="r", task_id="big", sample=i, status="ok", reward=1.0,
@@ -156,7 +156,7 @@ def test_killed_writer_leaves_only_an_ignored_temp_file(tmp_path):
 
 READER_LOOP = """
 import json, sys
-from et_hpc.store import RunStore
+from et_hpc.runs.store import RunStore
 rs = RunStore(sys.argv[1]); expected = int(sys.argv[2])
 reads = 0
 while True:

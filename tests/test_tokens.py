@@ -272,7 +272,7 @@ V1_COLUMNS = [f.name for f in EPISODE_SCHEMA][: EPISODE_SCHEMA.get_field_index("
 
 
 def test_v1_shard_still_reads(tmp_path):
-    from et_hpc.store import RunStore
+    from et_hpc.runs.store import RunStore
 
     v1 = pa.schema([EPISODE_SCHEMA.field(c) for c in V1_COLUMNS], metadata={b"et_hpc.schema_version": b"1"})
     row = {c: None for c in V1_COLUMNS}

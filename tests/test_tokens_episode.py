@@ -44,7 +44,7 @@ def _run_one(tmp: Path, name: str, srv, mode: str, *extra: str):
                     "--set", f"policy.mode={mode}", *extra]
     r = subprocess.run(cmd, env=os.environ.copy(), capture_output=True, text=True, timeout=600, cwd=tmp)
     assert r.returncode == 0, r.stderr[-3000:]
-    from et_hpc.store import open_run
+    from et_hpc.runs.store import open_run
 
     (rec,) = open_run(tmp / "store" / name).records()
     assert rec.status == "ok" and rec.reward == 1.0, (rec.status, rec.error)

@@ -45,7 +45,7 @@ def demo_built(base_sif: Path) -> Path:
 
 def _demo_specs(tmp_path: Path, name: str) -> dict:
     """The sandbox spec of each demo task, for a run called ``name``."""
-    from et_hpc.episode import sandbox_spec
+    from et_hpc.episode.run import sandbox_spec
     from et_hpc.runner.config import RunConfig
     from et_hpc.runner.plan import make_plan
 
@@ -59,7 +59,7 @@ def _run(tmp_path: Path, name: str, *extra: str) -> tuple[subprocess.CompletedPr
                                   "--store", str(tmp_path / "store"), "--run-name", name, *extra],
                         env=_env(tmp_path), capture_output=True, text=True, timeout=600)
     assert cp.returncode == 0, cp.stderr[-3000:]
-    from et_hpc.store import RunStore
+    from et_hpc.runs.store import RunStore
 
     return cp, RunStore(tmp_path / "store" / name).read().to_pylist()
 
@@ -93,7 +93,7 @@ def test_warm_run_matches_cold_and_uses_each_sandbox_once(demo_built: Path, tmp_
 
 def test_dead_warm_sandbox_is_replaced(demo_built: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ET_HPC_SCRATCH", str(tmp_path / "scratch"))
-    from et_hpc.episode import run_episode, sandbox_spec
+    from et_hpc.episode.run import run_episode, sandbox_spec
     from et_hpc.runner.config import RunConfig
     from et_hpc.runner.plan import make_plan
     from et_hpc.sandbox.warm import WarmPool
@@ -151,7 +151,7 @@ def test_continuous_worker_warms_the_rest_of_its_group(demo_built: Path, tmp_pat
                                   "--store", str(tmp_path / "store"), "--run-name", "warmtest-cont"],
                         env=_env(tmp_path), capture_output=True, text=True, timeout=600)
     assert cp.returncode == 0, cp.stderr[-3000:]
-    from et_hpc.store import RunStore
+    from et_hpc.runs.store import RunStore
 
     recs = RunStore(tmp_path / "store" / "warmtest-cont").read().to_pylist()
     assert len(recs) == 6 and all(r["status"] == "ok" and r["reward"] == 1.0 for r in recs)
@@ -169,7 +169,7 @@ def test_shards_without_warm_s_still_read(tmp_path: Path) -> None:
     import pyarrow as pa
 
     from et_hpc.record import EPISODE_SCHEMA, TIMING_FIELDS, EpisodeRecord, records_to_table
-    from et_hpc.store import RunStore
+    from et_hpc.runs.store import RunStore
 
     old_timings = pa.struct([(f, pa.float64()) for f in TIMING_FIELDS if f != "warm_s"])
     old = pa.schema([pa.field("timings", old_timings) if f.name == "timings" else f for f in EPISODE_SCHEMA],

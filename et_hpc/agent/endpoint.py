@@ -22,22 +22,41 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import stat
-import subprocess
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, Field
 
 from et_hpc.errors import UserError
+from et_hpc.host import slurm
+from et_hpc.util import atomic_open
 
 log = logging.getLogger(__name__)
 
 DEFAULT_KEY_ENV = "OPENAI_API_KEY"
+NO_KEY = "EMPTY"  # sent when no key is known (vLLM without --api-key takes any)
+
+
+@dataclass(frozen=True)
+class ClientDefaults:
+    """The OpenAI client's defaults, for PolicyConfig and OpenAIPolicy alike."""
+
+    temperature: float = 0.7
+    top_p: float = 1.0
+    request_timeout_s: float = 300.0  # one request
+    max_retries: int = 6  # retries of a failed request
+    retry_budget_s: float = 180.0  # all retries of one request
+    backoff_base_s: float = 1.0
+    backoff_max_s: float = 30.0
+    failover_after: int = 2  # endpoint_dir: failed attempts in a row before another server
+
+
+CLIENT = ClientDefaults()
 
 
 class Endpoint(BaseModel):
@@ -75,20 +94,9 @@ def endpoint_record(
 
 def write_endpoint_file(path: Path, record: dict) -> None:
     """Publish ``record`` at ``path``: mode 0600, temp file + rename in a 0700 directory if new."""
-    path = Path(path)
-    if not path.parent.exists():
-        path.parent.mkdir(parents=True, mode=0o700)
-    tmp = path.parent / f".endpoint.{os.getpid()}.{time.monotonic_ns()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(json.dumps(record, indent=2) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_open(Path(path), tmp_name=f".endpoint.{os.getpid()}.{time.monotonic_ns()}", mode=0o600,
+                     dir_mode=0o700) as f:
+        f.write((json.dumps(record, indent=2) + "\n").encode("utf-8"))
 
 
 def check_endpoint_file(path: Path, st: os.stat_result, has_key: bool) -> None:
@@ -161,12 +169,17 @@ def resolve_api_key(explicit: str | None = None, env_name: str | None = None,
                     endpoint: dict | Endpoint | None = None) -> str:
     """The key to send: the endpoint file's, else the configured one, else ``$env_name``, else "EMPTY"."""
     from_file = endpoint.get("api_key") if isinstance(endpoint, dict) else getattr(endpoint, "api_key", None)
-    return from_file or explicit or os.environ.get(env_name or DEFAULT_KEY_ENV) or "EMPTY"
+    return key_or_default(from_file or explicit, env_name)
+
+
+def key_or_default(key: str | None, env_name: str | None = None) -> str:
+    """``key``, else ``$env_name`` (default ``$OPENAI_API_KEY``), else "EMPTY"."""
+    return key or os.environ.get(env_name or DEFAULT_KEY_ENV) or NO_KEY
 
 
 def probe_models(base_url: str, timeout: float = 5.0, api_key: str | None = None) -> tuple[bool, str | None, str]:
     """``GET {base_url}/models``: (answered 200, first model id, what happened)."""
-    key = api_key or os.environ.get(DEFAULT_KEY_ENV) or "EMPTY"
+    key = key_or_default(api_key)
     try:
         req = urllib.request.Request(base_url.rstrip("/") + "/models", headers={"Authorization": f"Bearer {key}"})
         with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -189,25 +202,10 @@ def probe_models(base_url: str, timeout: float = 5.0, api_key: str | None = None
     return True, model, "HTTP 200"
 
 
-def slurm_job_state(job_id: str | None) -> str | None:
-    """The job's state from ``squeue`` ("PENDING", "RUNNING", ...), "gone", or None without Slurm."""
-    if not job_id or not shutil.which("squeue"):
-        return None
-    try:
-        r = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%T"], capture_output=True,
-                           text=True, timeout=15)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    state = r.stdout.strip()
-    if r.returncode == 0 and state:
-        return state.splitlines()[0]
-    return "gone"
-
-
 def _describe_job(job_id: str | None) -> str:
     if not job_id:
         return ""
-    state = slurm_job_state(job_id)
+    state = slurm.job_state(job_id)
     if state is None:
         return f"; server job {job_id}"
     if state == "gone":

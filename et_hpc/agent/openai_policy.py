@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import random
 import re
 import time
@@ -43,7 +42,7 @@ import httpx
 import openai
 
 from et_hpc.agent.base import DEFAULT_MAX_TOKENS, Action, ContextLengthError, PolicyError, TokenCapture, text_action
-from et_hpc.agent.endpoint import EndpointWatch, resolve_api_key
+from et_hpc.agent.endpoint import CLIENT, EndpointWatch, key_or_default, resolve_api_key
 from et_hpc.agent.protocols import TERMINAL_TOOL, Mode, ToolArgsError, parse_tool_arguments
 
 if TYPE_CHECKING:
@@ -108,6 +107,11 @@ def _malformed(resp: Any) -> str | None:
     return None
 
 
+# PolicyConfig fields that OpenAIPolicy takes as they are, by the same name
+_FROM_CONFIG = ("mode", "temperature", "top_p", "seed", "logprobs", "return_token_ids", "request_timeout_s",
+                "max_retries", "retry_budget_s", "backoff_base_s", "backoff_max_s", "endpoint_file", "failover_after")
+
+
 class OpenAIPolicy:
     """Ask a served model for the next command, in tool-call (``tools``) or ET text (``text``) mode."""
 
@@ -118,22 +122,22 @@ class OpenAIPolicy:
         *,
         api_key: str | None = None,
         mode: Mode = "tools",
-        temperature: float = 0.7,
-        top_p: float = 1.0,
+        temperature: float = CLIENT.temperature,
+        top_p: float = CLIENT.top_p,
         max_tokens: int = DEFAULT_MAX_TOKENS,
         seed: int | None = None,
         logprobs: bool = False,
         return_token_ids: bool = True,
-        request_timeout_s: float = 300.0,
-        max_retries: int = 6,
-        retry_budget_s: float = 180.0,
-        backoff_base_s: float = 1.0,
-        backoff_max_s: float = 30.0,
+        request_timeout_s: float = CLIENT.request_timeout_s,
+        max_retries: int = CLIENT.max_retries,
+        retry_budget_s: float = CLIENT.retry_budget_s,
+        backoff_base_s: float = CLIENT.backoff_base_s,
+        backoff_max_s: float = CLIENT.backoff_max_s,
         sleep: Callable[[float], None] = time.sleep,
         rng: random.Random | None = None,
         endpoint_file: Path | None = None,
         replicas: ReplicaSet | None = None,
-        failover_after: int = 2,
+        failover_after: int = CLIENT.failover_after,
     ):
         self.mode: Mode = mode
         self.model = model
@@ -164,7 +168,7 @@ class OpenAIPolicy:
             self.model = model or got.model
         if not base_url:
             raise PolicyError("no policy server address")
-        self._api_key = api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY"
+        self._api_key = key_or_default(api_key)
         self.client = openai.OpenAI(
             base_url=base_url,
             api_key=self._api_key,
@@ -199,21 +203,9 @@ class OpenAIPolicy:
             cfg.base_url,
             cfg.model,
             api_key=resolve_api_key(cfg.key_value(), cfg.api_key_env),
-            mode=cfg.mode,
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
             max_tokens=cfg.max_tokens or DEFAULT_MAX_TOKENS,
-            seed=cfg.seed,
-            logprobs=cfg.logprobs,
-            return_token_ids=cfg.return_token_ids,
-            request_timeout_s=cfg.request_timeout_s,
-            max_retries=cfg.max_retries,
-            retry_budget_s=cfg.retry_budget_s,
-            backoff_base_s=cfg.backoff_base_s,
-            backoff_max_s=cfg.backoff_max_s,
-            endpoint_file=cfg.endpoint_file,
             replicas=replicas,
-            failover_after=cfg.failover_after,
+            **{k: getattr(cfg, k) for k in _FROM_CONFIG},
         )
 
     def close(self) -> None:

@@ -22,6 +22,7 @@ from et_hpc.agent.base import (  # noqa: F401  (re-exported: the names' old home
     TokenCapture,
     text_action,
 )
+from et_hpc.agent.endpoint import CLIENT
 from et_hpc.agent.protocols import DONE_TEXT, Mode
 from et_hpc.errors import TaskError, UserError
 
@@ -166,7 +167,7 @@ class PolicyConfig(BaseModel):
     # many servers: each server job writes <endpoint_dir>/<job id>.json (et_hpc.agent.replicas)
     endpoint_dir: Path | None = None
     endpoint_wait_s: float = 600.0  # how long to wait for the endpoint file and /v1/models
-    failover_after: int = Field(default=2, ge=1)  # endpoint_dir: failed attempts in a row before another server
+    failover_after: int = Field(default=CLIENT.failover_after, ge=1)  # endpoint_dir: failed attempts in a row before another server
     system_prompt: str | None = None  # default: Endless Terminals' prompt for the mode
     # The key: the endpoint file's, else api_key, else $api_key_env (default OPENAI_API_KEY), else
     # "EMPTY". api_key is never written (run.json, pickles for Slurm, records): see SECURITY.md.
@@ -174,17 +175,17 @@ class PolicyConfig(BaseModel):
     api_key_env: str | None = None
     model: str | None = None  # default: the first model the server lists
     mode: Mode = "tools"
-    temperature: float = 0.7
-    top_p: float = 1.0
+    temperature: float = CLIENT.temperature
+    top_p: float = CLIENT.top_p
     max_tokens: int | None = None  # default: Budgets.max_tokens_per_turn
     seed: int | None = None
     logprobs: bool = False
     return_token_ids: bool = True  # vLLM >= 0.10.2; older servers: /tokenize fallback (tokens_source)
-    request_timeout_s: float = 300.0
-    max_retries: int = 6
-    retry_budget_s: float = 180.0
-    backoff_base_s: float = 1.0
-    backoff_max_s: float = 30.0
+    request_timeout_s: float = CLIENT.request_timeout_s
+    max_retries: int = CLIENT.max_retries
+    retry_budget_s: float = CLIENT.retry_budget_s
+    backoff_base_s: float = CLIENT.backoff_base_s
+    backoff_max_s: float = CLIENT.backoff_max_s
     # replay
     replay_index: int = 0
     replay_file: Path | None = None  # default: the task's first recorded-runs file

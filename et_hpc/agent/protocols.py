@@ -14,8 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from et_hpc.agent.prompts import TEXT_SYSTEM_PROMPT, TOOLS_SYSTEM_PROMPT
-
-OUTPUT_LIMIT_CHARS = 50_000
+from et_hpc.sandbox.shell import OUTPUT_LIMIT_CHARS
 
 CMD_RE = re.compile(r"<command>\s*(.*?)\s*</command>", re.DOTALL)
 DONE_RE = re.compile(r"<action>\s*done\s*</action>", re.DOTALL)

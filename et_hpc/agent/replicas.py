@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from et_hpc.agent.endpoint import _parse, probe_models, resolve_api_key
+from et_hpc.agent.endpoint import NO_KEY, _parse, probe_models, resolve_api_key
 from et_hpc.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ class Replica:
     model: str | None = None
     model_version: str | None = None
     job_id: str | None = None
-    api_key: str = field(default="EMPTY", repr=False)
+    api_key: str = field(default=NO_KEY, repr=False)
     state: str = NEW  # new (not probed yet), live, dead, gone (its file was removed)
     why: str = ""  # why it is dead
     outstanding: int = 0  # requests in flight, from every thread of the process

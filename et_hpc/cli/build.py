@@ -12,12 +12,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from et_hpc.cli.common import add_source_args, check_base_once, load_source
+from et_hpc.cli.common import add_command, add_source_args, check_base_once, load_source
 from et_hpc.errors import UserError
 from et_hpc.host.slurm import SlurmConfig, submitit_executor
 from et_hpc.images.slurm_build import BuildChunk  # noqa: F401  (submitit pickles name this path too)
 from et_hpc.images.store import ImageResult, ImageStore, default_jobs
-from et_hpc.util import format_table, one_line
+from et_hpc.util import format_table, one_line, progress_bar
 
 _check_base = check_base_once  # its old name
 
@@ -43,10 +43,9 @@ examples:
 """
 
 
-def register(subparsers: Any) -> None:
-    p = subparsers.add_parser("build", help="build task images into the shared cache (locally or on Slurm)",
-                              description=DESCRIPTION, epilog=EPILOG,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = add_command(subparsers, "build", help="build task images into the shared cache (locally or on Slurm)",
+                    description=DESCRIPTION, epilog=EPILOG)
     add_source_args(p)
     p.add_argument("--jobs", "-j", type=int, metavar="N",
                    help=f"builds at once on this node (default: half the cores, here {default_jobs()})")
@@ -161,8 +160,6 @@ def _one_line(s: str, width: int = 110) -> str:
 
 # -- Slurm -----------------------------------------------------------------------------------------
 def build_on_slurm(store: ImageStore, tasks: list[Any], args: argparse.Namespace) -> list[ImageResult]:
-    from tqdm import tqdm
-
     from et_hpc.host import slurm as watch
 
     time_min = parse_minutes(args.time)
@@ -194,7 +191,7 @@ def build_on_slurm(store: ImageStore, tasks: list[Any], args: argparse.Namespace
 
     waves = math.ceil(len(chunks) / args.array_parallelism)
     deadline_s = 60 * (args.deadline if args.deadline else time_min * waves + 10)
-    bar = tqdm(total=len(todo), desc="images", unit="task", dynamic_ncols=True)
+    bar = progress_bar(total=len(todo), desc="images", unit="task", show=True, dynamic_ncols=True)
     state = {"last": 0.0}
 
     def on_poll(states: dict[str, str]) -> None:

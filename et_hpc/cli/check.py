@@ -9,12 +9,11 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-from et_hpc.cli.common import add_source_args, check_base_once, load_source
+from et_hpc.cli.common import add_command, add_source_args, check_base_once, load_source
 from et_hpc.episode.check import CheckResult, CheckSettings, check_tasks, default_jobs, load_failure
 from et_hpc.errors import UserError
-from et_hpc.util import format_table, one_line
+from et_hpc.util import format_table, one_line, progress_bar
 
 DESCRIPTION = """\
 Check that tasks are sound: for each task, stages run in order and stop at the first failure:
@@ -40,10 +39,10 @@ examples:
 """
 
 
-def register(tasks_subparsers: Any) -> None:
-    p = tasks_subparsers.add_parser(
-        "check", help="build, start and test each task: initial tests, trivially solved, reference solution",
-        description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = add_command(
+        subparsers, "check", help="build, start and test each task: initial tests, trivially solved, reference solution",
+        description=DESCRIPTION, epilog=EPILOG
     )
     add_source_args(p)
     p.add_argument("--jobs", "-j", type=int, metavar="N",
@@ -76,8 +75,6 @@ def _one_line(s: str, width: int = 100) -> str:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
     from et_hpc.images.store import ImageStore
     from et_hpc.images.store import default_jobs as build_jobs
 
@@ -87,8 +84,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         if getattr(args, name) <= 0:
             raise UserError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be more than 0 seconds")
     res = load_source(args)
-    broken = [e for e in res.errors if getattr(e, "task_id", None)]
-    bad_input = [e for e in res.errors if not getattr(e, "task_id", None)]
+    broken = [e for e in res.errors if e.task_id]
+    bad_input = [e for e in res.errors if not e.task_id]
     if bad_input:
         raise UserError(str(bad_input[0]))
     if not res.tasks and not broken:
@@ -99,15 +96,14 @@ def cmd_check(args: argparse.Namespace) -> int:
                              test_timeout_s=args.test_timeout, solution_timeout_s=args.solution_timeout,
                              build_slots=build_jobs())
     t0 = time.monotonic()
-    results = [load_failure(e.task_id, str(e)) for e in broken]  # type: ignore[attr-defined]
-    bar = tqdm(total=len(res.tasks) + len(results), desc="checking", unit="task", file=sys.stderr,
-               dynamic_ncols=True, disable=None)
+    results = [load_failure(e.task_id, str(e)) for e in broken]
+    bar = progress_bar(total=len(res.tasks) + len(results), desc="checking", unit="task", dynamic_ncols=True)
     lock = threading.Lock()
     counts = {"ok": 0, "failed": 0}
 
     def write(line: str) -> None:
         if not args.json:
-            tqdm.write(line, file=sys.stderr)
+            bar.write(line, file=sys.stderr)
 
     def done(r: CheckResult) -> None:
         with lock:

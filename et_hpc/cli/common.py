@@ -1,4 +1,4 @@
-"""Argument helpers the command modules share: the task-source options and loading them."""
+"""Argument helpers the command modules share: subcommands, the task-source options and loading them."""
 
 from __future__ import annotations
 
@@ -14,6 +14,18 @@ SOURCE_HELP = (
     "a task folder, a folder of task folders (native and Harbor mixed), a .parquet file or a folder "
     "of them (SkyRL format), or a hub data set org/name"
 )
+
+
+def add_command(subparsers: argparse._SubParsersAction, name: str, **kw: Any) -> argparse.ArgumentParser:
+    """A subcommand whose description and epilog print as written (line breaks kept); ``kw``: help,
+    description, epilog, ... as for ``add_parser``."""
+    return subparsers.add_parser(name, formatter_class=argparse.RawDescriptionHelpFormatter, **kw)
+
+
+def add_subcommands(parser: argparse.ArgumentParser, dest: str, metavar: str = "SUBCOMMAND") -> argparse._SubParsersAction:
+    """The subcommands of ``parser``; given none, the command prints its help and exits 2."""
+    parser.set_defaults(func=lambda a: (parser.print_help(), 2)[1])
+    return parser.add_subparsers(dest=dest, metavar=metavar)
 
 
 def add_source_args(p: argparse.ArgumentParser, positional: bool = True) -> None:

@@ -8,6 +8,7 @@ a fresh run name, so the episodes really run every time.
 
 from __future__ import annotations
 
+import argparse
 import shutil
 import subprocess
 import time
@@ -21,8 +22,8 @@ from et_hpc.util import format_table
 DEMO_TASKS = paths.repo_root() / "defs" / "demo"
 
 
-def register(sub) -> None:
-    p = sub.add_parser(
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
         "demo",
         help="run the whole pipeline on the bundled demo tasks",
         description="Build the base image and the demo task images, run oracle and null episodes locally "
@@ -51,7 +52,7 @@ def _slurm_up() -> bool:
 
 
 def cmd_demo(args) -> int:
-    from et_hpc.store import RunStore
+    from et_hpc.runs.store import RunStore
 
     if not DEMO_TASKS.is_dir():
         raise UserError(f"demo tasks not found at {DEMO_TASKS}: run et-hpc from its source checkout")

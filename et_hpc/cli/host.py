@@ -7,11 +7,12 @@ import json
 import time
 from pathlib import Path
 
+from et_hpc.cli.common import add_command, add_subcommands
 from et_hpc.util import format_table
 
 
-def register(sub) -> None:
-    p = sub.add_parser(
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
         "doctor",
         help="check apptainer, rootless support, Slurm, scratch and cache",
         description="Check that this machine can build images and run episodes. Prints OK/WARN/FAIL per "
@@ -21,18 +22,17 @@ def register(sub) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_doctor)
 
-    b = sub.add_parser("base", help="build or show the base image task defs start from",
-                       description="The base image is what task defs name as 'From: ./ubuntu_22.04.sif'.")
-    bsub = b.add_subparsers(dest="base_cmd", metavar="ACTION")
-    bb = bsub.add_parser(
-        "build",
+    b = subparsers.add_parser("base", help="build or show the base image task defs start from",
+                              description="The base image is what task defs name as 'From: ./ubuntu_22.04.sif'.")
+    bsub = add_subcommands(b, "base_cmd", "ACTION")
+    bb = add_command(
+        bsub, "build",
         help="build the base image into the cache (a no-op when present)",
         description="Build the base SIF into the image cache. --source auto uses docker://ubuntu:22.04 when "
         "a registry is reachable, else builds offline from Debian's archive with mmdebstrap and a "
         "compatibility layer (defs/base/debian-compat.sh). A second run finds the cached image.",
         epilog="examples:\n  et-hpc base build\n  et-hpc base build --source debian\n"
         "  et-hpc base build --from-sif ~/ubuntu_22.04.sif   # pulled elsewhere",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     bb.add_argument("--source", choices=["auto", "docker", "debian"], default="auto",
                     help="where the base comes from (default: auto)")
@@ -45,7 +45,6 @@ def register(sub) -> None:
     bs = bsub.add_parser("show", help="show the cached base image")
     bs.add_argument("--json", action="store_true")
     bs.set_defaults(func=cmd_base_show)
-    b.set_defaults(func=lambda a: (b.print_help(), 2)[1])
 
 
 def cmd_doctor(args) -> int:

@@ -6,6 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
+from et_hpc.cli.common import add_command
+
 DESCRIPTION = """\
 Stop apptainer instances and delete overlays left on this node by et-hpc workers that died
 without cleaning up (killed by Slurm, SIGKILL, node trouble). Sandboxes whose worker process is
@@ -21,12 +23,11 @@ examples:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "reap",
+    p = add_command(
+        subparsers, "reap",
         help="stop sandboxes left by dead workers on this node",
         description=DESCRIPTION,
         epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--dry-run", action="store_true", help="only report what would be done")
     p.add_argument("--json", action="store_true", help="print the report as JSON")

@@ -6,10 +6,10 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
+from et_hpc.cli.common import add_command
 from et_hpc.errors import UserError
-from et_hpc.report import build_report, format_html, format_text
+from et_hpc.runs.report import build_report, format_html, format_text
 from et_hpc.util import atomic_write_text
 
 DESCRIPTION = """\
@@ -33,10 +33,9 @@ examples:
 """
 
 
-def register(sub: Any) -> None:
-    p = sub.add_parser("report", help="pass-rate trend over runs (table, JSON or an HTML page)",
-                       description=DESCRIPTION, epilog=EPILOG,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = add_command(subparsers, "report", help="pass-rate trend over runs (table, JSON or an HTML page)",
+                    description=DESCRIPTION, epilog=EPILOG)
     p.add_argument("store", type=Path, help="store folder holding one folder per run")
     p.add_argument("--glob", default="*", help="run names to include (shell pattern, default '*')")
     p.add_argument("--split", help="count only episodes of this task split, e.g. validation")

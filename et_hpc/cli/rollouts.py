@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from et_hpc.cli.common import add_command, add_subcommands
 from et_hpc.errors import UserError
 
 HELP = """\
@@ -26,10 +27,10 @@ examples:
 """
 
 
-def register(sub: Any) -> None:
-    p = sub.add_parser("rollouts", help="the group stream of a continuous run: tail, publish, stop",
-                       description=HELP, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    rs = p.add_subparsers(dest="rollouts_cmd", metavar="SUBCOMMAND")
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = add_command(subparsers, "rollouts", help="the group stream of a continuous run: tail, publish, stop",
+                    description=HELP, epilog=EPILOG)
+    rs = add_subcommands(p, "rollouts_cmd")
 
     t = rs.add_parser("tail", help="print groups as they arrive",
                       description="Print one line per group as workers commit them (seq, group, version, "
@@ -58,7 +59,6 @@ def register(sub: Any) -> None:
     _run_args(st)
     st.add_argument("--reason", default="stopped by hand")
     st.set_defaults(func=cmd_stop)
-    p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
 
 
 def _run_args(p: argparse.ArgumentParser) -> None:

@@ -8,8 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
+from et_hpc.cli.common import add_command
 from et_hpc.errors import UserError
 from et_hpc.host import slurm as watch
 from et_hpc.paths import find_run_dir
@@ -17,8 +16,8 @@ from et_hpc.runner.base import Outcome
 from et_hpc.runner.config import RunConfig, config_keys_text, load_config, parse_set
 from et_hpc.runner.executors import get_executor
 from et_hpc.runner.plan import NO_IMAGE, OK, Plan, make_plan, open_store, read_run_json
-from et_hpc.store import RunStore
-from et_hpc.util import format_table
+from et_hpc.runs.store import RunStore
+from et_hpc.util import format_table, pct, progress_bar
 
 RUN_HELP_TEMPLATE = """\
 Run agent episodes for every selected task, SAMPLES times each (a unit is one task and sample),
@@ -61,10 +60,9 @@ examples:
 """
 
 
-def register(sub: Any) -> None:
-    p = sub.add_parser("run", help="run episodes (locally or as Slurm arrays); resumable",
-                       description=RUN_HELP, epilog=RUN_EPILOG,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = add_command(subparsers, "run", help="run episodes (locally or as Slurm arrays); resumable",
+                    description=RUN_HELP, epilog=RUN_EPILOG)
     p.add_argument("source", nargs="?", help="task source: a folder of tasks or a parquet file")
     p.add_argument("--config", type=Path, help="YAML run config")
     p.add_argument("--tasks-dir", type=Path, help="folder of task folders")
@@ -90,9 +88,8 @@ def register(sub: Any) -> None:
     p.add_argument("--workers", type=int, help="--continuous with slurm: long-lived worker array tasks")
     p.set_defaults(func=cmd_run)
 
-    s = sub.add_parser("status", help="progress of a run: units done, array tasks, pass rate",
-                       description=STATUS_HELP, epilog=STATUS_EPILOG,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    s = add_command(subparsers, "status", help="progress of a run: units done, array tasks, pass rate",
+                    description=STATUS_HELP, epilog=STATUS_EPILOG)
     s.add_argument("run", help="run directory, or run name inside --store")
     s.add_argument("--store", type=Path, help="store root used to find a run by name")
     s.add_argument("--json", action="store_true", help="print as JSON")
@@ -177,7 +174,7 @@ def _print_summary(title: str, info: dict[str, Any], as_json: bool) -> None:
     rate = info.get("pass_rate")
     rows = [[k, v] for k, v in info.items()
             if k not in ("pass_rate", "array_tasks", "missing_units", "no_image_tasks")]
-    rows.append(["pass_rate", f"{100 * rate:.1f}%" if rate is not None else "-"])
+    rows.append(["pass_rate", pct(rate)])
     print(title)
     print(format_table(["", "value"], rows))
 
@@ -263,8 +260,8 @@ def _execute(plan: Plan, store: Any, detach: bool) -> Outcome:
 
     def progress(done: int, c: dict[str, int]) -> None:
         if not bars:
-            bars.append(tqdm(total=len(set(plan.units)), desc=f"slurm {plan.cfg.run_name()}", unit="ep",
-                             file=sys.stderr, dynamic_ncols=True))
+            bars.append(progress_bar(total=len(set(plan.units)), desc=f"slurm {plan.cfg.run_name()}", unit="ep",
+                                     show=True, dynamic_ncols=True))
         bar = bars[0]
         bar.set_postfix_str(f"tasks q{c['queued']} r{c['running']} done{c['done']} fail{c['failed']}", refresh=False)
         bar.update(done - bar.n)
@@ -345,7 +342,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.capacity:
         import os
 
-        from et_hpc.capacity import run_capacity
+        from et_hpc.runs.capacity import run_capacity
 
         cap = run_capacity(open_store(run_dir), cores=opts["cores"] or os.cpu_count() or 1,
                            nodes=[opts["nodes"]] if opts["nodes"] else None,
@@ -366,7 +363,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             info[f"queue.{k}"] = "-" if v is None else v
     _print_summary(f"run {info['run']}", info, False)
     if cap is not None:
-        from et_hpc.capacity import format_capacity
+        from et_hpc.runs.capacity import format_capacity
 
         print()
         print(format_capacity(cap))

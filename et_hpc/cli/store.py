@@ -7,9 +7,8 @@ import sys
 import textwrap
 
 from et_hpc import util
+from et_hpc.cli.common import add_command, add_subcommands
 from et_hpc.util import format_table
-
-_RAW = argparse.RawDescriptionHelpFormatter
 
 
 def _wrap(text: str) -> str:
@@ -17,39 +16,35 @@ def _wrap(text: str) -> str:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    store = subparsers.add_parser(
-        "store",
+    store = add_command(
+        subparsers, "store",
         help="inspect and compact a run's parquet store",
         description=_wrap("A run's episodes live in RUN_DIR as part-*.parquet shards, one per finished "
         "episode or small batch. 'summary' counts them; 'compact' merges small shards."),
-        formatter_class=_RAW,
         epilog="examples:\n  et-hpc store summary et-hpc-runs/nightly-0412\n"
         "  et-hpc store compact et-hpc-runs/nightly-0412",
     )
-    store.set_defaults(func=lambda a: (store.print_help(), 2)[1])
-    ssub = store.add_subparsers(dest="store_command", metavar="SUBCOMMAND")
+    ssub = add_subcommands(store, "store_command")
 
-    p = ssub.add_parser(
-        "summary",
+    p = add_command(
+        ssub, "summary",
         help="episodes per status, pass rate and mean reward of a run",
         description=_wrap("Count a run's episodes after dedupe (one record per task and sample; an ok "
         "record beats an error record). pass rate = ok episodes with reward 1 / ok episodes."),
-        formatter_class=_RAW,
         epilog="example:\n  et-hpc store summary et-hpc-runs/my-run --json | jq .pass_rate",
     )
     p.add_argument("run_dir", metavar="RUN_DIR", help="the run's folder (inside the store, e.g. et-hpc-runs/my-run)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(func=_summary)
 
-    p = ssub.add_parser(
-        "compact",
+    p = add_command(
+        ssub, "compact",
         help="merge small shards into big ones (safe while the run is read or written)",
         description=_wrap("Merge small part-*.parquet shards into shards of about --target-rows rows. "
         "Each merged shard is written before its inputs are deleted, so readers never miss an "
         "episode; shards written meanwhile are left for the next compaction. Leftover .tmp-* files "
         "older than an hour (killed writers) are removed. Reading 100k episodes from thousands "
         "of one-episode shards is slow; after compaction it takes about a second."),
-        formatter_class=_RAW,
         epilog="example:\n  et-hpc store compact et-hpc-runs/my-run --target-rows 16384",
     )
     p.add_argument("run_dir", metavar="RUN_DIR", help="the run's folder")
@@ -57,21 +52,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=_compact)
 
-    exp = subparsers.add_parser(
-        "export",
+    exp = add_command(
+        subparsers, "export",
         help="write a run's ok episodes for a trainer (Atropos JSONL, SkyRL/verl parquet)",
         description=_wrap("Export the ok episodes of a run (deduped) in a trainer's format, group by "
         "group (a task under one run and one policy version). A group with an episode that "
         "ended in an error is left out whole by default. The counts are printed."),
-        formatter_class=_RAW,
         epilog="examples:\n  et-hpc export atropos et-hpc-runs/my-run -o groups.jsonl\n"
         "  et-hpc export skyrl et-hpc-runs/my-run -o episodes.parquet",
     )
-    exp.set_defaults(func=lambda a: (exp.print_help(), 2)[1])
-    esub = exp.add_subparsers(dest="export_format", metavar="FORMAT")
+    esub = add_subcommands(exp, "export_format", "FORMAT")
 
-    p = esub.add_parser(
-        "atropos",
+    p = add_command(
+        esub, "atropos",
         help="Atropos ScoredDataGroup JSONL, one group per task",
         description=_wrap("One ScoredDataGroup per line: the ok samples of one group (a task under "
         "one run and one policy version) with tokens, masks (-100 on prompt and tool-output "
@@ -80,19 +73,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "episode that ended in an error is left out whole (--on-error keep-ok keeps its ok "
         "episodes). Groups whose scores are all equal are dropped (as Atropos does) unless "
         "--keep-equal-scores. The counts are printed."),
-        formatter_class=_RAW,
         epilog="examples:\n  et-hpc export atropos et-hpc-runs/my-run -o data/endless.jsonl\n"
         "  et-hpc export atropos et-hpc-runs/my-run -o all.jsonl --keep-equal-scores --on-error keep-ok",
     )
-    p.add_argument("run_dir", metavar="RUN_DIR", help="the run's folder")
-    p.add_argument("-o", "--output", required=True, help="the JSONL file to write")
-    _group_args(p)
+    _export_args(p, "the JSONL file to write")
     p.add_argument("--keep-equal-scores", action="store_true", help="also write groups whose scores are all equal")
     p.add_argument("--json", action="store_true", help="print what was written as JSON")
     p.set_defaults(func=_export_atropos)
 
-    p = esub.add_parser(
-        "skyrl",
+    p = add_command(
+        esub, "skyrl",
         help="SkyRL/verl-style parquet, one row per ok episode",
         description=_wrap("One row per ok episode of the kept groups. SkyRL GeneratorOutput columns: "
         "prompt_token_ids, response_ids, loss_masks (1 on completion tokens, 0 on tool output), "
@@ -101,30 +91,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "('endless'), prompt and messages (lists of {role, content}), env_class, ability, reward, "
         "reward_spec, reward_model, extra_info (task_id, sample, turns, ...). A group with an "
         "episode that ended in an error is left out whole unless --on-error keep-ok."),
-        formatter_class=_RAW,
         epilog="examples:\n  et-hpc export skyrl et-hpc-runs/my-run -o episodes.parquet\n"
         "  et-hpc export skyrl et-hpc-runs/my-run -o grpo.parquet --drop-zero-variance",
     )
-    p.add_argument("run_dir", metavar="RUN_DIR", help="the run's folder")
-    p.add_argument("-o", "--output", required=True, help="the parquet file to write")
-    _group_args(p)
+    _export_args(p, "the parquet file to write")
     p.add_argument("--drop-zero-variance", action="store_true", help="leave out groups whose scores are all equal")
     p.add_argument("--json", action="store_true", help="print what was written as JSON")
     p.set_defaults(func=_export_skyrl)
 
 
-def _group_args(p: argparse.ArgumentParser) -> None:
+def _export_args(p: argparse.ArgumentParser, output_help: str) -> None:
+    """RUN_DIR, -o and --on-error: what every export format takes."""
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run's folder")
+    p.add_argument("-o", "--output", required=True, help=output_help)
     p.add_argument("--on-error", choices=["mask", "keep-ok"], default="mask",
                    help="a group with an episode that ended in an error: leave it out whole (mask, "
                    "the default) or keep its ok episodes (keep-ok)")
 
 
-def _fmt(x: float | None, pct: bool = False) -> str:
-    return util.pct(x) if pct else util.num(x, "{:.3f}")
-
-
 def _summary(args: argparse.Namespace) -> int:
-    from et_hpc.store import open_run
+    from et_hpc.runs.store import open_run
 
     s = open_run(args.run_dir).summary()
     if args.json:
@@ -135,8 +121,8 @@ def _summary(args: argparse.Namespace) -> int:
     if s.planned_units is not None:
         print(f"planned: {s.planned_units}")
     print(format_table(["status", "episodes"], rows))
-    print(f"pass rate {_fmt(s.pass_rate, True)}  mean reward {_fmt(s.mean_reward)}  "
-          f"mean test fraction {_fmt(s.mean_test_fraction)}")
+    print(f"pass rate {util.pct(s.pass_rate)}  mean reward {util.num(s.mean_reward, '{:.3f}')}  "
+          f"mean test fraction {util.num(s.mean_test_fraction, '{:.3f}')}")
     if s.groups is not None:
         g = s.groups
         print(f"groups {g.total}: {g.complete} complete, {g.masked} masked (an episode ended in an error), "
@@ -146,7 +132,7 @@ def _summary(args: argparse.Namespace) -> int:
 
 def _compact(args: argparse.Namespace) -> int:
     from et_hpc.errors import UserError
-    from et_hpc.store import DEFAULT_TARGET_ROWS, open_run
+    from et_hpc.runs.store import DEFAULT_TARGET_ROWS, open_run
 
     target = args.target_rows or DEFAULT_TARGET_ROWS
     if target < 1:
@@ -169,8 +155,8 @@ def _report_export(res, args: argparse.Namespace) -> int:
 
 
 def _export_atropos(args: argparse.Namespace) -> int:
-    from et_hpc.export import export_atropos
-    from et_hpc.store import open_run
+    from et_hpc.runs.export import export_atropos
+    from et_hpc.runs.store import open_run
 
     res = export_atropos(open_run(args.run_dir), args.output, on_error=args.on_error,
                          drop_zero_variance=not args.keep_equal_scores, progress=True)
@@ -178,8 +164,8 @@ def _export_atropos(args: argparse.Namespace) -> int:
 
 
 def _export_skyrl(args: argparse.Namespace) -> int:
-    from et_hpc.export import export_skyrl
-    from et_hpc.store import open_run
+    from et_hpc.runs.export import export_skyrl
+    from et_hpc.runs.store import open_run
 
     res = export_skyrl(open_run(args.run_dir), args.output, on_error=args.on_error,
                        drop_zero_variance=args.drop_zero_variance, progress=True)

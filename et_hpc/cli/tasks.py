@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-from et_hpc.cli.common import SOURCE_HELP, add_source_args, load_source
+from et_hpc.cli.common import SOURCE_HELP, add_command, add_source_args, add_subcommands, load_source
 from et_hpc.errors import TaskError, UserError
 from et_hpc.util import format_table
 
@@ -150,31 +150,30 @@ examples:
 """
 
 
-def register(subparsers) -> None:
+def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "tasks", help="list and inspect task sources",
         description="Find tasks in folders (native and Harbor layouts) and SkyRL parquet files.",
     )
-    sub = p.add_subparsers(dest="tasks_command", metavar="SUBCOMMAND")
-    p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
+    sub = add_subcommands(p, "tasks_command")
 
-    pl = sub.add_parser(
-        "list", help="table of the tasks a source holds",
+    pl = add_command(
+        sub, "list", help="table of the tasks a source holds",
         description="List tasks: id, layout, recipe kind, number of test files, reference solution, "
         "recorded runs, split and limits. Per-task load errors go to stderr, one line each; the exit "
         "status is 2 when there was any.",
-        epilog=LIST_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=LIST_EXAMPLES
     )
     add_source_args(pl)
     pl.add_argument("--validate", action="store_true", help="also parse every recipe (def or Dockerfile) and report problems")
     pl.add_argument("--json", action="store_true", help="machine-readable output (no truth)")
     pl.set_defaults(func=cmd_list)
 
-    ps = sub.add_parser(
-        "show", help="everything about one task, with its normalised recipe",
+    ps = add_command(
+        sub, "show", help="everything about one task, with its normalised recipe",
         description="Show one task: files, limits, metadata, prompt, and the recipe as it will be built "
         "(with the list of rewrites made to it). The privileged truth is hidden unless --truth.",
-        epilog=SHOW_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=SHOW_EXAMPLES
     )
     ps.add_argument("id", metavar="ID", help="task id (the folder name)")
     ps.add_argument("source", nargs="?", metavar="SOURCE", help=SOURCE_HELP + " (default: --tasks-dir)")

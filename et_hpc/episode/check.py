@@ -33,6 +33,7 @@ from pydantic import BaseModel, Field
 
 from et_hpc.errors import InfraError, UserError
 from et_hpc.sandbox.config import DEFAULT_OVERLAY_MB
+from et_hpc.util import file_tail, tail_lines
 
 log = logging.getLogger(__name__)
 
@@ -80,28 +81,13 @@ class _Failed(Exception):
         self.tail = tail or []
 
 
-def _tail(text: str | None, n: int = TAIL_LINES) -> list[str]:
-    lines = [ln.rstrip() for ln in (text or "").splitlines() if ln.strip()]
-    return [ln[:200] for ln in lines[-n:]]
-
-
 def _pytest_tail(text: str | None, n: int = TAIL_LINES) -> list[str]:
     """The assertion lines (``E   ...``) of a pytest run and its closing line, else its last lines."""
-    lines = [ln.rstrip() for ln in (text or "").splitlines()
-             if ln.strip() and not _PYTEST_NOISE.match(ln.strip())]
+    lines = tail_lines(text, drop=lambda ln: bool(_PYTEST_NOISE.match(ln.strip())))
     errs = [ln for ln in lines if ln.startswith("E ")]
     if not errs:
         return [ln[:200] for ln in lines[-n:]]
     return [ln[:200] for ln in errs[: n - 1] + lines[-1:]]
-
-
-def _file_tail(path: Path | None, n: int = TAIL_LINES) -> list[str]:
-    if path is None:
-        return []
-    try:
-        return _tail(Path(path).read_text(errors="replace"), n)
-    except OSError:
-        return []
 
 
 def _failed_at(record: Path) -> float:
@@ -179,7 +165,7 @@ class _Checker:
         before = r.key is not None and _failed_at(self.store.failed_path(r.key)) < started
         again = " (failed in an earlier build; --retry-failed builds it again)" if before else ""
         log_note = f"; log: {r.log_path}" if r.log_path and Path(r.log_path).exists() else ""
-        raise _Failed(f"{r.reason or 'build failed'}{again}{log_note}", _file_tail(r.log_path))
+        raise _Failed(f"{r.reason or 'build failed'}{again}{log_note}", file_tail(r.log_path, TAIL_LINES, width=200))
 
     def _sandbox(self) -> Any:
         from et_hpc.sandbox.sandbox import Sandbox
@@ -253,7 +239,7 @@ class _Checker:
         if sc.status != "ok":
             raise _Failed(f"after solve.sh ({ran}) the final tests could not run: {sc.error}", _pytest_tail(sc.output_tail))
         if sc.reward != 1.0:
-            tail = [f"solve.sh: {ln}" for ln in _tail(out.output, 3)] + _pytest_tail(sc.output_tail, TAIL_LINES - 2)
+            tail = [f"solve.sh: {ln}" for ln in tail_lines(out.output, 3, width=200)] + _pytest_tail(sc.output_tail, TAIL_LINES - 2)
             raise _Failed(f"solution/solve.sh ({ran}) does not solve the task: {_failing_tests(sc)}", tail)
         return "ok"
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from et_hpc.errors import InfraError, UserError
+from et_hpc.util import as_text, tail_lines
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +54,8 @@ def host_env() -> dict[str, str]:
 
 
 def _tail(text: str | bytes | None, n: int = 800) -> str:
-    if text is None:
-        return ""
-    if isinstance(text, bytes):
-        text = text.decode("utf-8", "replace")
-    lines = [ln for ln in text.strip().splitlines() if not ln.startswith("INFO:")]
-    return "\n".join(lines)[-n:]
+    """The last ``n`` characters of apptainer's stderr without its ``INFO:`` lines."""
+    return "\n".join(tail_lines(as_text(text).strip(), raw=True, drop=lambda ln: ln.startswith("INFO:")))[-n:]
 
 
 def run(

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from et_hpc import paths
 from et_hpc.errors import UserError
-from et_hpc.host import apptainer
+from et_hpc.host import apptainer, slurm
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
 MIN_APPTAINER = (1, 3)
@@ -168,13 +168,11 @@ def check_slurm() -> list[Check]:
                       "check slurmctld is up (scontrol ping); on Debian test hosts: sudo scripts/provision-debian")]
     parts = r.stdout.split()
     out = [Check("slurm", OK, f"partition {parts[0] if parts else '?'}: " + " ".join(parts[1:4]))]
-    cfg = _run(["scontrol", "show", "config"])
-    text = cfg.stdout if cfg and cfg.returncode == 0 else ""
-    m = re.search(r"^MaxArraySize\s*=\s*(\d+)", text, re.M)
-    out.append(Check("slurm MaxArraySize", OK if m else WARN, m.group(1) if m else "unknown",
-                     "" if m else "et-hpc assumes 1001 and splits larger runs into several arrays"))
-    m = re.search(r"^AccountingStorageType\s*=\s*(\S+)", text, re.M)
-    acct = m.group(1) if m else "unknown"
+    conf = slurm.scontrol_config(timeout=10)
+    size = re.match(r"\d+", conf.get("MaxArraySize", ""))
+    out.append(Check("slurm MaxArraySize", OK if size else WARN, size.group(0) if size else "unknown",
+                     "" if size else "et-hpc assumes 1001 and splits larger runs into several arrays"))
+    acct = (conf.get("AccountingStorageType") or "unknown").split()[0]
     if "none" in acct or acct == "unknown":
         out.append(Check("slurm accounting", WARN, f"{acct}: sacct unavailable",
                          "et-hpc falls back to squeue to watch jobs; killed jobs are detected when they leave the queue"))

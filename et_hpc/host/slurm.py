@@ -1,4 +1,5 @@
-"""Watching Slurm array tasks without ever hanging.
+"""Slurm's commands, each with a timeout so et-hpc never hangs on them: ``query`` (squeue, sacct,
+scontrol, sacctmgr) and what is built on it, chiefly watching array tasks.
 
 State comes from ``squeue`` (live jobs) and ``sacct`` (finished jobs, when accounting exists).
 A task known to neither, while squeue answers, has ended (purged after MinJobAge): a task that
@@ -12,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -50,9 +52,11 @@ def ended(state: str) -> bool:
     return category(state) in ("done", "failed")
 
 
-def _run(cmd: list[str]) -> str | None:
+def query(cmd: list[str], timeout: float = CMD_TIMEOUT_S) -> str | None:
+    """stdout of a Slurm command (squeue, sacct, scontrol, sacctmgr); None when it is missing, fails
+    or does not answer within ``timeout``; "" for job ids Slurm no longer knows."""
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=CMD_TIMEOUT_S)
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired) as e:
         log.debug("%s failed: %s", cmd[0], e)
         return None
@@ -62,6 +66,21 @@ def _run(cmd: list[str]) -> str | None:
             return ""
         return None
     return r.stdout
+
+
+def parse_scontrol_config(text: str) -> dict[str, str]:
+    """``Key = value`` lines of ``scontrol show config`` -> ``{Key: value}``."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        m = re.match(r"^(\w[\w/.-]*)\s*=\s*(.*?)\s*$", line)
+        if m:
+            out.setdefault(m.group(1), m.group(2))
+    return out
+
+
+def scontrol_config(timeout: float = CMD_TIMEOUT_S) -> dict[str, str]:
+    """Slurm's configuration (``scontrol show config``); ``{}`` when Slurm does not answer."""
+    return parse_scontrol_config(query(["scontrol", "show", "config"], timeout) or "")
 
 
 _RANGE = re.compile(r"^(\d+)_\[([^\]]+)\]$")
@@ -94,12 +113,12 @@ def _parse(text: str) -> dict[str, str]:
 
 
 def squeue_states(array_ids: list[str]) -> dict[str, str] | None:
-    out = _run(["squeue", "-h", "--array", "--states=all", "-o", "%i|%T", "-j", ",".join(array_ids)])
+    out = query(["squeue", "-h", "--array", "--states=all", "-o", "%i|%T", "-j", ",".join(array_ids)])
     return None if out is None else _parse(out)
 
 
 def sacct_states(array_ids: list[str]) -> dict[str, str] | None:
-    out = _run(["sacct", "-n", "-P", "-X", "-o", "JobID,State", "-j", ",".join(array_ids)])
+    out = query(["sacct", "-n", "-P", "-X", "-o", "JobID,State", "-j", ",".join(array_ids)])
     return None if out is None else _parse(out)
 
 
@@ -145,17 +164,29 @@ def wait_tasks(expected: list[str], *, poll_s: float = 10.0, timeout_s: float | 
         time.sleep(poll_s if end is None else max(0.0, min(poll_s, end - time.monotonic())))
 
 
+def job_state(job_id: str | None) -> str | None:
+    """One job's state from ``squeue`` ("PENDING", "RUNNING", ...); "gone" when squeue does not list
+    it (or fails); None without squeue or when it does not answer in 15 s."""
+    if not job_id or not shutil.which("squeue"):
+        return None
+    try:
+        r = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%T"], capture_output=True,
+                           text=True, timeout=15)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    state = r.stdout.strip()
+    if r.returncode == 0 and state:
+        return state.splitlines()[0]
+    return "gone"
+
+
 def slurm_job_ending() -> bool:
     """Inside a Slurm job that is being cancelled, preempted or timed out? (Then a failed build was
     killed from outside: apptainer reports its killed children as a plain exit 1.)"""
     job = os.environ.get("SLURM_JOB_ID")
     if not job:
         return False
-    try:
-        out = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, timeout=20).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    m = re.search(r"JobState=(\S+)", out)
+    m = re.search(r"JobState=(\S+)", query(["scontrol", "show", "job", job], timeout=20) or "")
     return bool(m) and m.group(1) not in ("RUNNING", "COMPLETED", "FAILED")
 
 

@@ -48,7 +48,7 @@ from et_hpc.errors import UserError
 from et_hpc.host import slurm as watch
 from et_hpc.host.apptainer import exe as apptainer_exe
 from et_hpc.images.lock import BuildLock, LockInfo, LockTimeout
-from et_hpc.util import atomic_write_text, fsync_dir, sha256_file
+from et_hpc.util import atomic_write_text, file_tail, fsync_dir, progress_bar, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -586,7 +586,7 @@ class ImageStore:
                 atomic_write_text(self.meta_path(key), json.dumps(meta, indent=1))
                 self.failed_path(key).unlink(missing_ok=True)
                 return ImageResult(task_id=tid, key=key, status="built", path=sif, digest=digest, log_path=logf)
-            tail = _tail(logf, s.keep_failed_logs_lines)
+            tail = file_tail(logf, s.keep_failed_logs_lines, raw=True)
             if reason is None and (interrupted(rc, tail) or watch.slurm_job_ending()):
                 # Killed from outside (scancel, preemption, OOM, Ctrl-C): not the recipe's fault, so no
                 # failure record; the next ensure builds again.
@@ -594,7 +594,7 @@ class ImageStore:
                 return ImageResult(task_id=tid, key=key, status="failed", log_path=logf,
                                    reason=f"build interrupted by a signal (exit {rc}); not recorded, will be retried")
             if reason is None:
-                reason = failure_reason(_tail(logf, 300)) or f"apptainer build exited with status {rc}"
+                reason = failure_reason(file_tail(logf, 300, raw=True)) or f"apptainer build exited with status {rc}"
             rec = {"key": key, "task_id": tid, "reason": reason, "exit_code": rc, "failed_at": _now(),
                    "failed_at_epoch": time.time(), "host": host, "seconds": round(time.monotonic() - t0, 2),
                    "log": str(logf), "log_tail": tail}
@@ -658,9 +658,7 @@ class ImageStore:
         results: list[ImageResult | None] = [None] * len(tasks)
         bar = None
         if progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(tasks), desc="images", unit="task", dynamic_ncols=True)
+            bar = progress_bar(total=len(tasks), desc="images", unit="task", show=True, dynamic_ncols=True)
         counts: dict[str, int] = {}
 
         def one(i: int) -> None:
@@ -759,14 +757,6 @@ def _task_id(task: Any) -> str:
 
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-
-
-def _tail(path: Path, n: int) -> list[str]:
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return []
-    return lines[-n:]
 
 
 def _fsync_file(path: Path) -> None:

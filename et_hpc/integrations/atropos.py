@@ -13,7 +13,7 @@ instance after the agent stops. Every episode is also written to et-hpc's run st
 (``store``/``run_name``), so ``et-hpc store summary`` and the exports see the same data.
 
 A group (``collect_trajectories``) is ``group_size`` episodes of one task, turned into a
-``ScoredDataGroup`` by ``et_hpc.export.atropos_group`` (tokens, masks ``-100`` on prompt and
+``ScoredDataGroup`` by ``et_hpc.runs.export.atropos_group`` (tokens, masks ``-100`` on prompt and
 tool-output positions, scores = the episodes' rewards, ``inference_logprobs``) and checked with
 ``validate_atropos_group``. Failures are handled as in the store's group selection:
 
@@ -50,11 +50,11 @@ from et_hpc.agent.base import DEFAULT_MAX_TOKENS
 from et_hpc.agent.loop import Budgets
 from et_hpc.agent.policies import PolicyConfig
 from et_hpc.errors import UserError
-from et_hpc.export import atropos_group, validate_atropos_group
 from et_hpc.record import EpisodeRecord, solved
 from et_hpc.runner.config import RunConfig, SandboxOptions
+from et_hpc.runs.export import atropos_group, validate_atropos_group
+from et_hpc.runs.store import RunStore, Store
 from et_hpc.sandbox.config import DEFAULT_OVERLAY_MB
-from et_hpc.store import RunStore, Store
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ class EndlessTerminalsEnv(BaseEnv):
         return list(range(first, first + n))
 
     def _episode(self, task: Any, sample: int, cfg: RunConfig) -> EpisodeRecord:
-        from et_hpc.episode import run_episode
+        from et_hpc.episode.run import run_episode
 
         return run_episode(task, sample, cfg, self.images[task.id], stop=self._stop)
 

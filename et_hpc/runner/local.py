@@ -34,6 +34,7 @@ from et_hpc.record import EpisodeRecord
 from et_hpc.runner.base import Notify, Outcome, Progress
 from et_hpc.runner.config import RunConfig
 from et_hpc.runner.plan import OK, Plan, Unit, open_store, rec_get, rec_passed
+from et_hpc.util import progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ def episode_runner(task: Any, sample: int, cfg: RunConfig, image: Any, stop: thr
     ``warm``: a reserved warm sandbox (et_hpc.sandbox.warm.Ticket), passed only to runners that
     set ``uses_warm_pool``; other unit runners are called as ``(task, sample, cfg, image, stop)``.
     """
-    from et_hpc.episode import run_episode  # imported here: it pulls in the sandbox and agent code
+    from et_hpc.episode.run import run_episode  # imported here: it pulls in the sandbox and agent code
 
     return run_episode(task, sample, cfg, image, stop=stop, warm=warm)
 
@@ -73,7 +74,7 @@ class Warming:
 
     @staticmethod
     def spec(task: Any, cfg: RunConfig, image: Any) -> Any:
-        from et_hpc.episode import sandbox_spec
+        from et_hpc.episode.run import sandbox_spec
 
         return sandbox_spec(task, cfg, image)
 
@@ -298,8 +299,8 @@ def run_local(plan: Plan, runner: UnitRunner | None = None, *, store: Any = None
         from et_hpc.paths import scratch_dir
 
         scratch_dir()  # a scratch directory we must not use: one line and exit 2 before any episode
-    bar = tqdm(total=len(items), desc=f"run {cfg.run_name()}", unit="ep", file=sys.stderr,
-               disable=not progress, dynamic_ncols=True)
+    bar = progress_bar(total=len(items), desc=f"run {cfg.run_name()}", unit="ep", show=bool(progress),
+                       dynamic_ncols=True)
     pool = UnitPool(items, runner, cfg, store, cfg.node_concurrency(), stop, bar, ready_at=plan.planned_at)
     try:
         with stop_on_signals(stop) if handle_signals else contextlib.nullcontext():

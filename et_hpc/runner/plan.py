@@ -13,7 +13,7 @@ Tasks without an image never stop a run:
   and so does a run where no selected task has an image. ``strict`` (``--strict``) refuses on any
   missing or failed image, as before.
 
-Also home of ``open_store`` (the run's :class:`~et_hpc.store.RunStore`) and of ``run.json``,
+Also home of ``open_store`` (the run's :class:`~et_hpc.runs.store.RunStore`) and of ``run.json``,
 the run's description (config + plan summary) in the run directory.
 """
 
@@ -30,7 +30,7 @@ from typing import Any
 from et_hpc.errors import UserError
 from et_hpc.record import solved
 from et_hpc.runner.config import RunConfig
-from et_hpc.store import RunStore
+from et_hpc.runs.store import RunStore
 from et_hpc.util import atomic_write_text
 
 log = logging.getLogger(__name__)

@@ -6,9 +6,9 @@ concurrency. On preemption or timeout submitit calls ``checkpoint()``, which int
 episodes and requeues the same chunk. Submissions are saved in ``<run_dir>/jobs.json``.
 
 Before submitting, :func:`submit_limits` asks Slurm how many more array tasks it accepts (the
-queries of the cluster's limits live here: ``scontrol show config`` for MaxArraySize and
-MaxJobCount, ``sacctmgr`` for the association's and QOS's MaxSubmitJobs limits, ``squeue`` for
-what is queued already). A run that needs more is refused in one line naming the
+queries of the cluster's limits live here, each run through ``et_hpc.host.slurm.query``:
+``scontrol show config`` for MaxArraySize and MaxJobCount, ``sacctmgr`` for the association's and
+QOS's MaxSubmitJobs limits, ``squeue`` for what is queued already). A run that needs more is refused in one line naming the
 ``slurm.units_per_task`` that fits, instead of sbatch retrying and failing. Missing answers
 (no accounting, a query that fails) mean "no such limit"; ``slurm.max_submit_jobs`` caps it by hand.
 """
@@ -20,9 +20,6 @@ import json
 import logging
 import math
 import os
-import re
-import shutil
-import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
@@ -117,27 +114,6 @@ DEFAULT_MAX_ARRAY_SIZE = 1001  # Slurm's defaults, when scontrol does not answer
 DEFAULT_MAX_JOB_COUNT = 10000
 
 
-def _query(args: list[str], timeout: float = 30) -> str | None:
-    """stdout of a Slurm query, or None when the command is missing, fails or hangs."""
-    if not shutil.which(args[0]):
-        return None
-    try:
-        r = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return r.stdout if r.returncode == 0 else None
-
-
-def parse_scontrol_config(text: str) -> dict[str, str]:
-    """``Key = value`` lines of ``scontrol show config`` -> ``{Key: value}``."""
-    out: dict[str, str] = {}
-    for line in text.splitlines():
-        m = re.match(r"^(\w[\w/.-]*)\s*=\s*(.*?)\s*$", line)
-        if m:
-            out.setdefault(m.group(1), m.group(2))
-    return out
-
-
 def parse_sacctmgr(text: str, fields: list[str]) -> list[dict[str, str]]:
     """Rows of ``sacctmgr -n -P show ... format=<fields>`` as dicts (empty string: no limit)."""
     rows = []
@@ -158,13 +134,12 @@ def _int(v: Any) -> int | None:
 
 def max_array_size() -> int:
     """Slurm's MaxArraySize (an array holds indices 0..MaxArraySize-1)."""
-    conf = parse_scontrol_config(_query(["scontrol", "show", "config"]) or "")
-    return _int(conf.get("MaxArraySize")) or DEFAULT_MAX_ARRAY_SIZE
+    return _int(watch.scontrol_config().get("MaxArraySize")) or DEFAULT_MAX_ARRAY_SIZE
 
 
 def _count_jobs(*filters: str) -> int | None:
     """Jobs in the queue matching squeue ``filters``, each array task counted (as Slurm does)."""
-    out = _query(["squeue", "-h", "-r", "-o", "%i", *filters])
+    out = watch.query(["squeue", "-h", "-r", "-o", "%i", *filters])
     return None if out is None else len([ln for ln in out.splitlines() if ln.strip()])
 
 
@@ -188,7 +163,7 @@ class SubmitLimits:
 def submit_limits(cfg: RunConfig) -> SubmitLimits:
     """Query Slurm for the limits on how many array tasks this run may queue (see module doc)."""
     s = cfg.slurm
-    conf = parse_scontrol_config(_query(["scontrol", "show", "config"]) or "")
+    conf = watch.scontrol_config()
     real_size = _int(conf.get("MaxArraySize")) or DEFAULT_MAX_ARRAY_SIZE
     lim = SubmitLimits(max_array_size=min(s.max_array_size, real_size) if s.max_array_size else real_size)
     if s.max_submit_jobs:
@@ -199,12 +174,12 @@ def submit_limits(cfg: RunConfig) -> SubmitLimits:
     lim.add(_int(conf.get("MaxJobCount")) or DEFAULT_MAX_JOB_COUNT, _count_jobs(), "MaxJobCount")
     mine: int | None = None
     account, qos = s.account, s.qos
-    users = parse_sacctmgr(_query(["sacctmgr", "-n", "-P", "show", "user", user,
+    users = parse_sacctmgr(watch.query(["sacctmgr", "-n", "-P", "show", "user", user,
                                    "format=User,DefaultAccount"]) or "", ["user", "account"])
     account = account or (users[0]["account"] if users else None)
     if account:
         fields = ["account", "user", "partition", "max_submit", "grp_submit", "default_qos"]
-        out = _query(["sacctmgr", "-n", "-P", "show", "assoc", "where", f"user={user}", f"account={account}",
+        out = watch.query(["sacctmgr", "-n", "-P", "show", "assoc", "where", f"user={user}", f"account={account}",
                       "format=Account,User,Partition,MaxSubmit,GrpSubmit,DefaultQOS"]) or ""
         for r in parse_sacctmgr(out, fields):
             if r["user"] != user or r["partition"] not in ("", s.partition or ""):
@@ -217,7 +192,7 @@ def submit_limits(cfg: RunConfig) -> SubmitLimits:
     qos = qos or ("normal" if account else None)
     if qos:
         fields = ["name", "max_submit_pu", "max_submit_pa", "grp_submit"]
-        out = _query(["sacctmgr", "-n", "-P", "show", "qos", qos, "format=Name,MaxSubmitPU,MaxSubmitPA,GrpSubmit"]) or ""
+        out = watch.query(["sacctmgr", "-n", "-P", "show", "qos", qos, "format=Name,MaxSubmitPU,MaxSubmitPA,GrpSubmit"]) or ""
         for r in parse_sacctmgr(out, fields):
             if r["name"] != qos:
                 continue

@@ -35,6 +35,8 @@ from et_hpc.host.procfs import stat as _stat
 
 log = logging.getLogger(__name__)
 
+OUTPUT_LIMIT_CHARS = 50_000  # characters of one command's output kept (the rest is cut)
+
 _READ_SIZE = 1 << 16
 _SLACK = 1 << 16  # bytes kept beyond the tail so the end marker (and job list) is always seen
 _KILL_GRACE_S = 3.0  # how long to wait for the shell after killing a timed-out command
@@ -202,7 +204,7 @@ class Shell:
         argv: list[str],
         *,
         home: str = "/home/user",
-        output_limit: int = 50_000,
+        output_limit: int = OUTPUT_LIMIT_CHARS,
         env: dict[str, str] | None = None,
         killer: Callable[[int], None] | None = None,
         init: str | None = None,

@@ -144,8 +144,7 @@ def load_parquet(
         try:
             task = load_task_folder(folder)
         except TaskError as e:
-            e.task_id = name  # type: ignore[attr-defined]
-            errors.append(e)
+            errors.append(TaskError(str(e), task_id=name))
             continue
         meta = dict(task.metadata)
         meta.update(parquet=str(source), row=i, task_dir=ref)

@@ -9,7 +9,6 @@ tasks load; a missing source or tasks dir raises ``UserError`` for the whole loa
 from __future__ import annotations
 
 import logging
-import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +20,7 @@ from et_hpc.tasks import dataset, filters
 from et_hpc.tasks.bases import default_base_map
 from et_hpc.tasks.folder import is_task_folder, load_task_folder  # noqa: F401  (re-exported)
 from et_hpc.tasks.model import Task
+from et_hpc.util import progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +63,7 @@ def validate_recipe(task: Task, base_map: dict[str, Path] | None = None) -> None
 def _progress(items: list, desc: str, enabled: bool):
     if not enabled or len(items) < 50:
         return items
-    from tqdm import tqdm
-
-    return tqdm(items, desc=desc, unit="task", file=sys.stderr, disable=None, leave=False)
+    return progress_bar(items, desc=desc, unit="task", leave=False)
 
 
 def load_tasks(
@@ -131,7 +129,7 @@ def load_tasks(
         raise UserError(f"{source}: no such file or folder; pass a task folder, a folder of tasks, a .parquet file or org/name")
 
     if ids is not None:
-        found = {t.id for t in res.tasks} | {_err_id(e) for e in res.errors}
+        found = {t.id for t in res.tasks} | {e.task_id for e in res.errors}
         for i in ids:
             if i not in found:
                 res.errors.append(TaskError(f"{source}: no task with id {i!r}; check the id ('et-hpc tasks list {source}')"))
@@ -145,16 +143,11 @@ def load_tasks(
             try:
                 validate_recipe(t, bm)
             except TaskError as e:
-                e.task_id = t.id  # type: ignore[attr-defined]
-                res.errors.append(e)
+                res.errors.append(TaskError(str(e), task_id=t.id))
             else:
                 good.append(t)
         res.tasks = good
     return res
-
-
-def _err_id(e: TaskError) -> str | None:
-    return getattr(e, "task_id", None)
 
 
 def _dedupe(tasks: list[Task]) -> list[Task]:
@@ -172,8 +165,7 @@ def _load_one(folder: Path, res: LoadResult) -> None:
     try:
         res.tasks.append(load_task_folder(folder))
     except TaskError as e:
-        e.task_id = folder.name  # type: ignore[attr-defined]
-        res.errors.append(e)
+        res.errors.append(TaskError(str(e), task_id=folder.name))
 
 
 def _load_parquets(files: list[Path], tdir: Path | None, split: str | None, want, res: LoadResult) -> None:

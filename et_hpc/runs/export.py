@@ -1,7 +1,7 @@
 """Exports of a run into the formats trainers read: Atropos JSONL, SkyRL/verl parquet.
 
 What is exported: the ``ok`` episodes of the groups ``RunStore.select`` keeps (see
-``et_hpc.store``: a group is one task under one run and one policy version). By default a group
+``et_hpc.runs.store``: a group is one task under one run and one policy version). By default a group
 with any member that ended in an error status (outside the agent's reach) is left out whole
 (``on_error="mask"``); ``on_error="keep-ok"`` keeps its ok members; ``drop_zero_variance`` leaves
 out groups whose scores are all equal. Error episodes are never exported: they carry no reward.
@@ -67,12 +67,11 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel
-from tqdm import tqdm
 
 from et_hpc.errors import UserError
 from et_hpc.record import EpisodeRecord
-from et_hpc.store import Group, GroupCounts, RunStore
-from et_hpc.util import atomic_open, atomic_write_bytes
+from et_hpc.runs.store import Group, GroupCounts, RunStore
+from et_hpc.util import atomic_open, atomic_write_bytes, progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +161,7 @@ def selected_groups(run: RunStore, on_error: str = "mask", drop_zero_variance: b
     """The selected groups as lists of ``EpisodeRecord`` (sample order), and the counts."""
     table, groups, counts = run.select(on_error, drop_zero_variance)
     rows = table.to_pylist()
-    recs = [EpisodeRecord.from_row(r) for r in tqdm(rows, desc="load", unit="ep", disable=None if progress else True)]
+    recs = [EpisodeRecord.from_row(r) for r in progress_bar(rows, desc="load", unit="ep", show=None if progress else False)]
     return [[recs[i] for i in g.rows] for g in groups], counts
 
 
@@ -255,8 +254,8 @@ def export_atropos(run: RunStore, out: Path | str, *, on_error: str = "mask", dr
     stats: dict[str, int] = {}
     lines = 0
     with atomic_open(out) as f:  # streamed: a 10k-episode export is hundreds of MB of JSON
-        for g in tqdm(iter_atropos_groups(groups, stats), total=len(groups), desc="atropos", unit="group",
-                      disable=None if progress else True):
+        for g in progress_bar(iter_atropos_groups(groups, stats), total=len(groups), desc="atropos", unit="group",
+                              show=None if progress else False):
             f.write(json.dumps(g, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n")
             lines += 1
     return ExportResult(path=str(out), format="atropos", on_error=on_error, drop_zero_variance=drop_zero_variance,
@@ -340,7 +339,7 @@ def export_skyrl(run: RunStore, out: Path | str, *, on_error: str = "mask", drop
     out = _check_out(out)
     groups, counts = selected_groups(run, on_error, drop_zero_variance, progress)
     records = [r for g in groups for r in g]
-    rows = [skyrl_row(r) for r in tqdm(records, desc="skyrl", unit="ep", disable=None if progress else True)]
+    rows = [skyrl_row(r) for r in progress_bar(records, desc="skyrl", unit="ep", show=None if progress else False)]
     table = pa.Table.from_pylist(rows, schema=SKYRL_SCHEMA)
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink, compression="zstd")

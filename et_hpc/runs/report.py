@@ -10,7 +10,7 @@ Counting follows the store: one record per unit ``(task_id, sample)``; only ``ok
 scored (errors are counted apart, never as failures); an episode passes when its reward is 1.
 A task is *solved* in a run when at least one of its ok samples passed.
 
-A capacity section follows (``et_hpc.capacity``, over every episode a run recorded, retries
+A capacity section follows (``et_hpc.runs.capacity``, over every episode a run recorded, retries
 included): per run episodes/hour, model-time share of episode wall time, infra overhead per
 episode (setup + scoring + teardown + queue) median/p95, sandbox peak memory median/p95/max, and
 accepted episodes per GPU-hour where the GPU time is known.
@@ -22,19 +22,17 @@ import fnmatch
 import html
 import math
 import os
-import sys
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
 
-from et_hpc.capacity import run_capacity
 from et_hpc.errors import UserError
 from et_hpc.record import solved as is_solved
-from et_hpc.store import RUN_CONFIG, RunStore, Store
-from et_hpc.util import format_table, num
-from et_hpc.util import pct as _pct
+from et_hpc.runs.capacity import run_capacity
+from et_hpc.runs.store import RUN_CONFIG, RunStore, Store
+from et_hpc.util import format_table, num, pct, progress_bar
 
 Z95 = 1.959963984540054
 _COLUMNS = ["task_id", "sample", "status", "reward", "passed", "total", "split", "model", "created_at",
@@ -61,7 +59,7 @@ class RunRow(BaseModel):
     delta_ci: tuple[float, float] | None = None  # 95% Newcombe interval of the difference
     significant: bool | None = None  # delta_ci excludes 0
     task_rates: dict[str, float] = {}  # per task: solved / ok samples (tasks with an ok sample)
-    capacity: dict[str, Any] | None = None  # et_hpc.capacity.capacity() of every recorded episode
+    capacity: dict[str, Any] | None = None  # et_hpc.runs.capacity.capacity() of every recorded episode
 
 
 class TaskChanges(BaseModel):
@@ -207,16 +205,10 @@ def build_report(store: Path | str, glob: str = "*", split: str | None = None) -
 
 
 def _progress(items: list[str]):
-    from tqdm import tqdm
-
-    return tqdm(items, desc="report", unit="run", file=sys.stderr, disable=None if len(items) > 3 else True)
+    return progress_bar(items, desc="report", unit="run", show=None if len(items) > 3 else False)
 
 
 # --- output ----------------------------------------------------------------------------------
-def _num(x: float | None) -> str:
-    return num(x, "{:.3f}")
-
-
 def _delta(r: RunRow) -> str:
     if r.delta is None:
         return "-"
@@ -231,9 +223,9 @@ HEADERS = ["run", "date", "model", "episodes", "ok", "errors", "pass rate [95% C
 def table_rows(rep: Report) -> list[list[str]]:
     out = []
     for r in rep.runs:
-        ci = f" [{_pct(r.pass_rate_ci[0])}, {_pct(r.pass_rate_ci[1])}]" if r.pass_rate_ci else ""
+        ci = f" [{pct(r.pass_rate_ci[0])}, {pct(r.pass_rate_ci[1])}]" if r.pass_rate_ci else ""
         out.append([r.run, (r.time or "-")[:16].replace("T", " "), r.model or "-", str(r.episodes), str(r.ok),
-                    str(r.errors), _pct(r.pass_rate) + ci, _num(r.mean_reward), _num(r.mean_test_fraction),
+                    str(r.errors), pct(r.pass_rate) + ci, num(r.mean_reward, "{:.3f}"), num(r.mean_test_fraction, "{:.3f}"),
                     _delta(r)])
     return out
 
@@ -250,7 +242,7 @@ def capacity_rows(rep: Report) -> list[list[str]]:
             out.append([r.run, "-", "-", "-", "-", "-"])
             continue
         io, mem = c["infra_overhead_s"], c["sandbox_mem_mb"]
-        out.append([r.run, num(c["episodes_per_hour"]), _pct(c["model_share"]),
+        out.append([r.run, num(c["episodes_per_hour"]), pct(c["model_share"]),
                     f"{num(io['median'], '{:.2f}')} / {num(io['p95'], '{:.2f}')}",
                     f"{num(mem['median'])} / {num(mem['p95'])} / {num(mem['max'])}",
                     num(c["trainer"]["accepted_per_gpu_hour"])])
@@ -309,7 +301,7 @@ def svg_chart(runs: list[RunRow], width: int = 760, height: int = 300) -> str:
                        f'<line x1="{cx - 4:.1f}" y1="{lo:.1f}" x2="{cx + 4:.1f}" y2="{lo:.1f}" stroke="#555"/>'
                        f'<line x1="{cx - 4:.1f}" y1="{hi:.1f}" x2="{cx + 4:.1f}" y2="{hi:.1f}" stroke="#555"/>')
         out.append(f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="4" fill="#1f77b4">'
-                   f'<title>{html.escape(r.run)}: {_pct(r.pass_rate)} of {r.ok}</title></circle>')
+                   f'<title>{html.escape(r.run)}: {pct(r.pass_rate)} of {r.ok}</title></circle>')
     for i, (r, label) in enumerate(zip(runs, labels)):
         out.append(f'<text x="{x(i):.1f}" y="{top + h + 14}" font-size="10" text-anchor="end" '
                    f'transform="rotate(-30 {x(i):.1f} {top + h + 14})"><title>{html.escape(r.run)}</title>'

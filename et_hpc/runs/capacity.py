@@ -33,12 +33,11 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
-from et_hpc.util import num
+from et_hpc.host import slurm
+from et_hpc.util import num, pct
 
 MODEL = ("episodes/hour per node = 3600 * min(K / T, C / c): T = mean episode wall time (slot held), "
          "c = mean node CPU time per episode (setup + exec + score + teardown + warm; model time is spent on "
@@ -225,14 +224,10 @@ def read_consumers(run_dir: Path) -> list[dict[str, Any]]:
 
 def sacct_gpu_hours(job_id: str, timeout: float = 10.0) -> float | None:
     """GPU-hours Slurm accounted to job ``job_id`` (elapsed x allocated GPUs), or None."""
-    if not job_id or not shutil.which("sacct"):
+    if not job_id:
         return None
-    try:
-        cp = subprocess.run(["sacct", "-n", "-P", "-X", "-j", str(job_id), "-o", "ElapsedRaw,AllocTRES"],
-                            capture_output=True, text=True, timeout=timeout)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return gpu_hours_from_sacct(cp.stdout)
+    out = slurm.query(["sacct", "-n", "-P", "-X", "-j", str(job_id), "-o", "ElapsedRaw,AllocTRES"], timeout)
+    return None if out is None else gpu_hours_from_sacct(out)
 
 
 def gpu_hours_from_sacct(text: str) -> float | None:
@@ -292,13 +287,11 @@ def run_capacity(store: Any, *, cores: int, nodes: list[int] | None = None, per_
 def format_capacity(cap: dict[str, Any]) -> str:
     """The capacity dict as plain-text lines and tables."""
     from et_hpc.util import format_table
-    from et_hpc.util import pct as _pct
-
     ts, io, mem = cap["time_split"], cap["infra_overhead_s"], cap["sandbox_mem_mb"]
     lines = [
         f"capacity: {cap['episodes']} episodes ({cap['ok']} ok) in {num(cap['busy_h'], '{:.2f}')} busy hours: "
         f"{num(cap['episodes_per_hour'])} episodes/hour",
-        f"model time {_pct(cap['model_share'])} of episode wall time, agent commands {_pct(cap['exec_share'])}",
+        f"model time {pct(cap['model_share'])} of episode wall time, agent commands {pct(cap['exec_share'])}",
         f"infra overhead per episode (setup+score+teardown+queue): median {num(io['median'], '{:.2f}')} s, "
         f"p95 {num(io['p95'], '{:.2f}')} s; without queue: median {num(cap['node_overhead_s']['median'], '{:.2f}')} s, "
         f"p95 {num(cap['node_overhead_s']['p95'], '{:.2f}')} s",
@@ -335,6 +328,6 @@ def format_capacity(cap: dict[str, Any]) -> str:
         lines.append(format_table(["consumer", "groups delivered", "next_batch calls", "trainer waiting",
                                    "staleness p50", "staleness p95"],
                                   [[c["consumer"], c["delivered"] if c["delivered"] is not None else "-", c["calls"],
-                                    _pct(c["wait_fraction"]), num(c["staleness_p50"], "{}"),
+                                    pct(c["wait_fraction"]), num(c["staleness_p50"], "{}"),
                                     num(c["staleness_p95"], "{}")] for c in tr["consumers"]]))
     return "\n".join(lines)

@@ -1,1 +1,0 @@
-"""Platform checks (doctor) and the base image command."""

@@ -1,5 +1,0 @@
-"""Moved to ``et_hpc.cli.host``; this path is kept for code and pickles that name it."""
-
-from et_hpc._moved import forward
-
-__getattr__ = forward("et_hpc.cli.host")
