@@ -157,59 +157,54 @@ def test_runtime_files_cannot_forge_a_pass(attack: str, task_sif: Path, tmp_path
 
 
 # 4-6. code loaded into the test process by the dynamic loader
-def test_ld_so_preload_is_neutralised(task_sif: Path, tmp_path: Path, final_test: Path, evil_so: Path) -> None:
+def _preload_attack(task_sif: Path, tmp_path: Path, final_test: Path, evil_so: Path, dst: str, command: str,
+                    what: str) -> scoring.ScoreResult:
+    """Plant the answer-writing library at ``dst`` and run the agent's ``command``: scoring gives the
+    agent's 0, while the old entry path (the positive control) is fooled into 1.0 by the same plant."""
     with Sandbox(task_sif, run_prefix="t-rte", scratch=tmp_path) as sb:
         _agent(sb, ["true"])
-        _put(sb, evil_so, "/home/user/.evil.so")
-        _agent(sb, ["echo /home/user/.evil.so > /etc/ld.so.preload"])
+        _put(sb, evil_so, dst)
+        _agent(sb, [command])
         res = scoring.score(sb, final_test, timeout_s=30)
-        _assert_zero(res, "ld.so.preload")
-        assert res.total == 2 and any("ld.so.preload" in n for n in res.notes), res.notes
+        _assert_zero(res, what)
         control = legacy_score(sb, final_test)
         assert control.reward == 1.0, f"control: {control}"
+    return res
+
+
+def test_ld_so_preload_is_neutralised(task_sif: Path, tmp_path: Path, final_test: Path, evil_so: Path) -> None:
+    res = _preload_attack(task_sif, tmp_path, final_test, evil_so, "/home/user/.evil.so",
+                          "echo /home/user/.evil.so > /etc/ld.so.preload", "ld.so.preload")
+    assert res.total == 2 and any("ld.so.preload" in n for n in res.notes), res.notes
 
 
 def test_ld_so_preload_symlink_is_refused(task_sif: Path, tmp_path: Path, final_test: Path, evil_so: Path) -> None:
     """Binding over a symlink's target would hide an agent-chosen file: scoring refuses (agent's 0)."""
-    with Sandbox(task_sif, run_prefix="t-rte", scratch=tmp_path) as sb:
-        _agent(sb, ["true"])
-        _put(sb, evil_so, "/home/user/.evil.so")
-        _agent(sb, ["echo /home/user/.evil.so > /home/user/.pre && ln -s /home/user/.pre /etc/ld.so.preload"])
-        res = scoring.score(sb, final_test, timeout_s=30)
-        _assert_zero(res, "ld.so.preload symlink")
-        assert "ld.so.preload" in (res.note or ""), res
-        control = legacy_score(sb, final_test)
-        assert control.reward == 1.0, f"control: {control}"
+    res = _preload_attack(task_sif, tmp_path, final_test, evil_so, "/home/user/.evil.so",
+                          "echo /home/user/.evil.so > /home/user/.pre && ln -s /home/user/.pre /etc/ld.so.preload",
+                          "ld.so.preload symlink")
+    assert "ld.so.preload" in (res.note or ""), res
 
 
 def test_ld_preload_exported_by_runtime_env(task_sif: Path, tmp_path: Path, final_test: Path, evil_so: Path) -> None:
     """LD_PRELOAD from the image's environment script (what /etc/environment or rc files would be
     for a login shell): apptainer exports it into every exec, even with --cleanenv."""
-    with Sandbox(task_sif, run_prefix="t-rte", scratch=tmp_path) as sb:
-        _agent(sb, ["true"])
-        _put(sb, evil_so, "/home/user/.evil.so")
-        _agent(sb, ["echo 'export LD_PRELOAD=/home/user/.evil.so' >> /.singularity.d/env/90-environment.sh; "
-                    "echo 'LD_PRELOAD=/home/user/.evil.so' >> /etc/environment; "
-                    "echo 'export LD_PRELOAD=/home/user/.evil.so' | tee -a /etc/profile /etc/bash.bashrc ~/.bashrc ~/.profile >/dev/null"])
-        res = scoring.score(sb, final_test, timeout_s=30)
-        _assert_zero(res, "LD_PRELOAD env")
-        assert res.total == 2
-        control = legacy_score(sb, final_test)
-        assert control.reward == 1.0, f"control: {control}"
+    res = _preload_attack(task_sif, tmp_path, final_test, evil_so, "/home/user/.evil.so",
+                          "echo 'export LD_PRELOAD=/home/user/.evil.so' >> /.singularity.d/env/90-environment.sh; "
+                          "echo 'LD_PRELOAD=/home/user/.evil.so' >> /etc/environment; "
+                          "echo 'export LD_PRELOAD=/home/user/.evil.so' "
+                          "| tee -a /etc/profile /etc/bash.bashrc ~/.bashrc ~/.profile >/dev/null",
+                          "LD_PRELOAD env")
+    assert res.total == 2
 
 
 def test_nss_module_is_not_loaded(task_sif: Path, tmp_path: Path, final_test: Path, evil_so: Path) -> None:
     """nsswitch.conf naming a module the agent planted in a default library dir: the test's pwd
     lookup would dlopen it into the test process."""
-    with Sandbox(task_sif, run_prefix="t-rte", scratch=tmp_path) as sb:
-        _agent(sb, ["true"])
-        _put(sb, evil_so, "/usr/lib/x86_64-linux-gnu/libnss_evil.so.2")
-        _agent(sb, ["sed -i 's/^passwd:.*/passwd: evil files/' /etc/nsswitch.conf && grep ^passwd /etc/nsswitch.conf"])
-        res = scoring.score(sb, final_test, timeout_s=30)
-        _assert_zero(res, "nss")
-        assert res.total == 2 and any("nsswitch" in n for n in res.notes), res.notes
-        control = legacy_score(sb, final_test)
-        assert control.reward == 1.0, f"control: {control}"
+    res = _preload_attack(task_sif, tmp_path, final_test, evil_so, "/usr/lib/x86_64-linux-gnu/libnss_evil.so.2",
+                          "sed -i 's/^passwd:.*/passwd: evil files/' /etc/nsswitch.conf && grep ^passwd /etc/nsswitch.conf",
+                          "nss")
+    assert res.total == 2 and any("nsswitch" in n for n in res.notes), res.notes
 
 
 # 7-9. the interpreter, its packages, plugins and modules imported by name
