@@ -115,13 +115,20 @@ def _assert_agent_failure(bad: EpisodeRecord) -> None:
     assert bad.error is None
 
 
-def test_final_test_reading_a_symlink_to_dev_zero(limits_sif: Path, tasks: dict) -> None:
-    bad, good = _side_by_side(tasks, limits_sif, "devzero", vmem_mb=65536)
+def _stopped(tasks: dict, sif: Path, attack: str, what: str, phase: str, **sandbox) -> tuple[EpisodeRecord, str]:
+    """``attack`` beside an honest episode: the neighbour is unharmed, the agent gets its 0, and the
+    first event naming ``what`` came in ``phase``; returns the attack's record and that event."""
+    bad, good = _side_by_side(tasks, sif, attack, **sandbox)
     _assert_neighbour_fine(good)
     _assert_agent_failure(bad)
-    ev = [e for e in bad.events if "memory ceiling" in e]
-    assert ev and PHASE_SCORING in ev[0], bad.events
-    assert _mb(ev[0]) > CEILING_MB  # the test's process really grew past the ceiling
+    ev = [e for e in bad.events if what in e]
+    assert ev and phase in ev[0], bad.events
+    return bad, ev[0]
+
+
+def test_final_test_reading_a_symlink_to_dev_zero(limits_sif: Path, tasks: dict) -> None:
+    bad, ev = _stopped(tasks, limits_sif, "devzero", "memory ceiling", PHASE_SCORING, vmem_mb=65536)
+    assert _mb(ev) > CEILING_MB  # the test's process really grew past the ceiling
     assert bad.score_note  # says why the tests did not finish
 
 
@@ -135,43 +142,29 @@ def test_a_100_gb_sparse_file_is_refused_by_the_file_size_limit(limits_sif: Path
 
 def test_a_100_gb_sparse_file_read_by_the_tests(limits_sif: Path, tasks: dict) -> None:
     # file size limit lifted so that the file can be made: the watchdog must stop the reading test
-    bad, good = _side_by_side(tasks, limits_sif, "sparse", fsize_mb=200_000, vmem_mb=65536)
-    _assert_neighbour_fine(good)
+    bad, ev = _stopped(tasks, limits_sif, "sparse", "memory ceiling", PHASE_SCORING, fsize_mb=200_000, vmem_mb=65536)
     out = _tool_output(bad)
     assert "SIZE=107374182400" in out and "BLOCKS=0" in out  # positive control: it is 100 GB, sparse
-    _assert_agent_failure(bad)
-    ev = [e for e in bad.events if "memory ceiling" in e]
-    assert ev and PHASE_SCORING in ev[0] and _mb(ev[0]) > CEILING_MB, bad.events
+    assert _mb(ev) > CEILING_MB, bad.events
 
 
 def test_filling_dev_shm(limits_sif: Path, tasks: dict) -> None:
-    bad, good = _side_by_side(tasks, limits_sif, "shm")
-    _assert_neighbour_fine(good)
-    _assert_agent_failure(bad)
-    ev = [e for e in bad.events if "memory ceiling" in e]
-    assert ev and PHASE_AGENT in ev[0], bad.events
-    m = re.search(r"tmpfs (\d+) MB", ev[0])
-    assert m and int(m.group(1)) > CEILING_MB * 0.9, ev[0]  # /dev/shm itself really filled
-    assert "emptied /dev/shm" in ev[0]
+    bad, ev = _stopped(tasks, limits_sif, "shm", "memory ceiling", PHASE_AGENT)
+    m = re.search(r"tmpfs (\d+) MB", ev)
+    assert m and int(m.group(1)) > CEILING_MB * 0.9, ev  # /dev/shm itself really filled
+    assert "emptied /dev/shm" in ev
     assert "Killed" in _tool_output(bad) and "memory ceiling" in _tool_output(bad)  # the agent is told
 
 
 def test_fork_bomb(limits_sif: Path, tasks: dict) -> None:
-    bad, good = _side_by_side(tasks, limits_sif, "forkbomb")
-    _assert_neighbour_fine(good)
-    _assert_agent_failure(bad)
-    ev = [e for e in bad.events if "process limit" in e]
-    assert ev and PHASE_AGENT in ev[0], bad.events
-    assert _mb(ev[0]) >= MAX_PIDS  # the bomb really spawned that many processes
-    assert int(re.search(r"killed (\d+) processes", ev[0]).group(1)) >= MAX_PIDS
+    _, ev = _stopped(tasks, limits_sif, "forkbomb", "process limit", PHASE_AGENT)
+    assert _mb(ev) >= MAX_PIDS  # the bomb really spawned that many processes
+    assert int(re.search(r"killed (\d+) processes", ev).group(1)) >= MAX_PIDS
 
 
 def test_memory_hog(limits_sif: Path, tasks: dict) -> None:
-    bad, good = _side_by_side(tasks, limits_sif, "hog", vmem_mb=65536)
-    _assert_neighbour_fine(good)
-    _assert_agent_failure(bad)
-    ev = [e for e in bad.events if "memory ceiling" in e]
-    assert ev and PHASE_AGENT in ev[0] and _mb(ev[0]) > CEILING_MB, bad.events
+    bad, ev = _stopped(tasks, limits_sif, "hog", "memory ceiling", PHASE_AGENT, vmem_mb=65536)
+    assert _mb(ev) > CEILING_MB, bad.events
     assert "Killed" in _tool_output(bad)
 
 
