@@ -404,15 +404,34 @@ def _warm(cfg: dict, devnull: int) -> dict:
     env = {"PATH": cfg["path"], "HOME": "/", "LANG": "C.UTF-8", "LOCPATH": pristine + "/usr/lib/locale"}
 
     def child() -> None:  # niced already: the helper is
-        _libc.prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0)  # ends with the helper (Sandbox.stop kills it)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        _libc.prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0)  # ends with the helper (if it is SIGKILLed)
         _limits(cfg)
         drop_privileges()
 
+    # SIGTERM waits until the python's pid is known (a helper that died while it forked would
+    # leave the child to its parent-death signal: see ended)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:
         p = subprocess.Popen(argv, env=env, stdin=devnull, stdout=devnull, stderr=devnull, close_fds=True,
                              start_new_session=True, preexec_fn=child, cwd="/")
     except OSError as e:
         return {"kind": "warm", "ran": False, "error": str(e)}
+
+    def ended(*_: object) -> None:
+        # Asked to end (Sandbox.stop_warmup): kill and reap the python here. A child left to its
+        # parent-death signal would be a zombie in the instance's pid namespace that only the
+        # host's init reaps, and apptainer does not finish stopping the instance until it has.
+        if p.returncode is None:  # not p.wait(): the interrupted p.wait below may hold its lock
+            try:
+                os.kill(p.pid, signal.SIGKILL)
+                os.waitpid(p.pid, 0)
+            except OSError:  # reaped already
+                pass
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, ended)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     try:
         rc = p.wait(timeout=float(cfg["timeout"]))
     except subprocess.TimeoutExpired:

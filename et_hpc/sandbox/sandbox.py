@@ -261,12 +261,18 @@ class Sandbox:
         return True
 
     def stop_warmup(self) -> None:
-        """End the scoring warm-up if it still runs (its python in the instance dies with its
-        helper: parent-death signal), so none starts late, e.g. while the final tests run."""
+        """End the scoring warm-up if it still runs, so none starts late, e.g. while the final
+        tests run. Its helper kills and reaps its python in the instance before it exits."""
         self._warm_pending = False
         if self._warmer is not None:
             if self._warmer.poll() is None:
-                self._warmer.kill()
+                # SIGTERM: the helper kills and reaps its python (see enter._warm); SIGKILL only
+                # if it does not end, which leaves a zombie for the host's init to reap
+                self._warmer.terminate()
+                try:
+                    self._warmer.wait(timeout=2)
+                except subprocess.TimeoutExpired:
+                    self._warmer.kill()
             self._warmer.wait()
             self._warmer = None
 

@@ -130,7 +130,9 @@ def run_tests(
         sandbox.close_shells()
         return _gone_or_error(sandbox, f"could not reach the instance: {e}", t0)
     host["instance_found"] = time.monotonic()
-    sandbox.stop_warmup()  # if it still runs; whatever it read stays in the page cache
+    # Ended if it still runs (waiting for it would read the same files twice when the agent was
+    # quick); whatever it read stays in the page cache
+    sandbox.stop_warmup()
     marker = "ET-SCORE-" + secrets.token_hex(12) + ":"
     loader, libdirs = pristine_layout()
     cfg = {

@@ -12,6 +12,7 @@ import pytest
 
 from et_hpc.sandbox import scoring
 from et_hpc.sandbox.sandbox import Sandbox
+from helpers import until
 from helpers.legacy_scoring import legacy_score
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" errors="0"
@@ -260,3 +261,28 @@ def _bare(name: str, path: str) -> str:
     """A test's name without its module (``test_x::test_y`` -> ``test_y``; classes kept)."""
     mod = path.removesuffix(".py") + "::"
     return name[len(mod):] if name.startswith(mod) else name
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+@pytest.mark.apptainer
+def test_an_ended_warmup_leaves_no_zombie_in_the_instance(task_sif: Path, tmp_path: Path) -> None:
+    """Ending the scoring warm-up mid-run reaps its python: an orphan would be a zombie of the
+    instance's pid namespace that only the host's init reaps, and apptainer waits for that
+    before it drops a stopped instance."""
+    with Sandbox(task_sif, run_prefix="t-wup", scratch=tmp_path) as sb:
+        sb.shell().run("true")  # the first shell starts the warm-up
+        helper = sb._warmer
+        assert helper is not None and helper.poll() is None
+        pys = until("the warm-up's python", lambda: _children(helper.pid), 30, every_s=0.005)
+        assert len(pys) == 1
+        py = pys[0]
+        assert Path(f"/proc/{py}").exists()
+        sb.stop_warmup()
+        assert helper.returncode == 0  # it ended on SIGTERM (a SIGKILLed helper would say -9)
+        assert not Path(f"/proc/{py}").exists()  # killed and reaped, not a zombie
