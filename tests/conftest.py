@@ -7,10 +7,11 @@ imported with ``--import-mode=importlib``, so two folders may hold files of the 
 
 Tests run as an unprivileged user (as on a cluster): apptainer refuses to work as root here.
 A test that needs apptainer or Slurm says so with ``@pytest.mark.apptainer`` / ``@pytest.mark.slurm``
-(or a module's ``pytestmark``); that is the one way a test names a tool. Fixtures cannot carry
-markers, so a fixture that needs a tool calls ``helpers.need`` itself (``base_sif`` does), the same
-check the markers apply. Outside CI a missing tool skips; under ``CI=true`` it fails, because CI must
-have every tool.
+(or a module's ``pytestmark``); that is the one way a test names a tool. A test that uses the base
+image (``base_sif``, directly or through another fixture) carries the ``apptainer`` marker by itself.
+Fixtures cannot carry markers, so a fixture that needs a tool calls ``helpers.need`` itself
+(``base_sif`` does), the same check the markers apply. Outside CI a missing tool skips; under
+``CI=true`` it fails, because CI must have every tool.
 """
 
 from __future__ import annotations
