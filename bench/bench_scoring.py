@@ -9,7 +9,7 @@ seconds after its first shell started (the agent's turns; the scoring warm-up st
 instance runs meanwhile, where the code has one). Without it, one
 sandbox on the task's cached image is scored ``--rounds`` times (warm), and the rounds
 alternate ``scoring.score`` (the real path) and the old entry (``apptainer exec instance://`` +
-the pristine python, the driver kept in tests/test_redteam_entry.py for positive controls) and
+the pristine python, the driver kept in tests/helpers/legacy_scoring.py for the red team's positive controls) and
 prints the median of each, then the median time of each stage of the real path (the stage
 marks in ``ScoreResult.stages``: host, entry helper, driver in the instance, pytest) with the
 median time spent since the stage before.
@@ -86,11 +86,11 @@ def main() -> None:
     ap.add_argument("--fresh", action="store_true", help="a new sandbox for every round (implies --no-legacy)")
     ap.add_argument("--agent-s", type=float, default=3.0, help="with --fresh: seconds between shell and scoring")
     a = ap.parse_args()
-    import test_redteam_entry as rt
     from et_hpc.images.store import ImageStore
     from et_hpc.sandbox import scoring
     from et_hpc.sandbox.sandbox import Sandbox
     from et_hpc.tasks.loader import load_task_folder
+    from helpers.legacy_scoring import legacy_score
 
     task = load_task_folder(a.task)
     img = ImageStore().ensure(task)
@@ -121,7 +121,7 @@ def main() -> None:
                 one(sb)
                 if not a.no_legacy:
                     t = time.monotonic()
-                    rt.legacy_score(sb, task.final_tests)
+                    legacy_score(sb, task.final_tests)
                     old.append(time.monotonic() - t)
     print(f"load average: {' '.join(Path('/proc/loadavg').read_text().split()[:3])}")
     for name, xs in (("host entry (now)", new), ("apptainer exec (before)", old)):

@@ -25,7 +25,7 @@ reasoning, so history re-rendering matches only when the model's format is the c
 ``write_hf_tokenizer(dir)`` writes the same tokenizer as ``tokenizer.json`` (Hugging Face
 ``tokenizers``: byte-level BPE without merges plus the added tokens) and a
 ``tokenizer_config.json`` holding the same template in Jinja, so ``transformers.AutoTokenizer``
-loads it offline and agrees with ``encode``/``render_chat`` (tests/test_tokens_hf.py checks).
+loads it offline and agrees with ``encode``/``render_chat`` (tests/agent/test_tokens.py checks).
 """
 
 from __future__ import annotations

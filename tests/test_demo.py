@@ -5,11 +5,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from conftest import need
+import pytest
 
 
+@pytest.mark.apptainer
+@pytest.mark.slurm
 def test_demo_end_to_end(base_sif, tmp_path):
-    need("apptainer", "slurm")
     store = tmp_path / "store"
     r = subprocess.run([sys.executable, "-m", "et_hpc.cli", "demo", "--store", str(store), "--samples", "1",
                         "--base-source", "debian"], capture_output=True, text=True, timeout=1800)

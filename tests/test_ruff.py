@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import subprocess
 
-from conftest import REPO, _ruff, need
+from helpers import REPO, need, ruff_cmd
 
 
 def test_ruff_check_is_clean() -> None:
     need("ruff")
-    r = subprocess.run([*_ruff(), "check", "--no-cache", "et_hpc", "tests", "bench", "slurm"],
+    r = subprocess.run([*ruff_cmd(), "check", "--no-cache", "et_hpc", "tests", "bench", "slurm"],
                        cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
 
@@ -19,6 +19,6 @@ def test_ruff_sees_a_violation(tmp_path) -> None:
     need("ruff")
     bad = tmp_path / "bad.py"
     bad.write_text("import os\n")
-    r = subprocess.run([*_ruff(), "check", "--no-cache", "--config", str(REPO / "pyproject.toml"), str(bad)],
+    r = subprocess.run([*ruff_cmd(), "check", "--no-cache", "--config", str(REPO / "pyproject.toml"), str(bad)],
                        capture_output=True, text=True)
     assert r.returncode == 1 and "F401" in r.stdout

@@ -22,27 +22,12 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import REPO, need
+from helpers.demo import DEMO, KEY, SOLVE, TASK
 
-DEMO = REPO / "defs" / "demo"
-TASK = "demo_hello_file"
-KEY = "greeting.txt"
-SOLVE = "printf 'Hello, et-hpc!\\n' > /home/user/greeting.txt"
 SECRET = "sk-etsecret-7d41c0a9e2b84f5f"
 ET_HPC = [sys.executable, "-m", "et_hpc.cli"]
 SNOOP = "env; echo END-OF-ENV; tr '\\0' '\\n' < /proc/1/environ; cat /proc/self/environ | tr '\\0' '\\n'"
 SCRIPT = {KEY: [{"command": SNOOP}, {"command": SOLVE}, "All done."]}
-
-
-@pytest.fixture(scope="module")
-def demo_image(base_sif: Path):
-    from et_hpc.images.store import ImageStore
-    from et_hpc.tasks.loader import load_tasks
-
-    task = next(t for t in load_tasks(str(DEMO)).tasks if t.id == TASK)
-    img = ImageStore().ensure(task)
-    assert img.path is not None and Path(img.path).exists(), img
-    return img
 
 
 def files_with(secret: str, *roots: Path) -> list[str]:
@@ -107,7 +92,6 @@ SLURM = ["--executor", "slurm", "--set", "slurm.cpus_per_task=1", "--set", "slur
 
 @pytest.mark.slurm
 def test_key_from_run_config_through_slurm(demo_image, tmp_path: Path) -> None:
-    need("slurm")
     from et_hpc.scripted_server import ScriptedServer
 
     with ScriptedServer(SCRIPT, api_key=SECRET) as srv:
@@ -126,7 +110,6 @@ def test_key_from_run_config_through_slurm(demo_image, tmp_path: Path) -> None:
 
 @pytest.mark.slurm
 def test_key_from_endpoint_file_through_slurm(demo_image, tmp_path: Path) -> None:
-    need("slurm")
     from et_hpc.scripted_server import ScriptedServer
 
     ep = tmp_path / "private" / "endpoint.json"

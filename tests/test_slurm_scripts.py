@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -14,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from helpers import REPO
+from helpers.servers import vllm_shim, wait_for
+
 SCRIPTS = sorted((REPO / "slurm").glob("*.sbatch"))
 
 
@@ -23,35 +24,6 @@ def test_sbatch_syntax(script: Path) -> None:
     r = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "#SBATCH --job-name=" in script.read_text()
-
-
-def _shim(tmp_path: Path, script_json: dict, *, log_requests: bool = False) -> Path:
-    """Stands in for 'vllm serve WEIGHTS --served-model-name NAME ... --port P': same flags, same API
-    (the scripted server takes the key from $VLLM_API_KEY, as vLLM does)."""
-    script = tmp_path / "s.json"
-    script.write_text(json.dumps(script_json))
-    shim = tmp_path / "vllm"
-    extra = " --log-requests" if log_requests else ""
-    shim.write_text(f"""#!/bin/bash
-weights=$2; name=$2; port=""
-while [ $# -gt 0 ]; do
-  [ "$1" = --port ] && port=$2
-  [ "$1" = --served-model-name ] && name=$2
-  shift
-done
-echo "shim serving $weights" >&2
-exec {sys.executable} -m et_hpc.scripted_server --script {script} --port "$port" --model "$name"{extra}
-""")
-    shim.chmod(0o755)
-    return shim
-
-
-def _wait_for(pred, proc: subprocess.Popen, what: str, tries: int = 600) -> None:
-    for _ in range(tries):
-        if pred() or proc.poll() is not None:
-            break
-        time.sleep(0.1)
-    assert pred(), proc.stdout.read() if proc.poll() is not None else f"timed out waiting for {what}"
 
 
 def _get(url: str, key: str | None) -> int:
@@ -64,14 +36,14 @@ def _get(url: str, key: str | None) -> int:
 
 
 def test_vllm_script_writes_and_removes_endpoint(tmp_path: Path) -> None:
-    shim = _shim(tmp_path, {"hi": ["hello"]})
+    shim = vllm_shim(tmp_path, {"hi": ["hello"]})
     ep = tmp_path / "shared" / "endpoint.json"
     env = dict(os.environ, VLLM=str(shim), HEALTH_EVERY_S="1", SLURM_JOB_ID="4242")
     env.pop("VLLM_API_KEY", None)
     proc = subprocess.Popen(["bash", str(REPO / "slurm" / "vllm.sbatch"), "my-model", str(ep)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        _wait_for(ep.exists, proc, "the endpoint file")
+        wait_for(ep.exists, proc, "the endpoint file")
         data = json.loads(ep.read_text())
         assert set(data) == {"host", "port", "base_url", "model", "api_key", "model_version", "job_id",
                              "started_at", "written_at"}
@@ -107,7 +79,7 @@ def test_vllm_script_refuses_a_shared_directory(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("switch", ["restart", "reload"])
 def test_vllm_script_switches_checkpoints(tmp_path: Path, switch: str) -> None:
-    shim = _shim(tmp_path, {"hi": ["hello"]})
+    shim = vllm_shim(tmp_path, {"hi": ["hello"]})
     ckpts = tmp_path / "ckpts"
     (ckpts / "step-10").mkdir(parents=True)
     (ckpts / "step-10" / "model.safetensors").write_text("weights 10")
@@ -126,13 +98,13 @@ def test_vllm_script_switches_checkpoints(tmp_path: Path, switch: str) -> None:
         time.sleep(1.5)
         assert not ep.exists() and proc.poll() is None  # no pointer yet: waits for the trainer's first one
         (ckpts / "latest").write_text("step-10 10\n")
-        _wait_for(ep.exists, proc, "the endpoint file")
+        wait_for(ep.exists, proc, "the endpoint file")
         first = json.loads(ep.read_text())
         assert first["model"] == "policy" and first["model_version"] == f"{ckpts}/step-10@step-10"
         tmp = ckpts / ".latest.tmp"  # the trainer's atomic pointer update
         tmp.write_text("step-20\n")
         tmp.rename(ckpts / "latest")
-        _wait_for(lambda: json.loads(ep.read_text())["model_version"] != first["model_version"], proc,
+        wait_for(lambda: json.loads(ep.read_text())["model_version"] != first["model_version"], proc,
                   "the republished endpoint")
         second = json.loads(ep.read_text())
         assert second["model_version"].startswith(f"{ckpts}/step-20@files-")  # no step: a listing hash

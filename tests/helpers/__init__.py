@@ -1,0 +1,101 @@
+"""Helpers the tests import by name (``tests/`` is on pytest's ``pythonpath``; see pyproject.toml).
+
+``need`` is the one check for a tool a test requires: the ``apptainer`` and ``slurm`` markers apply
+it before a test runs (tests/conftest.py), and fixtures that need a tool call it themselves. Outside
+CI a missing tool skips; under ``CI=true`` it fails, because CI must have every tool.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent.parent
+REPO = TESTS.parent
+FIXTURES = Path(os.environ.get("ET_HPC_FIXTURES", REPO.parent / "shared" / "fixtures" / "endless-terminals"))
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+TOOLS = ("apptainer", "slurm")  # the requirements a test names by marker
+
+
+def missing(what: str) -> str | None:
+    """Why requirement ``what`` is not met here, or None when it is."""
+    if what == "apptainer":
+        if not shutil.which("apptainer"):
+            return "apptainer is not on PATH (run scripts/provision-debian as root)"
+        if os.geteuid() == 0:
+            return "apptainer tests must run as an unprivileged user (root lacks CAP_SYS_RESOURCE here)"
+        return None
+    if what == "slurm":
+        if not shutil.which("sbatch"):
+            return "Slurm is not installed (run scripts/provision-debian as root)"
+        r = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True)
+        if r.returncode != 0 or not r.stdout.strip():
+            return f"Slurm is not answering (sinfo: {r.stderr.strip()[:200]})"
+        return None
+    if what == "fixtures":
+        return None if FIXTURES.is_dir() else f"fixtures not found at {FIXTURES} (set ET_HPC_FIXTURES)"
+    if what == "ruff":
+        return None if ruff_cmd() else "ruff is not installed (pip install -e '.[test]')"
+    raise ValueError(what)
+
+
+def need(*what: str) -> None:
+    """Skip (or fail under CI) unless every named requirement is met."""
+    for w in what:
+        why = missing(w)
+        if why:
+            if IN_CI:
+                pytest.fail(f"required in CI: {why}")
+            pytest.skip(why)
+
+
+def ruff_cmd() -> list[str] | None:
+    """How to run ruff here: the ``ruff`` on PATH, or the module beside this Python."""
+    if shutil.which("ruff"):
+        return ["ruff"]
+    r = subprocess.run([sys.executable, "-m", "ruff", "--version"], capture_output=True)
+    return [sys.executable, "-m", "ruff"] if r.returncode == 0 else None
+
+
+def with_tests_on_path(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` with ``tests/`` first on PYTHONPATH, so child processes import ``helpers`` as the tests do."""
+    return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))}
+
+
+def build_user_sif(base_sif: Path, d: Path, post: str = "") -> Path:
+    """Build ``d/task.sif`` on the base image: a ``user`` account owning ``/home/user``, plus ``post``."""
+    need("apptainer")
+    extra = textwrap.indent(textwrap.dedent(post).strip(), "    ") + "\n" if post.strip() else ""
+    (d / "task.def").write_text(
+        "Bootstrap: localimage\n"
+        f"From: {base_sif}\n"
+        "%post\n"
+        "    useradd -m -s /bin/bash user 2>/dev/null || true\n"
+        "    mkdir -p /home/user\n"
+        f"{extra}"
+        "    chown -R user:user /home/user\n"
+    )
+    sif = d / "task.sif"
+    cp = subprocess.run(["apptainer", "-s", "build", "--fakeroot", str(sif), str(d / "task.def")],
+                        capture_output=True, text=True, cwd=d)
+    assert cp.returncode == 0, cp.stderr[-2000:]
+    return sif
+
+
+def until(what: str, fn, timeout_s: float, every_s: float = 0.5):
+    """Poll ``fn`` until it returns something truthy; fail naming ``what`` after ``timeout_s``."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        got = fn()
+        if got:
+            return got
+        time.sleep(every_s)
+    pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}")

@@ -1,0 +1,289 @@
+"""The Endless Terminals environment on et-hpc, through Atropos' own machinery, end to end on 127.0.0.1.
+
+Real parts: atroposlib's API server (``run-api``), a trainer-side client that registers and pulls
+``GET /batch``, the environment run with atropos' ``serve`` and ``process`` subcommands as
+subprocesses, the scripted chat server as the model (exact token ids, logprobs), real apptainer
+sandboxes on the demo tasks' images, the real parquet store. The tokenizer is a local
+``tokenizer.json`` (``et_hpc.scripted_tokenizer.write_hf_tokenizer``); nothing reaches a hub
+(HF_HUB_OFFLINE, TRANSFORMERS_OFFLINE, WANDB_MODE=disabled).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import REPO
+
+pytest.importorskip("atroposlib")
+
+DEMO = REPO / "defs" / "demo"
+SOLVED = "demo_hello_file"  # oracle-like answers: reward 1.0
+WRONG = "demo_csv_sum"  # a wrong total: reward 0.0
+SOLVE = "printf 'Hello, et-hpc!\\n' > /home/user/greeting.txt"
+SCRIPT = {
+    "greeting.txt": [{"command": SOLVE}, {"command": "cat /home/user/greeting.txt"}, "Done."],
+    "sales.csv": [{"command": "head -n 2 /home/user/data/sales.csv"},
+                  {"command": "echo 41 > /home/user/data/total.txt"}, "Done."],
+}
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "disabled"}
+ENV_MODULE = [sys.executable, "-m", "et_hpc.integrations.atropos"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str, timeout: float = 10.0):
+    import httpx as requests  # declared (the policy's /tokenize client); same calls as requests
+
+    r = requests.get(url, timeout=timeout)
+    r.raise_for_status()
+    return r.json()
+
+
+@pytest.fixture(scope="module")
+def demo_images(base_sif: Path):
+    from et_hpc.images.store import ImageStore
+    from et_hpc.tasks.loader import load_tasks
+
+    tasks = [t for t in load_tasks(str(DEMO)).tasks if t.id in (SOLVED, WRONG)]
+    imgs = [ImageStore().ensure(t) for t in tasks]
+    assert all(i.path is not None and Path(i.path).exists() for i in imgs), imgs
+    return imgs
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    from et_hpc.scripted_tokenizer import write_hf_tokenizer
+
+    return write_hf_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture()
+def model_server():
+    from et_hpc.scripted_server import ScriptedServer
+
+    with ScriptedServer(SCRIPT) as srv:
+        yield srv
+
+
+@pytest.fixture()
+def api_server(tmp_path):
+    """atroposlib's own API server (the ``run-api`` console script) on a free 127.0.0.1 port."""
+    port = _free_port()
+    run_api = Path(sys.executable).with_name("run-api")
+    assert run_api.exists(), "atroposlib's run-api script is not installed next to this python"
+    log = open(tmp_path / "run-api.log", "w")
+    p = subprocess.Popen([str(run_api), "--host", "127.0.0.1", "--port", str(port)], stdout=log,
+                         stderr=subprocess.STDOUT, env={**os.environ, **OFFLINE})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            _get(url + "/", timeout=2)
+            break
+        except Exception:
+            if p.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"run-api did not start: {(tmp_path / 'run-api.log').read_text()[-2000:]}") from None
+            time.sleep(0.2)
+    yield url
+    p.terminate()
+    p.wait(timeout=30)
+    log.close()
+
+
+def _env_flags(tokenizer_dir: Path, srv, store: Path, run_name: str, ids: list[str], **extra: object) -> list[str]:
+    flags = {
+        "env.dataset_name": str(DEMO), "env.task_ids": ",".join(ids), "env.tokenizer_name": str(tokenizer_dir),
+        "env.group_size": 2, "env.use_wandb": "false", "env.max_agent_turns": 4, "env.mode": "tools",
+        "env.agent_temperature": 0.0, "env.store": str(store), "env.run_name": run_name,
+        "env.max_concurrent_episodes": 2, "env.test_timeout_s": 60, "env.max_token_length": 65536,
+        "openai.base_url": srv.base_url, "openai.model_name": "scripted", "openai.api_key": "EMPTY",
+        "openai.health_check": "false",
+    }
+    flags.update({k.replace("__", "."): v for k, v in extra.items()})
+    out: list[str] = []
+    for k, v in flags.items():
+        out += [f"--{k}", str(v)]
+    return out
+
+
+def _stored(store: Path, run_name: str) -> list:
+    from et_hpc.runs.store import open_run
+
+    return open_run(store / run_name).records()
+
+
+def _check_group_against_episodes(group: dict, records: list, tokenizer) -> None:
+    """Tokens, masks, logprobs and scores of one group are those of its stored episodes."""
+    from et_hpc.runs.export import validate_atropos_group
+
+    validate_atropos_group(group)
+    by_tokens = {tuple(r.token_sequence()[0]): r for r in records if r.has_tokens}
+    assert len(group["tokens"]) == 2
+    for i, toks in enumerate(group["tokens"]):
+        rec = by_tokens.get(tuple(toks))
+        assert rec is not None, "a batch sequence is not the token sequence of any stored episode"
+        assert rec.status == "ok" and rec.tokens_source == "server-exact" and rec.token_drift is None
+        assert group["scores"][i] == rec.reward
+        masks = group["masks"][i]
+        assert len(masks) == len(toks) == len(group["inference_logprobs"][i])
+        # prompt (system, task, tool output, template) positions are -100; completions are trained on
+        pos = 0
+        for prompt, completion in zip(rec.prompt_token_ids, rec.token_ids):
+            assert masks[pos:pos + len(prompt)] == [-100] * len(prompt)
+            pos += len(prompt)
+            assert masks[pos:pos + len(completion)] == completion
+            pos += len(completion)
+        assert pos == len(toks)
+        # what the trainer's tokenizer reads: the task prompt and tool output in the masked part,
+        # the model's own replies in the trained part
+        trained = tokenizer.decode([t for t, m in zip(toks, masks) if m != -100])
+        masked = tokenizer.decode([t for t, m in zip(toks, masks) if m == -100])
+        assert "/home/user" in masked
+        for m in rec.messages:
+            if m["role"] == "tool" and m["content"].strip():
+                assert m["content"].strip().splitlines()[0] in masked
+                assert m["content"].strip().splitlines()[0] not in trained or m["content"].strip() in SOLVE
+        assert "<tool_call>" in trained and "Done." in trained
+
+
+@pytest.mark.apptainer
+@pytest.mark.slow
+def test_serve_to_atropos_api_server_batch(demo_images, tokenizer_dir, model_server, api_server, tmp_path):
+    import httpx as requests  # declared (the policy's /tokenize client); same calls as requests
+    from transformers import AutoTokenizer
+
+    # the trainer side: register, then pull /batch (the first pull also lets environments register)
+    reg = requests.post(api_server + "/register", json={
+        "wandb_group": "et-hpc-test", "wandb_project": "et-hpc-test", "batch_size": 4, "max_token_len": 65536,
+        "checkpoint_dir": str(tmp_path / "ckpt"), "save_checkpoint_interval": -1, "starting_step": 0,
+        "num_steps": 10}, timeout=10)
+    reg.raise_for_status()
+    assert "uuid" in reg.json()
+    assert _get(api_server + "/batch")["batch"] is None
+
+    store = tmp_path / "store"
+    log_path = tmp_path / "serve.log"
+    cmd = ENV_MODULE + ["serve"] + _env_flags(
+        tokenizer_dir, model_server, store, "e2e-serve", [SOLVED, WRONG],
+        env__rollout_server_url=api_server, env__ensure_scores_are_not_same="false",
+        env__max_num_workers=2, env__max_batches_offpolicy=1, env__total_steps=10)
+    with open(log_path, "w") as log:
+        env_proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
+                                    env={**os.environ, **OFFLINE}, start_new_session=True)
+        batch = None
+        try:
+            deadline = time.monotonic() + 600
+            while batch is None:
+                assert env_proc.poll() is None, f"serve exited: {log_path.read_text()[-4000:]}"
+                assert time.monotonic() < deadline, f"no batch in 600 s: {log_path.read_text()[-4000:]}"
+                time.sleep(2)
+                batch = _get(api_server + "/batch")["batch"]
+        finally:
+            env_proc.send_signal(signal.SIGTERM)  # stops the loop; running episodes end, instances stop
+            try:
+                rc = env_proc.wait(timeout=300)
+            except subprocess.TimeoutExpired:
+                os.killpg(env_proc.pid, signal.SIGKILL)
+                env_proc.wait()
+                raise
+    assert rc == 0, log_path.read_text()[-4000:]
+
+    assert sum(len(g["tokens"]) for g in batch) == 4 and len(batch) == 2
+    records = _stored(store, "e2e-serve")
+    assert records and all(r.status == "ok" for r in records), [(r.status, r.error) for r in records]
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    by_task = {}
+    for g in batch:
+        _check_group_against_episodes(g, records, tokenizer)
+        task = next(r.task_id for r in records if tuple(r.token_sequence()[0]) == tuple(g["tokens"][0]))
+        by_task[task] = g["scores"]
+    assert by_task == {SOLVED: [1.0, 1.0], WRONG: [0.0, 0.0]}
+    assert requests.get(api_server + "/status", timeout=10).json()["current_step"] >= 1
+    log = log_path.read_text()
+    # atropos logs an exception in an environment's own code with these lines
+    assert "Error in collect_trajectories" not in log and "Error in handle_send_to_api" not in log, log[-4000:]
+    assert "SIGTERM: stopping" in log
+
+
+@pytest.mark.apptainer
+@pytest.mark.slow
+def test_process_writes_jsonl_groups(demo_images, tokenizer_dir, model_server, tmp_path):
+    from transformers import AutoTokenizer
+
+    store = tmp_path / "store"
+    out = tmp_path / "groups.jsonl"
+    cmd = ENV_MODULE + ["process"] + _env_flags(
+        tokenizer_dir, model_server, store, "e2e-process", [SOLVED],
+        env__data_path_to_save_groups=str(out), env__total_steps=1)
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env={**os.environ, **OFFLINE}, timeout=900)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    lines = out.read_text().splitlines()
+    assert len(lines) == 1
+    group = json.loads(lines[0])
+    records = _stored(store, "e2e-process")
+    assert len(records) == 2
+    _check_group_against_episodes(group, records, AutoTokenizer.from_pretrained(str(tokenizer_dir)))
+    assert group["scores"] == [1.0, 1.0]
+    assert group["messages"] and group["messages"][0][1]["content"].startswith("Create the file")  # process mode
+    assert (tmp_path / "groups.html").exists()  # atropos' own viewer
+
+
+def _offline_env(tokenizer_dir: Path, tmp_path: Path, **cfg):
+    """The environment object itself, without a running server (for the group decisions)."""
+    from atroposlib.envs.server_handling.server_baseline import APIServerConfig
+
+    from et_hpc.integrations.atropos import EndlessTerminalsEnv, EndlessTerminalsEnvConfig
+
+    config = EndlessTerminalsEnvConfig(tokenizer_name=str(tokenizer_dir), group_size=3, use_wandb=False,
+                                       store=str(tmp_path / "store"), include_messages=True, **cfg)
+    server = APIServerConfig(model_name="scripted", base_url="http://127.0.0.1:9/v1", api_key="EMPTY",
+                             server_type="openai", health_check=False)
+    return EndlessTerminalsEnv(config, [server])
+
+
+def _rec(sample: int, reward: float | None, status: str = "ok", tokens: bool = True):
+    from et_hpc.record import EpisodeRecord
+
+    kw = dict(prompt_token_ids=[[1, 2, 3], [4]], token_ids=[[5 + sample, 6], [7]], logprobs=[[-0.1, -0.2], [-0.3]],
+              tokens_source="server-exact") if tokens else {}
+    return EpisodeRecord(run_name="x", task_id="t", sample=sample, status=status,
+                         reward=reward if status == "ok" else None,
+                         messages=[{"role": "user", "content": "do it"}], **kw)
+
+
+def test_group_with_one_infra_error_is_not_sent(tokenizer_dir, tmp_path, monkeypatch):
+    for k, v in OFFLINE.items():
+        monkeypatch.setenv(k, v)
+    env = _offline_env(tokenizer_dir, tmp_path)
+    try:
+        full = [_rec(0, 1.0), _rec(1, 0.0), _rec(2, 1.0)]
+        group = env.group_from_records(full)  # positive control: a complete group is sent
+        assert group is not None and group["scores"] == [1.0, 0.0, 1.0]
+        assert group["masks"][1] == [-100, -100, -100, 6, 6, -100, 7]
+        assert env.group_from_records([_rec(0, 1.0), _rec(1, None, "infra_error"), _rec(2, 0.0)]) is None
+        assert env.counts["groups_masked"] == 1
+        assert env.group_from_records([_rec(0, 1.0), _rec(1, 0.0, tokens=False)]) is None  # no token ids
+        assert env.counts["groups_without_tokens"] == 1
+        assert env.group_from_records([]) is None  # a stop dropped every interrupted episode
+    finally:
+        env.close()
+    keep = _offline_env(tokenizer_dir, tmp_path, on_error="keep-ok")
+    try:
+        g = keep.group_from_records([_rec(0, 1.0), _rec(1, None, "policy_error"), _rec(2, 0.0)])
+        assert g is not None and g["scores"] == [1.0, 0.0] and g["group_overrides"] == {"group_size": 2}
+        assert keep.group_from_records([_rec(0, None, "timeout")]) is None  # nothing ok: nothing to keep
+    finally:
+        keep.close()
