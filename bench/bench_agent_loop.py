@@ -13,7 +13,7 @@ import statistics
 import tempfile
 import time
 
-from et_hpc.agent.loop import Budgets, run_agent
+from et_hpc.agent.loop import BudgetConfig, run_agent
 from et_hpc.agent.openai_policy import OpenAIPolicy
 from et_hpc.sandbox.shell import Shell
 from et_hpc.scripted_server import ScriptedServer
@@ -35,7 +35,7 @@ def main() -> None:
                 for _ in range(args.episodes):
                     pol = OpenAIPolicy(srv.base_url, "scripted", mode=mode)
                     t0 = time.perf_counter()
-                    r = run_agent("bench", sh, pol, Budgets(max_turns=args.turns, context_tokens=10**9))
+                    r = run_agent("bench", sh, pol, BudgetConfig(max_turns=args.turns, context_tokens=10**9))
                     per_turn.append((time.perf_counter() - t0) / len(r.turns))
                     assert r.stop_reason == "max_turns", r.stop_reason
                     pol_s += [t.policy_s for t in r.turns]

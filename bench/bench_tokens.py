@@ -18,7 +18,7 @@ import statistics
 import tempfile
 import time
 
-from et_hpc.agent.loop import Budgets, run_agent
+from et_hpc.agent.loop import BudgetConfig, run_agent
 from et_hpc.agent.openai_policy import OpenAIPolicy
 from et_hpc.sandbox.shell import Shell
 from et_hpc.scripted_server import ScriptedServer
@@ -68,7 +68,7 @@ def main() -> None:
                 for _ in range(args.episodes):
                     pol = _Timed(OpenAIPolicy(srv.base_url, "scripted", mode=args.mode, **pol_kw))
                     t0 = time.perf_counter()
-                    r = run_agent("bench", sh, pol, Budgets(max_turns=args.turns, context_tokens=10**9))
+                    r = run_agent("bench", sh, pol, BudgetConfig(max_turns=args.turns, context_tokens=10**9))
                     wall = time.perf_counter() - t0
                     assert r.stop_reason == "max_turns", (r.stop_reason, r.error)
                     per_turn.append(wall / len(r.turns))

@@ -437,7 +437,7 @@ class _NoShell:
 
 
 def test_fuzz_chat_completion_bodies() -> None:
-    from et_hpc.agent.loop import Budgets, run_agent
+    from et_hpc.agent.loop import BudgetConfig, run_agent
     from et_hpc.agent.openai_policy import OpenAIPolicy
 
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Replay)
@@ -452,7 +452,7 @@ def test_fuzz_chat_completion_bodies() -> None:
                                   request_timeout_s=10, sleep=lambda s: None)
             shell = _NoShell()
             try:
-                res = run_agent("list the files", shell, policy, Budgets(max_turns=2, wall_time_s=30))
+                res = run_agent("list the files", shell, policy, BudgetConfig(max_turns=2, wall_time_s=30))
             finally:
                 policy.close()
             statuses[res.status] += 1

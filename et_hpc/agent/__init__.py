@@ -1,6 +1,6 @@
 """The agent: a loop that drives a Shell with a Policy (served model, oracle, replay or null).
 
-Public API: ``run_agent``, ``Budgets``, ``AgentResult``, ``Turn``, ``PolicyConfig``, ``make_policy``,
+Public API: ``run_agent``, ``BudgetConfig``, ``AgentResult``, ``Turn``, ``PolicyConfig``, ``make_policy``,
 ``OpenAIPolicy``, ``OraclePolicy``, ``ReplayPolicy``, ``NullPolicy``, ``recorded_runs``,
 ``resolve_endpoint``, ``Endpoint``. The loop knows only ``shell.run(command, timeout)``.
 """
@@ -8,7 +8,7 @@ Public API: ``run_agent``, ``Budgets``, ``AgentResult``, ``Turn``, ``PolicyConfi
 from __future__ import annotations
 
 from et_hpc.agent.endpoint import Endpoint, resolve_endpoint
-from et_hpc.agent.loop import AgentResult, Budgets, Turn, Usage, run_agent
+from et_hpc.agent.loop import AgentResult, BudgetConfig, Turn, Usage, run_agent
 from et_hpc.agent.policies import (
     Action,
     ContextLengthError,
@@ -24,7 +24,7 @@ from et_hpc.agent.policies import (
 )
 
 __all__ = [
-    "Action", "AgentResult", "Budgets", "ContextLengthError", "Endpoint", "NullPolicy", "OpenAIPolicy",
+    "Action", "AgentResult", "BudgetConfig", "ContextLengthError", "Endpoint", "NullPolicy", "OpenAIPolicy",
     "OraclePolicy", "Policy", "PolicyConfig", "PolicyError", "RecordedRun", "ReplayPolicy", "Turn", "Usage",
     "make_policy", "recorded_runs", "resolve_endpoint", "run_agent",
 ]

@@ -1,7 +1,7 @@
 """The agent loop: ask the policy, run the command in the shell, feed back the observation.
 
 ``run_agent`` never raises for a failing policy or shell: those end the episode with status
-``policy_error`` / ``shell_error``. Budgets (turns, wall time, context, tokens) end it with status
+``policy_error`` / ``shell_error``. Budgets (``BudgetConfig``: turns, wall time, context, tokens) end it with status
 ``ok`` and a ``stop_reason`` saying which budget ran out. The loop knows only ``shell.run``.
 
 A shell that cannot be (re)started is blamed by ``shell_blame(exc)`` when the caller gives it:
@@ -42,7 +42,7 @@ class ShellLike(Protocol):
     def run(self, command: str, timeout: float = 60.0) -> Any: ...
 
 
-class Budgets(BaseModel):
+class BudgetConfig(BaseModel):
     """Limits of one episode. ``total_tokens`` caps the summed completion tokens (None: no cap)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -54,6 +54,9 @@ class Budgets(BaseModel):
     context_tokens: int = 16384
     total_tokens: int | None = None
     output_limit_chars: int = OUTPUT_LIMIT_CHARS
+
+
+Budgets = BudgetConfig  # the old name, which run configs pickled by queued jobs name
 
 
 class Usage(BaseModel):
@@ -115,14 +118,14 @@ def run_agent(
     prompt: str,
     shell: ShellLike,
     policy: Policy,
-    budgets: Budgets | None = None,
+    budgets: BudgetConfig | None = None,
     *,
     system_prompt: str | None = None,
     clock: Callable[[], float] = time.monotonic,
     shell_blame: Callable[[Exception], bool] | None = None,
 ) -> AgentResult:
     """Run one episode's agent part; the caller scores the shell's state afterwards."""
-    budgets = budgets or Budgets()
+    budgets = budgets or BudgetConfig()
     mode = getattr(policy, "mode", "text")
     sys_text = system_prompt if system_prompt is not None else default_system_prompt(mode)
     messages: list[dict[str, Any]] = [

@@ -177,7 +177,7 @@ class PolicyConfig(BaseModel):
     mode: Mode = "tools"
     temperature: float = CLIENT.temperature
     top_p: float = CLIENT.top_p
-    max_tokens: int | None = None  # default: Budgets.max_tokens_per_turn
+    max_tokens: int | None = None  # default: BudgetConfig.max_tokens_per_turn
     seed: int | None = None
     logprobs: bool = False
     return_token_ids: bool = True  # vLLM >= 0.10.2; older servers: /tokenize fallback (tokens_source)
@@ -212,7 +212,7 @@ class PolicyConfig(BaseModel):
 def make_policy(cfg: PolicyConfig, task: Task | None = None, *, max_tokens: int | None = None) -> Policy:
     """Build the configured policy for one episode of ``task``.
 
-    ``max_tokens`` (usually ``Budgets.max_tokens_per_turn``) is used when the config leaves it unset.
+    ``max_tokens`` (usually ``BudgetConfig.max_tokens_per_turn``) is used when the config leaves it unset.
     """
     if cfg.kind == "null":
         return NullPolicy()

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from et_hpc.cli.common import add_command, add_source_args, check_base_once, load_source
-from et_hpc.episode.check import CheckResult, CheckSettings, check_tasks, default_jobs, load_failure
+from et_hpc.episode.check import CheckConfig, CheckResult, check_tasks, default_jobs, load_failure
 from et_hpc.errors import UserError
 from et_hpc.util import format_table, one_line, progress_bar
 
@@ -92,7 +92,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         raise UserError("no tasks selected: check SOURCE and the --ids/--glob/--split filters ('et-hpc tasks list')")
     store = ImageStore(args.cache)
     check_base_once(store, res.tasks)
-    settings = CheckSettings(build=not args.no_build, retry_failed=args.retry_failed,
+    settings = CheckConfig(build=not args.no_build, retry_failed=args.retry_failed,
                              test_timeout_s=args.test_timeout, solution_timeout_s=args.solution_timeout,
                              build_slots=build_jobs())
     t0 = time.monotonic()

@@ -45,7 +45,7 @@ TRIVIAL = "trivially solved"
 _PYTEST_NOISE = re.compile(r"^([.FEsxX]+\s*(\[\s*\d+%\])?|[-=_]{3,}(?!.* in [\d.]+s\b).*|.*generated xml file.*)$")
 
 
-class CheckSettings(BaseModel):
+class CheckConfig(BaseModel):
     """What a check may tune."""
 
     build: bool = True  # False: only use images already in the cache
@@ -111,7 +111,7 @@ def _failing_tests(sc: Any) -> str:
 class _Checker:
     """Runs the stages of one task; ``stages`` and the result fields are filled as it goes."""
 
-    def __init__(self, task: Any, store: Any, settings: CheckSettings, build_gate: threading.Semaphore):
+    def __init__(self, task: Any, store: Any, settings: CheckConfig, build_gate: threading.Semaphore):
         self.task, self.store, self.s, self.build_gate = task, store, settings, build_gate
         self.res = CheckResult(task_id=task.id, ok=False)
         self.image: Any = None
@@ -244,10 +244,10 @@ class _Checker:
         return "ok"
 
 
-def check_task(task: Any, store: Any, settings: CheckSettings | None = None,
+def check_task(task: Any, store: Any, settings: CheckConfig | None = None,
                build_gate: threading.Semaphore | None = None) -> CheckResult:
     """Check one task through every stage (see the module docstring); never raises."""
-    return _Checker(task, store, settings or CheckSettings(), build_gate or threading.Semaphore(1)).run()
+    return _Checker(task, store, settings or CheckConfig(), build_gate or threading.Semaphore(1)).run()
 
 
 def load_failure(task_id: str, detail: str) -> CheckResult:
@@ -257,10 +257,10 @@ def load_failure(task_id: str, detail: str) -> CheckResult:
     return r
 
 
-def check_tasks(tasks: list[Any], store: Any, settings: CheckSettings | None = None, *, jobs: int | None = None,
+def check_tasks(tasks: list[Any], store: Any, settings: CheckConfig | None = None, *, jobs: int | None = None,
                 on_result: Callable[[CheckResult], None] | None = None) -> list[CheckResult]:
     """``check_task`` for many tasks, ``jobs`` at a time; results in input order."""
-    settings = settings or CheckSettings()
+    settings = settings or CheckConfig()
     gate = threading.Semaphore(max(1, settings.build_slots))
     results: list[CheckResult | None] = [None] * len(tasks)
 

@@ -36,7 +36,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from et_hpc import __version__
-from et_hpc.agent.loop import AgentResult, Budgets, run_agent
+from et_hpc.agent.loop import AgentResult, BudgetConfig, run_agent
 from et_hpc.agent.policies import PolicyConfig, make_policy
 from et_hpc.errors import InfraError, UserError
 from et_hpc.record import EpisodeRecord, TestResult, Timings
@@ -133,7 +133,7 @@ def policy_version_fields(policy: Any) -> dict[str, Any]:
     return {"policy_version": seen[0], "policy_versions": seen, "crossed_version": len(set(seen)) > 1}
 
 
-def episode_budgets(budgets: Budgets, task: Task) -> Budgets:
+def episode_budgets(budgets: BudgetConfig, task: Task) -> BudgetConfig:
     """The run's budgets, with the task's own limits (task.toml) where it sets them."""
     upd: dict[str, Any] = {}
     if task.limits.max_turns:

@@ -11,13 +11,13 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from et_hpc.images.store import ImageStore, StoreSettings
+from et_hpc.images.store import ImageStore, ImageStoreConfig
 
 
 class BuildChunk:
     """One array task: build a chunk of tasks' images into the shared cache; returns result dicts."""
 
-    def __init__(self, cache_dir: Path, settings: StoreSettings, base_map: dict[str, Path],
+    def __init__(self, cache_dir: Path, settings: ImageStoreConfig, base_map: dict[str, Path],
                  tasks: list[Any], retry_failed: bool, jobs: int):
         self.cache_dir, self.settings, self.base_map = cache_dir, settings, base_map
         self.tasks, self.retry_failed, self.jobs = tasks, retry_failed, jobs

@@ -74,7 +74,7 @@ def with_build_ca(text: str) -> str:
     return text
 
 
-class StoreSettings(BaseModel):
+class ImageStoreConfig(BaseModel):
     """What a user can tune about building (all in seconds)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -90,7 +90,7 @@ class StoreSettings(BaseModel):
     ca_bundle: str | None = HOST_CA_BUNDLE
 
     @classmethod
-    def from_env(cls, **overrides: Any) -> StoreSettings:
+    def from_env(cls, **overrides: Any) -> ImageStoreConfig:
         env = {
             "build_timeout_s": os.environ.get("ET_HPC_BUILD_TIMEOUT"),
             "stale_after_s": os.environ.get("ET_HPC_LOCK_STALE"),
@@ -106,6 +106,9 @@ class StoreSettings(BaseModel):
             return None
         p = Path(self.ca_bundle)
         return p if p.is_file() else None
+
+
+StoreSettings = ImageStoreConfig  # the old name, which build chunks pickled by queued jobs name
 
 
 class ImageResult(BaseModel):
@@ -282,14 +285,14 @@ class ImageStore:
         *,
         base_map: dict[str, Path] | None = None,
         scratch: Path | None = None,
-        settings: StoreSettings | None = None,
+        settings: ImageStoreConfig | None = None,
         normalise: Callable[..., Any] | None = None,
         **overrides: Any,
     ) -> None:
         self.cache_dir = Path(cache_dir) if cache_dir else paths.cache_dir()
         self._base_map = base_map
         self._scratch = Path(scratch) if scratch else None
-        self.settings = settings or StoreSettings.from_env(**overrides)
+        self.settings = settings or ImageStoreConfig.from_env(**overrides)
         self._normalise = normalise
         self._digests = _DigestCache()
         self._base_digests: dict[str, tuple[tuple[int, int, int], str]] = {}

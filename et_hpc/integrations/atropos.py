@@ -47,7 +47,7 @@ from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, Scored
 from pydantic import Field
 
 from et_hpc.agent.base import DEFAULT_MAX_TOKENS
-from et_hpc.agent.loop import Budgets
+from et_hpc.agent.loop import BudgetConfig
 from et_hpc.agent.policies import PolicyConfig
 from et_hpc.errors import UserError
 from et_hpc.record import EpisodeRecord, solved
@@ -172,7 +172,7 @@ class EndlessTerminalsEnv(BaseEnv):
             max_tokens=c.max_tokens_per_turn, logprobs=True, return_token_ids=True, system_prompt=c.system_prompt,
             request_timeout_s=float(srv.timeout),
         )
-        budgets = Budgets(max_turns=c.max_agent_turns, wall_time_s=c.wall_time_s, command_timeout_s=c.command_timeout_s,
+        budgets = BudgetConfig(max_turns=c.max_agent_turns, wall_time_s=c.wall_time_s, command_timeout_s=c.command_timeout_s,
                           max_tokens_per_turn=c.max_tokens_per_turn, context_tokens=max(c.max_token_length, 1024))
         return RunConfig(name=c.run_name, store=Path(c.store).expanduser() if c.store else None, samples=c.group_size,
                          policy=policy, budgets=budgets, scoring_timeout_s=c.test_timeout_s,

@@ -10,7 +10,7 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from et_hpc.agent.loop import Budgets
+from et_hpc.agent.loop import BudgetConfig
 from et_hpc.agent.policies import PolicyConfig
 from et_hpc.errors import UserError
 from et_hpc.host.slurm import SlurmConfig, SlurmOptions  # noqa: F401  (their old home is here)
@@ -50,7 +50,7 @@ class RunConfig(BaseModel):
     tasks: TaskSelectionConfig = Field(default_factory=TaskSelectionConfig)
     samples: int = Field(default=1, ge=1)  # episodes per task (group size)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
-    budgets: Budgets = Field(default_factory=Budgets)
+    budgets: BudgetConfig = Field(default_factory=BudgetConfig)
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     scoring_timeout_s: float = Field(default=120.0, gt=0)
     executor: Literal["local", "slurm"] = "local"

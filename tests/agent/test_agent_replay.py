@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from et_hpc.agent.loop import Budgets, run_agent
+from et_hpc.agent.loop import BudgetConfig, run_agent
 from et_hpc.agent.policies import PolicyConfig, ReplayPolicy, make_policy, recorded_runs
 from et_hpc.errors import TaskError, UserError
 from et_hpc.tasks.model import Recipe, Task
@@ -70,7 +70,7 @@ def test_replay_emits_recorded_commands_in_order(fixtures_dir, task_name):
                 expected.append(cmds[-1])
     assert len(expected) >= 2
     sh = _TranscriptShell([])
-    r = run_agent(msgs[1]["content"], sh, ReplayPolicy(path, idx), Budgets(max_turns=64),
+    r = run_agent(msgs[1]["content"], sh, ReplayPolicy(path, idx), BudgetConfig(max_turns=64),
                   system_prompt=msgs[0]["content"])
     assert sh.commands == expected
     assert r.stop_reason == "done" and r.status == "ok"

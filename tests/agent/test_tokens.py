@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from et_hpc import scripted_tokenizer as tk
-from et_hpc.agent.loop import Budgets, run_agent
+from et_hpc.agent.loop import BudgetConfig, run_agent
 from et_hpc.agent.openai_policy import OpenAIPolicy
 from et_hpc.agent.protocols import TERMINAL_TOOL
 from et_hpc.record import EPISODE_SCHEMA, SCHEMA_VERSION, EpisodeRecord, check_tokens
@@ -173,7 +173,7 @@ def test_check_tokens_exact_and_drift():
 def _run(shell, script, mode="tools", server_kw=None, **policy_kw):
     with ScriptedServer(script, **(server_kw or {})) as srv:
         pol = OpenAIPolicy(srv.base_url, mode=mode, backoff_base_s=0.01, rng=random.Random(0), **policy_kw)
-        r = run_agent("do the task", shell, pol, Budgets())
+        r = run_agent("do the task", shell, pol, BudgetConfig())
         final = None
         if srv.tokenize_endpoint:
             last = max(i for i, m in enumerate(r.messages) if m["role"] == "assistant")

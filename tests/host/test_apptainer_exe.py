@@ -31,12 +31,12 @@ def test_doctor_and_builds_use_the_configured_command(tmp_path: Path, monkeypatc
     assert "--version" in log.read_text()
 
     from et_hpc.host import apptainer
-    from et_hpc.images.store import StoreSettings
+    from et_hpc.images.store import ImageStoreConfig
 
     monkeypatch.setenv("ET_HPC_APPTAINER", str(w))
-    assert apptainer.exe() == str(w) and StoreSettings().apptainer == str(w)
+    assert apptainer.exe() == str(w) and ImageStoreConfig().apptainer == str(w)
     monkeypatch.delenv("ET_HPC_APPTAINER")
-    assert apptainer.exe() == "apptainer" and StoreSettings().apptainer == "apptainer"
+    assert apptainer.exe() == "apptainer" and ImageStoreConfig().apptainer == "apptainer"
 
 
 def test_a_missing_command_fails_the_doctor_check(tmp_path: Path) -> None:

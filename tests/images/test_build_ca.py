@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from et_hpc.images.store import BUILD_CA_PATH, StoreSettings, with_build_ca
+from et_hpc.images.store import BUILD_CA_PATH, ImageStoreConfig, with_build_ca
 from helpers.images import make_store, make_task
 
 
@@ -22,12 +22,12 @@ def test_with_build_ca_exports_at_the_top_of_post_only() -> None:
 
 
 def test_ca_bundle_setting(tmp_path: Path, monkeypatch) -> None:
-    assert StoreSettings(ca_bundle="none").build_ca() is None
-    assert StoreSettings(ca_bundle=str(tmp_path / "missing.crt")).build_ca() is None
+    assert ImageStoreConfig(ca_bundle="none").build_ca() is None
+    assert ImageStoreConfig(ca_bundle=str(tmp_path / "missing.crt")).build_ca() is None
     f = tmp_path / "ca.crt"
     f.write_text("-----BEGIN CERTIFICATE-----\n")
     monkeypatch.setenv("ET_HPC_BUILD_CA_BUNDLE", str(f))
-    assert StoreSettings.from_env().build_ca() == f
+    assert ImageStoreConfig.from_env().build_ca() == f
 
 
 @pytest.mark.apptainer

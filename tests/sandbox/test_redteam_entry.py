@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from et_hpc.agent.loop import Budgets, run_agent
+from et_hpc.agent.loop import BudgetConfig, run_agent
 from et_hpc.agent.policies import Action
 from et_hpc.sandbox import scoring
 from et_hpc.sandbox.sandbox import Sandbox
@@ -356,7 +356,7 @@ def test_agent_breaking_its_shell_is_scored(breaker: str, task_sif: Path, tmp_pa
             blamed.append(sb.health())
             return blamed[-1] in ("alive", "gone")
 
-        res = run_agent("solve it", sh, policy, Budgets(max_turns=6, command_timeout_s=20), shell_blame=blame)
+        res = run_agent("solve it", sh, policy, BudgetConfig(max_turns=6, command_timeout_s=20), shell_blame=blame)
         # positive control: the shell really could not be started again (without the blame rule
         # this was an unscored shell_error)
         assert res.stop_reason == "shell_broken" and res.status == "ok", res
