@@ -50,6 +50,8 @@ def work_runner(task: Task, sample: int, cfg: RunConfig, image, stop: threading.
                 proc.kill()
                 proc.wait()
                 return make_record(cfg, task, sample, "infra_error", error="interrupted")
+        if proc.returncode != 0:  # killed from outside (a scancel signals the whole job) before stop was set
+            return make_record(cfg, task, sample, "infra_error", error=f"the work was killed ({proc.returncode})")
         if sample in meta.get("error_samples", []):
             return make_record(cfg, task, sample, "infra_error", error="stand-in failure")
         once = log_dir / f"failed-once-{task.id}-{sample}"
