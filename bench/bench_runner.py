@@ -31,7 +31,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from et_hpc.host import slurm as watch  # noqa: E402
-from et_hpc.runner.config import RunConfig, SlurmOptions  # noqa: E402
+from et_hpc.runner.config import RunConfig, SlurmConfig  # noqa: E402
 from et_hpc.runner.local import run_local  # noqa: E402
 from et_hpc.runner.plan import make_plan, open_store  # noqa: E402
 from et_hpc.runner.slurm import submit, task_ids  # noqa: E402
@@ -102,7 +102,7 @@ def main() -> int:
         for c in levels if a.slurm else []:
             par, per_task = max(1, c // 2), min(c, 2)
             cfg = RunConfig(name=f"slurm-c{c}", concurrency=per_task, executor="slurm",
-                            slurm=SlurmOptions(cpus_per_task=1, time_min=30, array_parallelism=par,
+                            slurm=SlurmConfig(cpus_per_task=1, time_min=30, array_parallelism=par,
                                                units_per_task=a.units_per_task or 1),
                             **base)
             plan = make_plan(cfg, tasks=tasks, image_lookup=look)

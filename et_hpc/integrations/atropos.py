@@ -51,7 +51,7 @@ from et_hpc.agent.loop import BudgetConfig
 from et_hpc.agent.policies import PolicyConfig
 from et_hpc.errors import UserError
 from et_hpc.record import EpisodeRecord, solved
-from et_hpc.runner.config import RunConfig, SandboxOptions
+from et_hpc.runner.config import RunConfig, SandboxConfig
 from et_hpc.runs.export import atropos_group, validate_atropos_group
 from et_hpc.runs.store import RunStore, Store
 from et_hpc.sandbox.config import DEFAULT_OVERLAY_MB
@@ -176,7 +176,7 @@ class EndlessTerminalsEnv(BaseEnv):
                           max_tokens_per_turn=c.max_tokens_per_turn, context_tokens=max(c.max_token_length, 1024))
         return RunConfig(name=c.run_name, store=Path(c.store).expanduser() if c.store else None, samples=c.group_size,
                          policy=policy, budgets=budgets, scoring_timeout_s=c.test_timeout_s,
-                         sandbox=SandboxOptions(overlay_mb=c.overlay_mb))
+                         sandbox=SandboxConfig(overlay_mb=c.overlay_mb))
 
     def _samples(self, task_id: str, n: int) -> list[int]:
         with self._sample_lock:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from et_hpc.images import local_copy as lc
-from et_hpc.runner.config import SandboxOptions
+from et_hpc.runner.config import SandboxConfig
 
 MB = 1 << 20
 
@@ -126,9 +126,9 @@ def test_source_that_does_not_match_its_digest_is_refused(tmp_path: Path) -> Non
         digest = wrong
 
     # the episode's choice never raises: it falls back to the shared image
-    assert lc.episode_image(Img, SandboxOptions(local_copy="always"), scratch=scratch) == src
+    assert lc.episode_image(Img, SandboxConfig(local_copy="always"), scratch=scratch) == src
     Img.digest = digest
-    got = lc.episode_image(Img, SandboxOptions(local_copy="always"), scratch=scratch)
+    got = lc.episode_image(Img, SandboxConfig(local_copy="always"), scratch=scratch)
     assert isinstance(got, lc.LocalImage) and _sha(got.path) == digest
 
 
@@ -207,11 +207,11 @@ def test_copy_wanted_only_across_filesystems_unless_forced(tmp_path: Path) -> No
 
 
 def test_sandbox_options_key() -> None:
-    assert SandboxOptions().local_copy == "auto"
+    assert SandboxConfig().local_copy == "auto"
     with pytest.raises(ValueError):
-        SandboxOptions(local_copy="sometimes")
+        SandboxConfig(local_copy="sometimes")
     with pytest.raises(ValueError):
-        SandboxOptions(local_copy_budget_gb=0)
+        SandboxConfig(local_copy_budget_gb=0)
 
 
 @pytest.mark.apptainer

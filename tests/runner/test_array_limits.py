@@ -13,7 +13,7 @@ import pytest
 
 from et_hpc.errors import UserError
 from et_hpc.host.slurm import parse_scontrol_config
-from et_hpc.runner.config import RunConfig, SlurmOptions
+from et_hpc.runner.config import RunConfig, SlurmConfig
 from et_hpc.runner.slurm import SubmitLimits, check_fits, parse_sacctmgr, submit_limits
 
 ET_HPC = [sys.executable, "-m", "et_hpc.cli"]
@@ -69,9 +69,9 @@ def test_real_limits_query(tmp_path: Path) -> None:
     assert any(d.startswith(f"MaxJobCount={count}") for _, d in lim.limits)
     assert lim.free is not None and lim.free <= count
     # a configured split size above the cluster's is clamped to it
-    assert submit_limits(RunConfig(slurm=SlurmOptions(max_array_size=10 * size))).max_array_size == size
-    assert submit_limits(RunConfig(slurm=SlurmOptions(max_array_size=3))).max_array_size == 3
-    capped = submit_limits(RunConfig(slurm=SlurmOptions(max_submit_jobs=2)))
+    assert submit_limits(RunConfig(slurm=SlurmConfig(max_array_size=10 * size))).max_array_size == size
+    assert submit_limits(RunConfig(slurm=SlurmConfig(max_array_size=3))).max_array_size == 3
+    capped = submit_limits(RunConfig(slurm=SlurmConfig(max_submit_jobs=2)))
     assert capped.free == 2 and capped.why == "slurm.max_submit_jobs=2"
     qos = subprocess.run(["sacctmgr", "-n", "-P", "show", "qos", "format=Name,MaxSubmitPU,MaxSubmitPA,GrpSubmit"],
                          capture_output=True, text=True)

@@ -12,7 +12,7 @@ import pytest
 import helpers.units as U
 from et_hpc.cli.run import status_info
 from et_hpc.host import slurm as watch
-from et_hpc.runner.config import RunConfig, SlurmOptions
+from et_hpc.runner.config import RunConfig, SlurmConfig
 from et_hpc.runner.plan import make_plan, open_store
 from et_hpc.runner.slurm import load_jobs, submit, task_ids
 from helpers import with_tests_on_path
@@ -31,7 +31,7 @@ def _cfg(tmp_path: Path, **slurm) -> RunConfig:
                 setup=["export ET_HPC_TEST_SETUP=from-setup"])
     opts.update(slurm)
     return RunConfig(name="sl", store=tmp_path / "store", samples=1, concurrency=2, executor="slurm",
-                     unit_runner="helpers.units:work_runner", slurm=SlurmOptions(**opts))
+                     unit_runner="helpers.units:work_runner", slurm=SlurmConfig(**opts))
 
 
 def _wait(ids: list[str], timeout_s: float = 240) -> dict[str, str]:
