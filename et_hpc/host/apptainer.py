@@ -189,11 +189,11 @@ def exec_argv(
     return [*cmd, f"instance://{instance}", *argv]
 
 
-_ROOTFS_IDS: dict[tuple[str, float], int | None] = {}
+_ROOTFS_IDS: dict[tuple[str, float], tuple[int, int] | None] = {}
 
 
-def sif_rootfs_id(sif: Path | str) -> int | None:
-    """The descriptor id of a SIF's root filesystem partition (for ``image-src`` binds), or None."""
+def sif_rootfs(sif: Path | str) -> tuple[int, int] | None:
+    """(descriptor id, byte offset) of a SIF's root filesystem partition, or None (cached per file)."""
     p = Path(sif)
     try:
         key = (str(p.resolve()), p.stat().st_mtime)
@@ -205,10 +205,17 @@ def sif_rootfs_id(sif: Path | str) -> int | None:
         for line in cp.stdout.decode("utf-8", "replace").splitlines():
             cols = [c.strip() for c in line.split("|")]
             if len(cols) >= 5 and cols[0].isdigit() and "System" in cols[4] and cols[4].startswith("FS"):
-                found = int(cols[0])
+                start = cols[3].split("-", 1)[0]
+                found = (int(cols[0]), int(start) if start.isdigit() else -1)
                 break
         _ROOTFS_IDS[key] = found
     return _ROOTFS_IDS[key]
+
+
+def sif_rootfs_id(sif: Path | str) -> int | None:
+    """The descriptor id of a SIF's root filesystem partition (for ``image-src`` binds), or None."""
+    found = sif_rootfs(sif)
+    return found[0] if found else None
 
 
 def overlay_create(path: Path, size_mb: int, *, sparse: bool = True) -> None:

@@ -7,7 +7,8 @@ the SIF over the network. ``local_image(sif, digest, scratch=..., budget_gb=...)
     images/<digest>.sif     the copy (read-only; appears by atomic rename, never half)
     images/<digest>.json    what was verified: digest, size, mtime_ns, inode, source, copy seconds
     images/<digest>.lease   flocked shared by every user of the copy; its mtime is the last use (LRU)
-    images/.node.lock       per-node lock held while copying or evicting
+    images/<digest>.root/   the unpacked root filesystem, with local_copy: unpack (see below)
+    images/.node.lock       per-node lock held while copying, unpacking or evicting
 
 Contract:
 
@@ -22,9 +23,17 @@ Contract:
 - Eviction is least-recently-used (lease mtime) and keeps the copies' total size within
   ``budget_gb``; when in-use copies leave no room, or the image alone exceeds the budget,
   ``NoRoom`` is raised and nothing is copied.
+- ``local_tree(sif, digest, ...)`` unpacks the SIF's root filesystem once per node instead, to
+  ``images/<digest>.root/`` (with ``<digest>.root.json`` and ``<digest>.root.lease``): the source
+  is copied to a temp file while hashed, the digest checked, that checked file unpacked with
+  ``unsquashfs`` to a temp directory, and the directory renamed into place. Instances then start
+  from the directory: no squashfuse mount per instance, and every sandbox of the image on the node
+  shares one page cache (files read by one episode, e.g. the scoring interpreter and pytest, are
+  warm for the next). Leases, LRU eviction and the budget are shared with SIF copies; a tree is
+  trusted as long as its directory is the one recorded (inode), it is not re-hashed.
 - ``episode_image(image, options)`` is what an episode calls: it decides whether a copy is wanted
   (``local_copy: auto`` copies only when the cache and scratch are on different filesystems, i.e.
-  ``st_dev`` differs; ``always`` forces a copy; ``never`` disables it) and never raises: on any
+  ``st_dev`` differs; ``always`` forces a copy; ``unpack`` a tree; ``never`` disables both) and never raises: on any
   trouble (no room, a source that does not match its recorded digest, an I/O error) it logs a
   warning and returns the shared path, which is what episodes used before copies existed.
 """
@@ -38,6 +47,7 @@ import logging
 import os
 import secrets
 import shutil
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,12 +56,14 @@ from typing import Any, Literal
 from filelock import FileLock, Timeout
 
 from et_hpc.errors import InfraError
+from et_hpc.host import apptainer
 from et_hpc.paths import scratch_dir
 from et_hpc.util import atomic_write_text, fsync_dir, sha256_file
 
 log = logging.getLogger(__name__)
 
-Mode = Literal["auto", "always", "never"]
+Mode = Literal["auto", "always", "never", "unpack"]
+TREE = ".root"  # suffix of unpacked trees and their files
 CHUNK = 4 << 20
 FREE_MARGIN = 256 << 20  # leave this much free on scratch after a copy
 
@@ -90,6 +102,7 @@ class CopyInfo:
     path: Path
     size: int
     last_used: float
+    kind: str = ".sif"  # or TREE
 
 
 class LocalImage(os.PathLike):
@@ -133,7 +146,10 @@ class LocalImage(os.PathLike):
         self.release()
 
 
-def _paths(d: Path, digest: str) -> tuple[Path, Path, Path]:
+def _paths(d: Path, digest: str, kind: str = ".sif") -> tuple[Path, Path, Path]:
+    """(the copy, its record, its lease) for a SIF copy (``.sif``) or an unpacked tree (``TREE``)."""
+    if kind == TREE:
+        return d / f"{digest}{TREE}", d / f"{digest}{TREE}.json", d / f"{digest}{TREE}.lease"
     return d / f"{digest}.sif", d / f"{digest}.json", d / f"{digest}.lease"
 
 
@@ -168,9 +184,9 @@ def _take_lease(lease: Path) -> int | None:
         return None
 
 
-def _remove_copy(d: Path, digest: str) -> bool:
+def _remove_copy(d: Path, digest: str, kind: str = ".sif") -> bool:
     """Delete one copy if nobody holds its lease (caller holds the node lock). True if removed."""
-    sif, meta, lease = _paths(d, digest)
+    copy, meta, lease = _paths(d, digest, kind)
     try:
         fd = os.open(lease, os.O_RDWR | os.O_CREAT, 0o600)
     except OSError:
@@ -180,28 +196,48 @@ def _remove_copy(d: Path, digest: str) -> bool:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return False  # in use
-        for p in (sif, meta, lease):
-            p.unlink(missing_ok=True)
+        if kind == TREE:
+            meta.unlink(missing_ok=True)  # first: a half-removed tree is never taken for whole
+            if copy.exists():
+                gone = d / f".{digest}.{secrets.token_hex(4)}.tmp"
+                copy.rename(gone)
+                rmtree(gone)
+        for p in (copy, meta, lease):
+            if kind != TREE or p != copy:
+                p.unlink(missing_ok=True)
         return True
     finally:
         os.close(fd)
 
 
+def rmtree(path: Path) -> None:
+    """Remove a tree even where the image made directories unwritable (modes as unpacked)."""
+    os.chmod(path, 0o700)
+    for top, dirs, _ in os.walk(path):
+        for name in dirs:
+            p = os.path.join(top, name)
+            if not os.path.islink(p):
+                os.chmod(p, 0o700)
+    shutil.rmtree(path)
+
+
 def list_copies(scratch: Path | None = None) -> list[CopyInfo]:
-    """The copies on this node, least recently used first."""
+    """The copies and trees on this node, least recently used first."""
     d = images_dir(scratch)
     out = []
-    for sif in d.glob("*.sif"):
-        digest = sif.stem
+    for copy in [*d.glob("*.sif"), *d.glob(f"*{TREE}")]:
+        kind = TREE if copy.name.endswith(TREE) else ".sif"
+        digest = copy.name[: -len(kind)]
+        _, meta, lease = _paths(d, digest, kind)
         try:
-            size = sif.stat().st_size
-        except OSError:
+            size = copy.stat().st_size if kind == ".sif" else int((_read_meta(meta) or {}).get("size", 0))
+        except (OSError, ValueError):
             continue
         try:
-            used = (d / f"{digest}.lease").stat().st_mtime
+            used = lease.stat().st_mtime
         except OSError:
             used = 0.0
-        out.append(CopyInfo(digest=digest, path=sif, size=size, last_used=used))
+        out.append(CopyInfo(digest=digest, path=copy, size=size, last_used=used, kind=kind))
     out.sort(key=lambda c: c.last_used)
     return out
 
@@ -217,8 +253,8 @@ def evict(scratch: Path | None, budget_bytes: int, *, incoming: int = 0, keep: s
             break
         if c.digest == keep:
             continue
-        if _remove_copy(d, c.digest):
-            log.info("evicted node-local image copy %s (%.1f MB)", c.path, c.size / 1e6)
+        if _remove_copy(d, c.digest, c.kind):
+            log.info("evicted node-local image %s (%.1f MB)", c.path, c.size / 1e6)
             total -= c.size
     return total
 
@@ -240,7 +276,31 @@ def _copy_hashed(src: Path, dst: Path) -> str:
 def _clean_temps(d: Path) -> None:
     # only the node-lock holder copies, so any temp seen while holding it was left by a dead copier
     for t in d.glob(".*.tmp"):
-        t.unlink(missing_ok=True)
+        if t.is_dir() and not t.is_symlink():
+            rmtree(t)
+        else:
+            t.unlink(missing_ok=True)
+
+
+def _node_lock(d: Path, timeout_s: float) -> FileLock:
+    """The per-node lock, acquired (the caller releases it)."""
+    lock = FileLock(str(d / ".node.lock"), timeout=timeout_s)
+    try:
+        lock.acquire()
+    except Timeout as e:
+        raise InfraError(f"timed out after {timeout_s:.0f}s waiting for the node image lock {d}/.node.lock") from e
+    return lock
+
+
+def _make_room(d: Path, scratch: Path | None, budget_gb: float, size: int, digest: str, name: str) -> None:
+    """Evict (LRU) until ``size`` more bytes fit the budget and the disk; else ``NoRoom``. Under the node lock."""
+    budget = int(budget_gb * (1 << 30))
+    total = evict(scratch, budget, incoming=size, keep=digest)
+    if total > budget:
+        raise NoRoom(f"image {name} ({size / 1e9:.2f} GB) does not fit in the node-local copy budget "
+                     f"of {budget_gb} GB (copies in use hold the rest; raise sandbox.local_copy_budget_gb)")
+    if shutil.disk_usage(d).free < size + FREE_MARGIN:
+        raise NoRoom(f"scratch {d} has less than {(size + FREE_MARGIN) / 1e9:.2f} GB free for image {name}")
 
 
 def local_image(
@@ -271,11 +331,7 @@ def local_image(
                 return LocalImage(sif, digest, fd, copied=False, copy_s=(meta or {}).get("copy_s"))
             os.close(fd)
 
-    try:
-        node_lock = FileLock(str(d / ".node.lock"), timeout=lock_timeout_s)
-        node_lock.acquire()
-    except Timeout as e:
-        raise InfraError(f"timed out after {lock_timeout_s:.0f}s waiting for the node image lock {d}/.node.lock") from e
+    node_lock = _node_lock(d, lock_timeout_s)
     try:
         _clean_temps(d)
         meta = _read_meta(meta_p)
@@ -298,14 +354,7 @@ def local_image(
                 sif.rename(d / f".{digest}.{secrets.token_hex(4)}.bad")
                 meta_p.unlink(missing_ok=True)
 
-        size = src.stat().st_size
-        budget = int(budget_gb * (1 << 30))
-        total = evict(scratch, budget, incoming=size, keep=digest)
-        if total > budget:
-            raise NoRoom(f"image {src.name} ({size / 1e9:.2f} GB) does not fit in the node-local copy budget "
-                         f"of {budget_gb} GB (copies in use hold the rest; raise sandbox.local_copy_budget_gb)")
-        if shutil.disk_usage(d).free < size + FREE_MARGIN:
-            raise NoRoom(f"scratch {d} has less than {(size + FREE_MARGIN) / 1e9:.2f} GB free for image {src.name}")
+        _make_room(d, scratch, budget_gb, src.stat().st_size, digest, src.name)
 
         tmp = d / f".{digest}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
         t0 = time.monotonic()
@@ -337,10 +386,125 @@ def local_image(
                 bad.unlink(missing_ok=True)
 
 
+UNPACK_FACTOR = 4  # room asked for before unpacking: this many times the SIF (squashfs compresses ~3x)
+
+
+def _tree_ok(root: Path, meta: dict[str, Any] | None, digest: str) -> bool:
+    if not meta or meta.get("digest") != digest:
+        return False
+    try:
+        return root.is_dir() and meta.get("ino") == root.stat().st_ino
+    except OSError:
+        return False
+
+
+def _tree_size(root: Path) -> int:
+    total = 0
+    for top, dirs, files in os.walk(root):
+        for name in (*dirs, *files):
+            try:
+                total += os.lstat(os.path.join(top, name)).st_blocks * 512
+            except OSError:
+                pass
+    return total
+
+
+def unpack_sif(sif: Path, dest: Path, *, timeout_s: float = 1800.0) -> None:
+    """Unpack ``sif``'s root filesystem partition to the new directory ``dest`` (``unsquashfs``)."""
+    exe = shutil.which("unsquashfs")
+    if exe is None:
+        raise InfraError("unsquashfs is not on PATH (squashfs-tools): cannot unpack images (sandbox.local_copy: unpack)")
+    part = apptainer.sif_rootfs(sif)
+    if part is None or part[1] < 0:
+        raise InfraError(f"{sif}: no root filesystem partition found in the SIF")
+    try:
+        cp = subprocess.run([exe, "-n", "-no-xattrs", "-o", str(part[1]), "-d", str(dest), str(sif)],
+                            capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise InfraError(f"unsquashfs of {sif} took more than {timeout_s:.0f}s") from None
+    if cp.returncode != 0:
+        raise InfraError(f"unsquashfs of {sif} failed ({cp.returncode}): {(cp.stderr or cp.stdout).strip()[-300:]}")
+
+
+def local_tree(
+    sif_path: Path | str,
+    digest: str | None,
+    *,
+    scratch: Path | None = None,
+    budget_gb: float = 20.0,
+    lock_timeout_s: float = 900.0,
+) -> LocalImage:
+    """The node-local unpacked root filesystem of ``sif_path`` (module docstring), made if missing.
+
+    Its ``path`` is a directory that ``apptainer instance start`` takes as the image. Raises
+    ``NoRoom``, ``DigestMismatch``, ``InfraError`` (no ``unsquashfs``, a failed unpack, node lock
+    timeout) or ``OSError``.
+    """
+    src = Path(sif_path)
+    digest = _norm_digest(digest) if digest else sha256_file(src)
+    d = images_dir(scratch)
+    root, meta_p, lease = _paths(d, digest, TREE)
+
+    def leased(meta: dict[str, Any] | None, *, copied: bool) -> LocalImage | None:
+        fd = _take_lease(lease)
+        if fd is None:
+            return None
+        if not _tree_ok(root, _read_meta(meta_p), digest):
+            os.close(fd)
+            return None
+        return LocalImage(root, digest, fd, copied=copied, copy_s=(meta or {}).get("copy_s"))
+
+    meta = _read_meta(meta_p)
+    if _tree_ok(root, meta, digest):  # fast path, without the node lock
+        got = leased(meta, copied=False)
+        if got is not None:
+            return got
+    node_lock = _node_lock(d, lock_timeout_s)
+    try:
+        _clean_temps(d)
+        meta = _read_meta(meta_p)
+        if _tree_ok(root, meta, digest):
+            got = leased(meta, copied=False)
+            if got is None:
+                raise InfraError(f"could not lease node-local image {root}")
+            return got
+        if (root.exists() or meta_p.exists()) and not _remove_copy(d, digest, TREE):
+            raise InfraError(f"node-local image {root} is incomplete and in use; not replaced")
+        _make_room(d, scratch, budget_gb, UNPACK_FACTOR * src.stat().st_size, digest, src.name)
+        tag = f".{digest}.{os.getpid()}.{secrets.token_hex(4)}"
+        tmp_sif, tmp_root = d / f"{tag}.sif.tmp", d / f"{tag}.tmp"
+        t0 = time.monotonic()
+        try:
+            got_digest = _copy_hashed(src, tmp_sif)  # the checked bytes are the ones unpacked
+            if got_digest != digest:
+                raise DigestMismatch(f"shared image {src} has sha256 {got_digest[:12]}…, the cache recorded {digest[:12]}…")
+            unpack_sif(tmp_sif, tmp_root)
+            os.replace(tmp_root, root)
+        except BaseException:
+            if tmp_root.exists():
+                rmtree(tmp_root)
+            raise
+        finally:
+            tmp_sif.unlink(missing_ok=True)
+        copy_s = time.monotonic() - t0
+        fsync_dir(d)
+        atomic_write_text(meta_p, json.dumps({
+            "digest": digest, "size": _tree_size(root), "ino": root.stat().st_ino, "source": str(src),
+            "copied_at": time.time(), "copy_s": round(copy_s, 3), "pid": os.getpid(),
+        }))
+        got = leased({"copy_s": copy_s}, copied=True)
+        if got is None:
+            raise InfraError(f"could not lease node-local image {root}")
+        log.info("unpacked %s to node-local %s in %.2fs", src, root, copy_s)
+        return got
+    finally:
+        node_lock.release()
+
+
 def wants_copy(sif_path: Path | str, mode: Mode, scratch: Path | None = None) -> bool:
     if mode == "never":
         return False
-    if mode == "always":
+    if mode in ("always", "unpack"):
         return True
     try:
         return different_filesystem(Path(sif_path), scratch)
@@ -349,7 +513,7 @@ def wants_copy(sif_path: Path | str, mode: Mode, scratch: Path | None = None) ->
 
 
 def episode_image(image: Any, options: Any, *, scratch: Path | None = None) -> Path | LocalImage:
-    """The SIF an episode should start from: a leased node-local copy, or ``image.path``.
+    """The image an episode should start from: a leased node-local copy or unpacked tree, or ``image.path``.
 
     ``options`` is the run config's sandbox section (``local_copy``, ``local_copy_budget_gb``).
     Never raises; keep the returned object alive while the sandbox runs (it holds the lease).
@@ -357,6 +521,9 @@ def episode_image(image: Any, options: Any, *, scratch: Path | None = None) -> P
     path = Path(image.path)
     mode = getattr(options, "local_copy", "auto")
     try:
+        if mode == "unpack":
+            return local_tree(path, getattr(image, "digest", None), scratch=scratch,
+                              budget_gb=getattr(options, "local_copy_budget_gb", 20.0))
         if not wants_copy(path, mode, scratch):
             return path
         return local_image(path, getattr(image, "digest", None), scratch=scratch,

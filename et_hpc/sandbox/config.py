@@ -27,9 +27,11 @@ class SandboxConfig(BaseModel):
     vmem_mb: int = Field(default=8192, ge=64)
     fsize_mb: int = Field(default=4096, ge=1)
     watchdog_interval_s: float = Field(default=0.25, ge=0)
-    # node-local SIF copies (et_hpc.images.local_copy): auto copies only when the image cache and
-    # scratch are on different filesystems; always forces it; never starts from the cache
-    local_copy: Literal["auto", "always", "never"] = "auto"
+    # node-local images (et_hpc.images.local_copy): auto copies the SIF only when the image cache
+    # and scratch are on different filesystems; always forces the copy; unpack starts instances
+    # from the SIF's root filesystem unpacked once per node (faster starts, one shared page cache);
+    # never starts from the cache
+    local_copy: Literal["auto", "always", "never", "unpack"] = "auto"
     local_copy_budget_gb: float = Field(default=20.0, gt=0)
     # sandboxes started ahead per worker process for the units that run next (et_hpc.sandbox.warm);
     # 0: each episode starts its own; 2 is the recommended value (README "Runs")

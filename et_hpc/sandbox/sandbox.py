@@ -1,6 +1,7 @@
 """One Apptainer instance per episode, with its own writable layer, that always gets stopped.
 
-``Sandbox(sif, run_prefix=...)`` is a context manager. ``start()`` copies a sparse ext3 overlay
+``Sandbox(sif, run_prefix=...)`` is a context manager; ``sif`` is a SIF file or a directory holding
+an unpacked root filesystem (``local_copy: unpack``), which the pristine bind then binds read-only. ``start()`` copies a sparse ext3 overlay
 (from a per-size template kept in node-local scratch, so creating one costs a ``cp --sparse``)
 and starts ``apptainer instance start --containall --cleanenv --overlay OV [--net --network none]``.
 ``stop()`` kills the instance at once (``instance stop -t 0``) and deletes the overlay; it runs on
@@ -177,7 +178,7 @@ class Sandbox:
     # -- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> Sandbox:
-        if not self.sif.is_file():
+        if not (self.sif.is_file() or self.unpacked):
             raise InfraError(f"image {self.sif} does not exist")
         t0 = time.monotonic()
         live, overlays, templates = scratch_paths(self.scratch)
@@ -193,9 +194,11 @@ class Sandbox:
         else:
             self._write_registry()
             options.append("--writable-tmpfs")
-        part = apptainer.sif_rootfs_id(self.sif) if self.pristine else None
-        if part is not None:
-            # the image itself, read-only, for scoring with an interpreter the agent cannot touch
+        # the image itself, read-only, for scoring with an interpreter the agent cannot touch
+        if self.pristine and self.unpacked:
+            options += ["--bind", f"{self.sif}:{PRISTINE}:ro"]
+            self.pristine_bound = True
+        elif self.pristine and (part := apptainer.sif_rootfs_id(self.sif)) is not None:
             options += ["--bind", f"{self.sif}:{PRISTINE}:image-src=/,id={part}"]
             self.pristine_bound = True
         self.timings["overlay_s"] = time.monotonic() - t0
@@ -213,7 +216,8 @@ class Sandbox:
         except BaseException:
             self.stop()
             raise
-        self._warm_pending = self.warm_scoring and self.pristine_bound  # with the first shell
+        # with the first shell; an unpacked tree needs none: its page cache is the node's, not the instance's
+        self._warm_pending = self.warm_scoring and self.pristine_bound and not self.unpacked
         self.timings["start_s"] = time.monotonic() - t0
         log.debug("sandbox %s started in %.3f s", self.name, self.timings["start_s"])
         return self
@@ -332,6 +336,11 @@ class Sandbox:
         os.replace(tmp, self.registry)
 
     # -- using it --------------------------------------------------------------------------
+
+    @property
+    def unpacked(self) -> bool:
+        """True when the image is a directory (a node-local unpacked tree, et_hpc.images.local_copy)."""
+        return self.sif.is_dir()
 
     @property
     def live(self) -> bool:

@@ -34,7 +34,7 @@ def _sha(p: Path) -> str:
 
 
 def _lease_free(copy: Path) -> bool:
-    fd = os.open(copy.with_suffix(".lease"), os.O_RDWR)
+    fd = os.open(copy.with_name(copy.name + ".lease") if copy.suffix == lc.TREE else copy.with_suffix(".lease"), os.O_RDWR)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return True
@@ -208,6 +208,7 @@ def test_copy_wanted_only_across_filesystems_unless_forced(tmp_path: Path) -> No
 
 def test_sandbox_options_key() -> None:
     assert SandboxConfig().local_copy == "auto"
+    assert SandboxConfig(local_copy="unpack").local_copy == "unpack"
     with pytest.raises(ValueError):
         SandboxConfig(local_copy="sometimes")
     with pytest.raises(ValueError):
@@ -236,7 +237,63 @@ def test_instance_starts_from_the_local_copy(base_sif: Path, tmp_path: Path) -> 
 
 
 @pytest.mark.apptainer
-def test_episode_runs_from_a_forced_local_copy(fixtures_dir: Path, base_sif: Path, tmp_path: Path) -> None:
+def test_tree_is_unpacked_once_checked_leased_and_evicted(base_sif: Path, tmp_path: Path) -> None:
+    scratch = tmp_path / "scratch"
+    d = scratch / "images"
+    digest = _sha(base_sif)
+    with pytest.raises(lc.DigestMismatch):  # the checked bytes are the unpacked ones
+        lc.local_tree(base_sif, "0" * 64, scratch=scratch)
+    assert not [p for p in d.iterdir() if p.name != ".node.lock"]  # nothing half made is left
+
+    tree = lc.local_tree(base_sif, digest, scratch=scratch)
+    assert tree.copied and tree.path == d / f"{digest}.root" and tree.path.is_dir()
+    assert (tree.path / "etc" / "os-release").is_file() and (tree.path / "bin").exists()
+    assert not list(d.glob(".*.tmp"))
+    again = lc.local_tree(base_sif, digest, scratch=scratch)
+    assert not again.copied and again.path == tree.path
+    (info,) = lc.list_copies(scratch)
+    assert info.kind == lc.TREE and info.size > base_sif.stat().st_size  # unpacked is larger
+    assert lc.evict(scratch, 0) > 0 and tree.path.is_dir()  # leased twice: kept
+    tree.release()
+    assert lc.evict(scratch, 0) > 0 and tree.path.is_dir()
+    again.release()
+    assert lc.evict(scratch, 0) == 0 and not tree.path.exists()
+    assert not [p for p in d.iterdir() if p.name != ".node.lock"]
+
+    # a tree whose record is gone (a crash between rename and record) is unpacked anew
+    third = lc.local_tree(base_sif, digest, scratch=scratch)
+    third.release()
+    (d / f"{digest}.root.json").unlink()
+    fourth = lc.local_tree(base_sif, digest, scratch=scratch)
+    assert fourth.copied and (fourth.path / "etc" / "os-release").is_file()
+    fourth.release()
+
+
+@pytest.mark.apptainer
+def test_instance_starts_from_the_unpacked_tree_and_never_writes_it(base_sif: Path, tmp_path: Path) -> None:
+    from et_hpc.sandbox.sandbox import PRISTINE, Sandbox
+
+    scratch = tmp_path / "scratch"
+    tree = lc.local_tree(base_sif, None, scratch=scratch)
+    before = sorted(p.name for p in (tree.path / "etc").iterdir())
+    with Sandbox(tree, scratch=scratch, overlay_mb=64) as sb:
+        assert sb.unpacked and sb.pristine_bound
+        sh = sb.shell()
+        # the agent's writes land in the overlay: seen inside (the positive control), not in the tree
+        r = sh.run("echo forged > /etc/et-mark && cat /etc/et-mark && rm /etc/os-release && echo rm-ok")
+        assert r.exit_code == 0 and "forged" in r.output and "rm-ok" in r.output, r.output
+        r = sh.run(f"echo x > {PRISTINE}/etc/et-mark; echo rc=$?; test -f {PRISTINE}/etc/os-release && echo intact")
+        assert "rc=1" in r.output and "intact" in r.output, r.output
+        lst = subprocess.run(["apptainer", "instance", "list", "--json", sb.name], capture_output=True, text=True)
+        assert str(tree.path) in lst.stdout, lst.stdout
+    assert sorted(p.name for p in (tree.path / "etc").iterdir()) == before
+    assert (tree.path / "etc" / "os-release").is_file()
+    tree.release()
+
+
+@pytest.mark.apptainer
+@pytest.mark.parametrize("mode", ["always", "unpack"])
+def test_episode_runs_from_a_forced_local_copy(fixtures_dir: Path, base_sif: Path, tmp_path: Path, mode: str) -> None:
     from et_hpc.images.store import ImageStore
     from et_hpc.runs.store import open_run
     from et_hpc.tasks.loader import load_tasks
@@ -250,11 +307,12 @@ def test_episode_runs_from_a_forced_local_copy(fixtures_dir: Path, base_sif: Pat
     env = dict(os.environ, ET_HPC_SCRATCH=str(scratch))
     r = subprocess.run([sys.executable, "-m", "et_hpc.cli", "run", str(src), "--policy", "replay",
                         "--samples", "1", "--run-name", "lc", "--store", str(tmp_path / "store"),
-                        "--set", "sandbox.local_copy=always", "--json"],
+                        "--set", f"sandbox.local_copy={mode}", "--json"],
                        capture_output=True, text=True, timeout=1200, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     (rec,) = list(open_run(tmp_path / "store" / "lc").records())
     assert rec.status == "ok" and rec.reward in (0.0, 1.0), rec.error
+    assert rec.interpreter == "pristine"  # scored with the image's own python, from the copy
     copies = lc.list_copies(scratch / f"et-hpc-{getpass.getuser()}")
-    assert [c.digest for c in copies] == [img.digest]
+    assert [(c.digest, c.kind) for c in copies] == [(img.digest, lc.TREE if mode == "unpack" else ".sif")]
     assert _lease_free(copies[0].path)  # released when the episode ended
