@@ -6,6 +6,9 @@ Run as an unprivileged user (apptainer refuses root here):
 
 One lifecycle = a new sandbox on the base SIF, the same 10 shell commands (each checked), teardown.
 - et-hpc: ``Sandbox(sif).start()``, ``sandbox.shell()``, ``shell.run`` x10, ``sandbox.stop()``.
+- et-hpc unpacked: the same from the SIF's root filesystem unpacked once on this node
+  (``sandbox.local_copy: unpack``, ``et_hpc.images.local_copy.local_tree``; unpacked before the
+  rounds, untimed: its cost is reported with the local copy's).
 - et-hpc warm: what stays on an episode's critical path with ``sandbox.warm``: the sandbox and its
   shell are started ahead (``warm.start_ready``, untimed), then the pool's hand-out check, the 10
   commands and the hand-back to the pool (``WarmPool.retire``, which stops it in the background)
@@ -34,7 +37,8 @@ sandbox adds are its instance's session (monitor, appinit, squashfuse/fuse2fs/fu
 its shell's ``apptainer exec`` subtree; RSS and PSS (``smaps_rollup``) summed, per sandbox.
 
 Local copy: the cost of making a node-local copy (``et_hpc.images.local_copy.local_image``) of the
-SIF and sandbox starts from the cache path vs from the copy, interleaved.
+SIF and of unpacking it (``local_tree``), and sandbox starts from the cache path vs from the copy
+vs from the unpacked tree, interleaved.
 """
 
 from __future__ import annotations
@@ -275,7 +279,7 @@ def sandbox_memory(sif: Path, scratch: Path, n: int) -> dict[str, Any]:
 
 
 def local_copy_bench(sif: Path, scratch: Path, reps: int) -> dict[str, Any]:
-    from et_hpc.images.local_copy import different_filesystem, local_image
+    from et_hpc.images.local_copy import different_filesystem, evict, local_image, local_tree
     from et_hpc.sandbox.sandbox import Sandbox
     from et_hpc.util import sha256_file
 
@@ -290,17 +294,27 @@ def local_copy_bench(sif: Path, scratch: Path, reps: int) -> dict[str, Any]:
     t = time.perf_counter()
     li = local_image(sif, digest, scratch=scratch)
     reuse_s = time.perf_counter() - t
-    starts: dict[str, list[float]] = {"cache": [], "local": []}
+    unpack_s = []
+    for _ in range(3):
+        tree = local_tree(sif, digest, scratch=scratch / "unpack")
+        assert tree.copied
+        unpack_s.append(tree.copy_s)
+        tree.release()
+        evict(scratch / "unpack", 0)
+    tree = local_tree(sif, digest, scratch=scratch / "unpack")
+    paths = {"cache": sif, "local": li.path, "tree": tree.path}
+    starts: dict[str, list[float]] = {k: [] for k in paths}
     for i in range(reps):
-        for which in (("cache", "local") if i % 2 == 0 else ("local", "cache")):
-            path = sif if which == "cache" else li.path
+        keys = list(paths)
+        for which in keys[i % 3:] + keys[:i % 3]:
             t = time.perf_counter()
-            sb = Sandbox(path, run_prefix="bench", scratch=scratch).start()
+            sb = Sandbox(paths[which], run_prefix="bench", scratch=scratch).start()
             starts[which].append(time.perf_counter() - t)
             sb.stop()
     li.release()
+    tree.release()
     return {"same_fs": not different_filesystem(sif, scratch), "size_mb": sif.stat().st_size / 1e6,
-            "copy_s": copy_s, "reuse_s": reuse_s, "starts": starts}
+            "copy_s": copy_s, "reuse_s": reuse_s, "unpack_s": unpack_s, "starts": starts}
 
 
 # -- report ----------------------------------------------------------------------------------
@@ -344,11 +358,16 @@ def main() -> None:
     if not a.no_peers:
         py = ensure_peers_venv(a.peers_venv)
         peers = [Peer(n, py, sif) for n in PEERS]
-    results: dict[str, list[dict[str, Any]]] = {"et-hpc": [], "et-hpc warm": [], **{p.name: [] for p in peers}}
+    results: dict[str, list[dict[str, Any]]] = {"et-hpc": [], "et-hpc unpacked": [], "et-hpc warm": [],
+                                                **{p.name: [] for p in peers}}
     errors: dict[str, list[str]] = {k: [] for k in results}
     with tempfile.TemporaryDirectory(prefix="bench-peers-") as d:
         scratch = Path(d)
+        from et_hpc.images.local_copy import local_tree
+
+        tree = local_tree(sif, None, scratch=scratch / "trees")  # once per node, untimed (see local_copy_bench)
         runners = [("et-hpc", lambda: et_lifecycle(sif, scratch)),
+                   ("et-hpc unpacked", lambda: et_lifecycle(tree.path, scratch)),
                    ("et-hpc warm", lambda: et_warm_lifecycle(sif, scratch))] + [(p.name, p.run) for p in peers]
         for rnd in range(a.reps + 1):  # round 0 warms page cache and templates
             order = runners[rnd % len(runners):] + runners[:rnd % len(runners)]
@@ -366,10 +385,13 @@ def main() -> None:
         for p in peers:
             p.close()
         mem = sandbox_memory(sif, scratch, a.mem_sandboxes)
+        mem_tree = sandbox_memory(tree.path, scratch, a.mem_sandboxes)
+        tree.release()
         lc = local_copy_bench(sif, scratch, a.reps)
     load1 = Path("/proc/loadavg").read_text().split()[:3]
     rows = {k: _row(v) for k, v in results.items() if v}
-    out = {"load_start": load0, "load_end": load1, "rows": rows, "errors": errors, "memory": mem, "local_copy": lc,
+    out = {"load_start": load0, "load_end": load1, "rows": rows, "errors": errors, "memory": mem,
+           "memory_unpacked": mem_tree, "local_copy": lc,
            "versions": {p.name: p.version for p in peers}}
     if a.json_out:
         a.json_out.write_text(json.dumps({**out, "raw": results}, indent=1))
@@ -388,11 +410,12 @@ def main() -> None:
               f"| {r['stop']:.2f}{bg} |")
     et = rows.get("et-hpc")
     if et:
-        for k, target in (("hermes", 6), ("mini", 25)):
-            if k in rows:
-                ratio = rows[k]["median"] / et["median"]
-                print(f"\n{k} / et-hpc (medians): {ratio:.1f}x (target >= {target}x: {'met' if ratio >= target else 'NOT met'})",
-                      end="")
+        for mine in ("et-hpc", "et-hpc unpacked"):
+            for k, target in (("hermes", 6), ("mini", 25)):
+                if k in rows and mine in rows:
+                    ratio = rows[k]["median"] / rows[mine]["median"]
+                    print(f"\n{k} / {mine} (medians): {ratio:.1f}x (target >= {target}x: "
+                          f"{'met' if ratio >= target else 'NOT met'})", end="")
         warm = rows.get("et-hpc warm")
         if warm and "hermes" in rows:
             ratio = rows["hermes"]["median"] / warm["median"]
@@ -402,13 +425,16 @@ def main() -> None:
     for k, errs in errors.items():
         if errs:
             print(f"\n{k}: {len(errs)} failed lifecycles, first: {errs[0][:300]}")
-    print(f"\nMemory: {mem['sandboxes']} live et-hpc sandboxes (each with its shell), {mem['processes']} processes: "
-          f"{mem['rss_mb_per_sandbox']:.1f} MB RSS, {mem['pss_mb_per_sandbox']:.1f} MB PSS per sandbox.")
+    for what, m in (("from the SIF", mem), ("from the unpacked tree", mem_tree)):
+        print(f"\nMemory, {what}: {m['sandboxes']} live et-hpc sandboxes (each with its shell), {m['processes']} "
+              f"processes: {m['rss_mb_per_sandbox']:.1f} MB RSS, {m['pss_mb_per_sandbox']:.1f} MB PSS per sandbox.")
     st = lc["starts"]
     print(f"\nLocal copy of the {lc['size_mb']:.0f} MB SIF: copy+sha256 {statistics.median(lc['copy_s']):.2f} s "
           f"(median of {len(lc['copy_s'])}), reuse of a present copy {lc['reuse_s'] * 1000:.1f} ms; "
-          f"sandbox start from the cache {statistics.median(st['cache']):.3f} s vs from the copy "
-          f"{statistics.median(st['local']):.3f} s (medians of {len(st['cache'])}; "
+          f"unpacking it (sha256 + unsquashfs) {statistics.median(lc['unpack_s']):.2f} s (median of "
+          f"{len(lc['unpack_s'])}); sandbox start from the cache {statistics.median(st['cache']):.3f} s vs from "
+          f"the copy {statistics.median(st['local']):.3f} s vs from the unpacked tree "
+          f"{statistics.median(st['tree']):.3f} s (medians of {len(st['cache'])}; "
           f"{'same filesystem here' if lc['same_fs'] else 'different filesystems'}).")
 
 

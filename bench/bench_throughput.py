@@ -11,7 +11,10 @@ tests) through the local executor, started as its own process from a source tree
 - ``baseline``: the revision ``--baseline`` unpacked from git into a temporary folder (the code as
   it was, re-measured here rather than quoted from an older run);
 - ``now``: this tree with ``sandbox.warm=0``;
-- ``now+warm``: this tree with ``sandbox.warm=K``.
+- ``now+warm``: this tree with ``sandbox.warm=K``;
+- ``now+warm+unpack``: the same with ``sandbox.local_copy=unpack`` (instances start from the
+  images unpacked once on this node; an unmeasured run of 4 episodes unpacks them first and its
+  wall time is printed as the one-time cost).
 
 The settings are interleaved round by round, so load from elsewhere hits them alike. Per
 episode, *overhead* is everything but the agent's own commands and model time: ``total_s`` minus
@@ -51,12 +54,12 @@ def overhead(t: dict) -> float:
     return t["total_s"] - (t.get("agent_s") or 0.0)
 
 
-def run_once(tree: Path, store: Path, name: str, units: int, conc: int, warm: int | None) -> tuple[float, list[dict]]:
+def run_once(tree: Path, store: Path, name: str, units: int, conc: int, sets: list[str] | None) -> tuple[float, list[dict]]:
     cmd = [sys.executable, "-m", "et_hpc.cli", "run", str(REPO / "defs" / "demo"), "--policy", "oracle",
            "--samples", str(units // 4), "--concurrency", str(conc), "--store", str(store), "--run-name", name,
            "--json", "--no-compact"]
-    if warm is not None:
-        cmd += ["--set", f"sandbox.warm={warm}"]
+    for kv in sets or []:
+        cmd += ["--set", kv]
     env = dict(os.environ, PYTHONPATH=str(tree))
     t0 = time.monotonic()
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tree, timeout=3600)
@@ -82,7 +85,9 @@ def main() -> int:
     ap.add_argument("--append", type=Path, help="append a markdown section to this file")
     a = ap.parse_args()
     concs = [int(c) for c in a.concurrency.split(",")]
-    settings = [("baseline", None), ("now", 0), (f"now+warm{a.warm}", a.warm)]
+    warm, unpack = f"sandbox.warm={a.warm}", "sandbox.local_copy=unpack"
+    settings = [("baseline", None), ("now", ["sandbox.warm=0"]), (f"now+warm{a.warm}", [warm]),
+                (f"now+warm{a.warm}+unpack", [warm, unpack])]
     walls: dict[tuple[str, int], list[float]] = {}
     timings: dict[tuple[str, int], list[dict]] = {}
     with tempfile.TemporaryDirectory(prefix="et-bench-tp-") as tmp:
@@ -92,12 +97,14 @@ def main() -> int:
         archive = subprocess.run([*git, "archive", "--format=tar", a.baseline], capture_output=True, check=True)
         subprocess.run(["tar", "-x", "-C", str(base_tree)], input=archive.stdout, check=True)
         rev = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        wall, _ = run_once(REPO, Path(tmp) / "store", "unpack-first", 4, 1, [unpack])
+        print(f"unpack-first: {wall:.1f} s for 4 episodes (unpacks the images not yet on this node)", file=sys.stderr)
         for rnd in range(a.rounds):
             for c in concs:
-                for label, warm in settings:
+                for label, sets in settings:
                     tree = base_tree if label == "baseline" else REPO
                     name = f"{label.replace('+', '-')}-c{c}-r{rnd}"
-                    wall, ts = run_once(tree, Path(tmp) / "store", name, a.units, c, warm)
+                    wall, ts = run_once(tree, Path(tmp) / "store", name, a.units, c, sets)
                     walls.setdefault((label, c), []).append(wall)
                     timings.setdefault((label, c), []).extend(ts)
                     print(f"{name}: {wall:.1f} s, {60 * a.units / wall:.1f} episodes/min", file=sys.stderr)

@@ -11,7 +11,9 @@ from et_hpc.cli.common import add_command
 DESCRIPTION = """\
 Stop apptainer instances and delete overlays left on this node by et-hpc workers that died
 without cleaning up (killed by Slurm, SIGKILL, node trouble). Sandboxes whose worker process is
-still alive are never touched. Workers run this at start, so it is rarely needed by hand.
+still alive are never touched. Workers run this at start, so it is rarely needed by hand. With --images it also removes the
+node-local image copies and unpacked trees (sandbox.local_copy) that no running sandbox uses,
+e.g. in a job's epilog or after a run.
 """
 
 EPILOG = """\
@@ -19,6 +21,7 @@ examples:
   et-hpc reap --dry-run          show what would be stopped and deleted
   et-hpc reap                    do it
   et-hpc reap --all --json       also instances named like ours outside this scratch dir
+  et-hpc reap --images           also free node-local image copies and unpacked trees not in use
 """
 
 
@@ -33,6 +36,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--all", dest="all_runs", action="store_true",
                    help="also stop instances named like et-hpc's whose owner process is dead")
+    p.add_argument("--images", action="store_true",
+                   help="also remove node-local image copies and unpacked trees no sandbox uses")
     p.add_argument("--scratch", type=Path, default=None,
                    help="node-local scratch dir (default: $ET_HPC_SCRATCH, $SLURM_TMPDIR, $TMPDIR or /tmp)")
     p.set_defaults(func=_run)
@@ -42,8 +47,15 @@ def _run(args: argparse.Namespace) -> int:
     from et_hpc.sandbox.reaper import reap
 
     rep = reap(scratch=args.scratch, all_runs=args.all_runs, dry_run=args.dry_run)
+    out = rep.model_dump()
+    if args.images:
+        from et_hpc.images.local_copy import clear_unused
+
+        removed, kept = clear_unused(args.scratch, dry_run=args.dry_run)
+        out["images_removed"] = [{"path": str(c.path), "bytes": c.size} for c in removed]
+        out["images_in_use"] = [{"path": str(c.path), "bytes": c.size} for c in kept]
     if args.json:
-        print(json.dumps(rep.model_dump(), indent=2))
+        print(json.dumps(out, indent=2))
     else:
         verb = "would stop" if rep.dry_run else "stopped"
         print(f"{verb} {len(rep.stopped)} instance(s); "
@@ -53,6 +65,11 @@ def _run(args: argparse.Namespace) -> int:
             print(f"  instance {n}")
         for f in rep.deleted:
             print(f"  file {f}")
+        if args.images:
+            print(f"{'would remove' if rep.dry_run else 'removed'} {len(removed)} node-local image(s) "
+                  f"({sum(c.size for c in removed) / 1e9:.2f} GB); {len(kept)} in use kept")
+            for c in removed:
+                print(f"  image {c.path}")
         for e in rep.errors:
             print(f"  error: {e}")
     return 1 if rep.errors else 0

@@ -259,6 +259,39 @@ def evict(scratch: Path | None, budget_bytes: int, *, incoming: int = 0, keep: s
     return total
 
 
+def _in_use(d: Path, c: CopyInfo) -> bool:
+    lease = _paths(d, c.digest, c.kind)[2]
+    try:
+        fd = os.open(lease, os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def clear_unused(scratch: Path | None = None, *, dry_run: bool = False,
+                 lock_timeout_s: float = 60.0) -> tuple[list[CopyInfo], list[CopyInfo]]:
+    """Remove every node-local copy and tree no sandbox holds. Returns (removed, kept in use);
+    ``dry_run``: what would be removed, nothing removed."""
+    d = images_dir(scratch)
+    lock = _node_lock(d, lock_timeout_s)
+    try:
+        if not dry_run:
+            _clean_temps(d)
+        removed, kept = [], []
+        for c in list_copies(scratch):
+            gone = not _in_use(d, c) if dry_run else _remove_copy(d, c.digest, c.kind)
+            (removed if gone else kept).append(c)
+        return removed, kept
+    finally:
+        lock.release()
+
+
 def _copy_hashed(src: Path, dst: Path) -> str:
     h = hashlib.sha256()
     with open(src, "rb") as fi, open(dst, "xb") as fo:

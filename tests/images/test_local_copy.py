@@ -316,3 +316,29 @@ def test_episode_runs_from_a_forced_local_copy(fixtures_dir: Path, base_sif: Pat
     copies = lc.list_copies(scratch / f"et-hpc-{getpass.getuser()}")
     assert [(c.digest, c.kind) for c in copies] == [(img.digest, lc.TREE if mode == "unpack" else ".sif")]
     assert _lease_free(copies[0].path)  # released when the episode ended
+
+
+def test_reap_images_frees_unused_copies_and_keeps_held_ones(tmp_path: Path) -> None:
+    scratch = tmp_path / "scratch"
+    a, da = _image(tmp_path / "cache", "a")
+    b, db = _image(tmp_path / "cache", "b")
+    held = lc.local_image(a, da, scratch=scratch)
+    lc.local_image(b, db, scratch=scratch).release()
+    unused = scratch / "images" / f"{db}.sif"
+
+    def reap(*extra: str) -> dict:
+        r = subprocess.run([sys.executable, "-m", "et_hpc.cli", "reap", "--images", "--json",
+                            "--scratch", str(scratch), *extra], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return json.loads(r.stdout)
+
+    dry = reap("--dry-run")
+    assert [x["path"] for x in dry["images_removed"]] == [str(unused)]
+    assert [x["path"] for x in dry["images_in_use"]] == [str(held.path)]
+    assert unused.exists()  # a dry run removes nothing
+    done = reap()
+    assert [x["path"] for x in done["images_removed"]] == [str(unused)]
+    assert not unused.exists() and held.path.exists() and _sha(held.path) == da
+    held.release()
+    assert [x["path"] for x in reap()["images_removed"]] == [str(held.path)]
+    assert not held.path.exists()
