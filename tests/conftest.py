@@ -70,3 +70,13 @@ def demo_image(base_sif: Path):
 def task_sif(base_sif: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A task image for the red-team tests: /home/user/notes.txt holds 'keep me'."""
     return build_user_sif(base_sif, tmp_path_factory.mktemp("redteam-image"), r"printf 'keep me\n' > /home/user/notes.txt")
+
+
+@pytest.fixture(scope="session")
+def task_tree(task_sif: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``task_sif`` unpacked as ``sandbox.local_copy: unpack`` does (a directory instances start from)."""
+    from et_hpc.images.local_copy import local_tree
+
+    tree = local_tree(task_sif, None, scratch=tmp_path_factory.mktemp("redteam-tree"))
+    tree.release()  # nothing evicts it in the session
+    return tree.path

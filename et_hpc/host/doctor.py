@@ -264,9 +264,16 @@ def check_mmdebstrap() -> Check:
                  "install mmdebstrap, or: et-hpc base build --from-sif ubuntu_22.04.sif")
 
 
+def check_unsquashfs() -> Check:
+    if shutil.which("unsquashfs"):
+        return Check("unsquashfs", OK, "sandbox.local_copy=unpack possible")
+    return Check("unsquashfs", WARN, "not found: sandbox.local_copy=unpack falls back to the SIF",
+                 "install squashfs-tools (or module load it) to start instances from unpacked images")
+
+
 CHECKS: list[Callable[[], Check | list[Check]]] = [
     check_apptainer, check_user, check_subids, check_userns, check_fuse, check_fuse_tools,
-    check_sessiondir, check_slurm, check_scratch, check_cache, check_mmdebstrap,
+    check_sessiondir, check_slurm, check_scratch, check_cache, check_mmdebstrap, check_unsquashfs,
 ]
 
 

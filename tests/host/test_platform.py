@@ -28,7 +28,7 @@ def test_doctor_all_ok_after_provisioning(base_sif):
     assert r.returncode == 0
     names = {c["name"] for c in checks}
     assert {"apptainer", "subuid/subgid", "/dev/fuse", "fuse helpers", "sessiondir max size",
-            "slurm MaxArraySize", "slurm accounting", "node-local scratch", "image cache"} <= names
+            "slurm MaxArraySize", "slurm accounting", "node-local scratch", "image cache", "unsquashfs"} <= names
 
 
 def test_doctor_without_apptainer_fails_with_fix(tmp_path):
@@ -42,6 +42,8 @@ def test_doctor_without_apptainer_fails_with_fix(tmp_path):
     assert "not found" in line
     assert any(ln.startswith("FAIL apptainer: fix:") and "Apptainer" in ln for ln in r.stdout.splitlines())
     assert "Traceback" not in r.stderr
+    # no unsquashfs either: unpacked images are not possible, which only warns
+    assert any(ln.split()[:2] == ["WARN", "unsquashfs"] and "falls back" in ln for ln in r.stdout.splitlines())
 
 
 def _doctor_checks(env: dict) -> tuple[int, dict[str, dict]]:

@@ -140,9 +140,15 @@ CONTROLS = {
 }
 
 
+@pytest.fixture(params=["sif", "unpacked"])
+def task_image(request: pytest.FixtureRequest, task_sif: Path) -> Path:
+    """The red-team image as a SIF, and unpacked on the node (``sandbox.local_copy: unpack``)."""
+    return task_sif if request.param == "sif" else request.getfixturevalue("task_tree")
+
+
 @pytest.mark.parametrize("attack", sorted(FORGERIES))
-def test_runtime_files_cannot_forge_a_pass(attack: str, task_sif: Path, tmp_path: Path, final_test: Path) -> None:
-    with Sandbox(task_sif, run_prefix="t-rte", scratch=tmp_path) as sb:
+def test_runtime_files_cannot_forge_a_pass(attack: str, task_image: Path, tmp_path: Path, final_test: Path) -> None:
+    with Sandbox(task_image, run_prefix="t-rte", scratch=tmp_path) as sb:
         runs = _agent(sb, FORGERIES[attack])
         assert all(r.exit_code == 0 for r in runs), [r.output for r in runs]
         res = scoring.score(sb, final_test, timeout_s=30)
@@ -211,7 +217,7 @@ def test_nss_module_is_not_loaded(task_sif: Path, tmp_path: Path, final_test: Pa
 PY_PAYLOAD = "open(\\\"/home/user/answer.txt\\\", \\\"w\\\").write(\\\"42\\\\n\\\")"
 
 
-def test_python_package_tricks_do_not_reach_the_tests(task_sif: Path, tmp_path: Path, final_test: Path) -> None:
+def test_python_package_tricks_do_not_reach_the_tests(task_image: Path, tmp_path: Path, final_test: Path) -> None:
     """Shadow modules in /home/user and /tmp, a .pth file, a pytest11 entry-point plugin in the
     writable site-packages, a rewritten pytest package and python3 in the writable tree."""
     plugin = ("import pytest\\n@pytest.hookimpl(tryfirst=True)\\ndef pytest_runtest_call(item):\\n"
@@ -229,7 +235,7 @@ def test_python_package_tricks_do_not_reach_the_tests(task_sif: Path, tmp_path: 
         "printf 'Metadata-Version: 2.1\\nName: evilplug\\nVersion: 1.0\\n' > $d/evilplug-1.0.dist-info/METADATA && "
         "printf '[pytest11]\\nevil = evilplug\\n' > $d/evilplug-1.0.dist-info/entry_points.txt",
     ]
-    with Sandbox(task_sif, run_prefix="t-rte", scratch=tmp_path) as sb:
+    with Sandbox(task_image, run_prefix="t-rte", scratch=tmp_path) as sb:
         runs = _agent(sb, cmds)
         assert all(r.exit_code == 0 for r in runs), [r.output for r in runs]
         res = scoring.score(sb, final_test, timeout_s=30)
