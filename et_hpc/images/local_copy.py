@@ -196,15 +196,16 @@ def _remove_copy(d: Path, digest: str, kind: str = ".sif") -> bool:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return False  # in use
+        files = (copy, meta, lease)
         if kind == TREE:
             meta.unlink(missing_ok=True)  # first: a half-removed tree is never taken for whole
             if copy.exists():
                 gone = d / f".{digest}.{secrets.token_hex(4)}.tmp"
                 copy.rename(gone)
                 rmtree(gone)
-        for p in (copy, meta, lease):
-            if kind != TREE or p != copy:
-                p.unlink(missing_ok=True)
+            files = (meta, lease)
+        for p in files:
+            p.unlink(missing_ok=True)
         return True
     finally:
         os.close(fd)
