@@ -1,15 +1,18 @@
 """The ``et-hpc`` command line.
 
 Each area registers its own subcommands through a ``register(subparsers)`` function in a
-module of this package listed in ``_AREAS``; this file only wires them up and turns ``UserError``
-into one line on stderr with exit status 2.
+module of this package listed in ``_AREAS``; this file only wires them up and turns ``UserError``,
+and an ``OSError`` naming a path (a store or scratch this user cannot write), into one line on
+stderr with exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import logging
+import os
 import sys
 
 from et_hpc import __version__
@@ -74,10 +77,17 @@ def main(argv: list[str] | None = None) -> int:
         print("et-hpc: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # e.g. `et-hpc tasks list | head`
-        import os
-
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except OSError as e:  # a path we were given or told to use that cannot be used: one line
+        if e.filename is None:
+            raise
+        logging.getLogger("et_hpc").debug("%s", e, exc_info=True)
+        hint = ""
+        if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            hint = " (use a place this user can write: --store or ET_HPC_STORE, ET_HPC_SCRATCH, ET_HPC_CACHE)"
+        print(f"et-hpc: error: {e.filename}: {e.strerror or e}{hint}", file=sys.stderr)
+        return 2
     return int(rc or 0)
 
 
