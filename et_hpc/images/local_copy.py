@@ -184,18 +184,28 @@ def _take_lease(lease: Path) -> int | None:
         return None
 
 
-def _remove_copy(d: Path, digest: str, kind: str = ".sif") -> bool:
-    """Delete one copy if nobody holds its lease (caller holds the node lock). True if removed."""
-    copy, meta, lease = _paths(d, digest, kind)
+def _hold_unused(lease: Path) -> int | None:
+    """An fd holding ``lease`` exclusively (created if missing): nobody uses the copy while it is
+    open. None while a sandbox holds the lease, or when it cannot be opened."""
     try:
         fd = os.open(lease, os.O_RDWR | os.O_CREAT, 0o600)
     except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _remove_copy(d: Path, digest: str, kind: str = ".sif") -> bool:
+    """Delete one copy if nobody holds its lease (caller holds the node lock). True if removed."""
+    copy, meta, lease = _paths(d, digest, kind)
+    fd = _hold_unused(lease)
+    if fd is None:
         return False
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False  # in use
         files = (copy, meta, lease)
         if kind == TREE:
             meta.unlink(missing_ok=True)  # first: a half-removed tree is never taken for whole
@@ -203,7 +213,7 @@ def _remove_copy(d: Path, digest: str, kind: str = ".sif") -> bool:
                 gone = d / f".{digest}.{secrets.token_hex(4)}.tmp"
                 copy.rename(gone)
                 rmtree(gone)
-            files = (meta, lease)
+            files = (lease,)
         for p in files:
             p.unlink(missing_ok=True)
         return True
@@ -261,18 +271,15 @@ def evict(scratch: Path | None, budget_bytes: int, *, incoming: int = 0, keep: s
 
 
 def _in_use(d: Path, c: CopyInfo) -> bool:
+    """Whether a sandbox holds ``c``'s lease (what ``_remove_copy`` would find), creating nothing."""
     lease = _paths(d, c.digest, c.kind)[2]
-    try:
-        fd = os.open(lease, os.O_RDWR)
-    except FileNotFoundError:
+    if not lease.exists():
         return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
+    fd = _hold_unused(lease)
+    if fd is None:
         return True
-    finally:
-        os.close(fd)
+    os.close(fd)
+    return False
 
 
 def clear_unused(scratch: Path | None = None, *, dry_run: bool = False,
