@@ -347,7 +347,9 @@ BREAKERS = {
     "chmod 000 /bin/bash": "chmod 000 /bin/bash; exit",
     # an env script that kills every new exec: no shell can start again
     "exec that kills every shell": "echo 'exit 3' > /.singularity.d/env/00-exit.sh; exit",
-    "kill -TERM 1": "kill -TERM 1",
+    # init exits about 0.1 s after the signal: the sleep keeps the agent's next command from
+    # racing it, so the shell dies in this command and cannot be started again
+    "kill -TERM 1": "kill -TERM 1; sleep 10",
 }
 
 
