@@ -347,6 +347,11 @@ def main() -> None:
     if a.driver:
         driver(a.driver, str(a.sif))
         return
+    if a.json_out:  # fail now, not after the run
+        try:
+            a.json_out.touch()
+        except OSError as e:
+            ap.error(f"--json-out: {e}")
     sif = a.sif
     if sif is None:
         from et_hpc.images.base import ensure_base

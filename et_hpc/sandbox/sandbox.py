@@ -49,31 +49,44 @@ _LIVE_LOCK = threading.Lock()
 _HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
 _installed = False
 
-# Run once in a new instance (as part of the first shell's startup, or as its own exec).
+# Run once in a new instance (as part of the first shell's startup, or as its own exec), by bash
+# and with bash's builtins only where it can: every program started in the instance costs a few
+# milliseconds of the episode's setup.
 # 1. Task images are built with --fakeroot and `useradd user` + `chown user:user`; the agent runs
 #    as the invoking uid, which apptainer names after the host account. Where the image has a
 #    `user` account (else, the account with uid 1000: the first `useradd`, which upstream's
 #    agent ran as), our uid and gid are given that name in the instance's /etc/passwd and
 #    /etc/group (apptainer writes both per instance, owned by us), so tests that check
-#    "owned by user" see the agent's files as `user`'s. The image's own files are already ours:
-#    rootless FUSE mounts show every file as owned by the mounting user.
+#    "owned by user" see the agent's files as `user`'s: other lines with our id are dropped,
+#    that account's ids become ours, the rest is kept as it was.
 # 2. Where the image's files keep foreign owners (setuid installs mount squashfs in the kernel),
-#    $HOME is copied up into the writable layer as ours (content, modes and times kept).
+#    $HOME is copied up into the writable layer as ours (content, modes and times kept). When the
+#    image's own root (the pristine bind, which no overlay covers) is ours, every file of the image
+#    is (a rootless FUSE mount shows every file as owned by the mounting user; an unpacked tree was
+#    written by us), and $HOME is not searched.
 PREPARE_SCRIPT = r"""
-me=$(id -u); mg=$(id -g)
-n=user
-grep -q '^user:' /etc/passwd 2>/dev/null || n=$(grep -m 1 '^[a-z_][a-z0-9_-]*:[^:]*:1000:' /etc/passwd | cut -d: -f1)
-if [ -n "$n" ] && grep -q "^$n:" /etc/passwd 2>/dev/null; then
-  p=$(sed -e "/^[^:]*:[^:]*:$me:/{/^$n:/!d;}" \
-          -e "s/^$n:\([^:]*\):[0-9]*:[0-9]*:/$n:\1:$me:$mg:/" /etc/passwd) \
-    && printf '%s\n' "$p" > /etc/passwd 2>/dev/null
-  if grep -q "^$n:" /etc/group 2>/dev/null; then
-    g=$(sed -e "/^[^:]*:[^:]*:$mg:/{/^$n:/!d;}" -e "s/^$n:\([^:]*\):[0-9]*:/$n:\1:$mg:/" /etc/group) \
-      && printf '%s\n' "$g" > /etc/group 2>/dev/null
-  fi
-fi
+et_ids() {  # FILE NAME ID NEW K: drop lines whose 3rd field is ID (but NAME's); NAME's K id fields := NEW
+  local l out= found= re="^[^:]*:([^:]*):([0-9]*:){$5}(.*)$" own='^[^:]*:[^:]*:([^:]*):'
+  while IFS= read -r l || [ -n "$l" ]; do
+    case $l in
+      "$2":*) found=1; [[ $l =~ $re ]] && l="$2:${BASH_REMATCH[1]}:$4:${BASH_REMATCH[3]}" ;;
+      *) [[ $l =~ $own ]] && [ "${BASH_REMATCH[1]}" = "$3" ] && continue ;;
+    esac
+    out+=$l$'\n'
+  done 2>/dev/null <"$1" || return 1
+  [ -n "$found" ] || return 1
+  while [ "${out%$'\n'}" != "$out" ]; do out=${out%$'\n'}; done
+  printf '%s\n' "$out" 2>/dev/null >"$1"
+}
+me=$EUID mg=${GROUPS[0]} n= c= l= re='^([a-z_][a-z0-9_-]*):[^:]*:1000:'
+while IFS= read -r l || [ -n "$l" ]; do
+  case $l in user:*) n=user; break ;; esac
+  [ -z "$c" ] && [[ $l =~ $re ]] && c=${BASH_REMATCH[1]}
+done 2>/dev/null </etc/passwd
+[ -n "$n" ] || n=$c
+[ -n "$n" ] && et_ids /etc/passwd "$n" "$me" "$me:$mg" 2 && et_ids /etc/group "$n" "$mg" "$mg" 1
 h=__HOME__
-if [ -d "$h" ] && [ -n "$(find "$h" -xdev ! -user "$me" -print 2>/dev/null | head -n 1)" ]; then
+if [ -d "$h" ] && ! [ -O __PRISTINE__ ] && [ -n "$(find "$h" -xdev ! -user "$me" -print 2>/dev/null | head -n 1)" ]; then
   t="$h.et-hpc-$$"
   cp -a "$h" "$t" 2>/dev/null && rm -rf "$h" 2>/dev/null; mv "$t" "$h" 2>/dev/null
 fi
@@ -242,13 +255,15 @@ class Sandbox:
         apptainer.instance_start(self.sif, self.name, options)
 
     def _prepare_script(self) -> str:
-        return PREPARE_SCRIPT.replace("__HOME__", shlex.quote(self.home))
+        # without the pristine bind nothing tells that the image's files are ours: $HOME is searched
+        root = PRISTINE if self.pristine_bound else "/.et-no-pristine"
+        return PREPARE_SCRIPT.replace("__HOME__", shlex.quote(self.home)).replace("__PRISTINE__", root)
 
     def prepare(self) -> None:
         """Apply ``PREPARE_SCRIPT`` once (no-op when a shell already did it)."""
         if self._prepared or not self.prepare_home:
             return
-        cp = self.exec(["sh", "-c", self._prepare_script()], timeout=120)
+        cp = self.exec(["bash", "-c", self._prepare_script()], timeout=120)
         if cp.returncode != 0:
             log.warning("preparing %s in %s failed: %s", self.home, self.name, cp.stdout[-300:])
         self._prepared = True
