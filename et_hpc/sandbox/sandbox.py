@@ -66,6 +66,7 @@ _installed = False
 #    written by us), and $HOME is not searched.
 PREPARE_SCRIPT = r"""
 et_ids() {  # FILE NAME ID NEW K: drop lines whose 3rd field is ID (but NAME's); NAME's K id fields := NEW
+  # (status 2: FILE unreadable or without NAME, left alone)
   local l out= found= re="^[^:]*:([^:]*):([0-9]*:){$5}(.*)$" own='^[^:]*:[^:]*:([^:]*):'
   while IFS= read -r l || [ -n "$l" ]; do
     case $l in
@@ -73,8 +74,8 @@ et_ids() {  # FILE NAME ID NEW K: drop lines whose 3rd field is ID (but NAME's);
       *) [[ $l =~ $own ]] && [ "${BASH_REMATCH[1]}" = "$3" ] && continue ;;
     esac
     out+=$l$'\n'
-  done 2>/dev/null <"$1" || return 1
-  [ -n "$found" ] || return 1
+  done 2>/dev/null <"$1" || return 2
+  [ -n "$found" ] || return 2
   while [ "${out%$'\n'}" != "$out" ]; do out=${out%$'\n'}; done
   printf '%s\n' "$out" 2>/dev/null >"$1"
 }
@@ -84,7 +85,9 @@ while IFS= read -r l || [ -n "$l" ]; do
   [ -z "$c" ] && [[ $l =~ $re ]] && c=${BASH_REMATCH[1]}
 done 2>/dev/null </etc/passwd
 [ -n "$n" ] || n=$c
-[ -n "$n" ] && et_ids /etc/passwd "$n" "$me" "$me:$mg" 2 && et_ids /etc/group "$n" "$mg" "$mg" 1
+if [ -n "$n" ]; then
+  et_ids /etc/passwd "$n" "$me" "$me:$mg" 2; [ $? = 2 ] || et_ids /etc/group "$n" "$mg" "$mg" 1
+fi
 h=__HOME__
 if [ -d "$h" ] && ! [ -O __PRISTINE__ ] && [ -n "$(find "$h" -xdev ! -user "$me" -print 2>/dev/null | head -n 1)" ]; then
   t="$h.et-hpc-$$"
