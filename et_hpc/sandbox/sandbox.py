@@ -89,7 +89,7 @@ if [ -n "$n" ]; then
   et_ids /etc/passwd "$n" "$me" "$me:$mg" 2; [ $? = 2 ] || et_ids /etc/group "$n" "$mg" "$mg" 1
 fi
 h=__HOME__
-if [ -d "$h" ] && ! [ -O __PRISTINE__ ] && [ -n "$(find "$h" -xdev ! -user "$me" -print 2>/dev/null | head -n 1)" ]; then
+if [ -d "$h" ] && ! __IMAGE_IS_OURS__ && [ -n "$(find "$h" -xdev ! -user "$me" -print 2>/dev/null | head -n 1)" ]; then
   t="$h.et-hpc-$$"
   cp -a "$h" "$t" 2>/dev/null && rm -rf "$h" 2>/dev/null; mv "$t" "$h" 2>/dev/null
 fi
@@ -259,8 +259,8 @@ class Sandbox:
 
     def _prepare_script(self) -> str:
         # without the pristine bind nothing tells that the image's files are ours: $HOME is searched
-        root = PRISTINE if self.pristine_bound else "/.et-no-pristine"
-        return PREPARE_SCRIPT.replace("__HOME__", shlex.quote(self.home)).replace("__PRISTINE__", root)
+        ours = f"[ -O {PRISTINE} ]" if self.pristine_bound else "false"
+        return PREPARE_SCRIPT.replace("__HOME__", shlex.quote(self.home)).replace("__IMAGE_IS_OURS__", ours)
 
     def prepare(self) -> None:
         """Apply ``PREPARE_SCRIPT`` once (no-op when a shell already did it)."""

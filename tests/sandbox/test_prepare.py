@@ -27,6 +27,11 @@ def _lines(text: str) -> list[str]:
     return text.splitlines()
 
 
+def _id_field(line: str) -> str | None:
+    """The third field of a passwd or group line (its uid or gid), None for a shorter line."""
+    return (line.split(":")[2:3] or [None])[0]
+
+
 @pytest.fixture(params=["sif", "unpacked", "sif, no pristine bind"])
 def image(request: pytest.FixtureRequest, task_sif: Path) -> tuple[Path, bool]:
     if request.param == "unpacked":
@@ -49,18 +54,16 @@ def test_first_shell_names_us_user_and_keeps_the_rest(image: tuple[Path, bool], 
         assert r.exit_code == 0, r.output
         assert r.output.split("\n")[:6] == ["user", "user", f"{me} {mg}", f"{me} {mg}", "keep me", "ok"], r.output
         pw, gr = _sh(sb, "cat /etc/passwd"), _sh(sb, "cat /etc/group")
-    def field3(ln: str) -> str | None:
-        return (ln.split(":")[2:3] or [None])[0]
-
-    mine = [ln for ln in _lines(pw) if field3(ln) == str(me)]
+    mine = [ln for ln in _lines(pw) if _id_field(ln) == str(me)]
     rest = before_pw.split("\nuser:x:1000:1000:", 1)[1].split("\n", 1)[0]
     assert mine == [f"user:x:{me}:{mg}:{rest}"], pw
     # every other line as it was: only the host account's line (our uid) and user's changed
-    kept = [ln for ln in _lines(before_pw) if not ln.startswith("user:") and field3(ln) != str(me)]
+    kept = [ln for ln in _lines(before_pw) if not ln.startswith("user:") and _id_field(ln) != str(me)]
     assert [ln for ln in _lines(pw) if not ln.startswith("user:")] == kept and pw.endswith("\n")
-    assert [ln for ln in _lines(gr) if field3(ln) == str(mg)] == [f"user:x:{mg}:"], gr
-    kept = [ln for ln in _lines(before_gr) if not ln.startswith("user:") and field3(ln) != str(mg)]
+    assert [ln for ln in _lines(gr) if _id_field(ln) == str(mg)] == [f"user:x:{mg}:"], gr
+    kept = [ln for ln in _lines(before_gr) if not ln.startswith("user:") and _id_field(ln) != str(mg)]
     assert [ln for ln in _lines(gr) if not ln.startswith("user:")] == kept
+
 
 def test_account_with_uid_1000_when_there_is_no_user(task_sif: Path, tmp_path: Path) -> None:
     """No ``user`` account: the one with uid 1000 is ours; a last line without its newline and an
@@ -79,4 +82,4 @@ def test_account_with_uid_1000_when_there_is_no_user(task_sif: Path, tmp_path: P
     assert after.startswith("dev\n"), after
     after = after[len("dev\n"):]
     assert "\n\n" in after and after.endswith("svc:x:1234:1234::/srv:/bin/false\n"), after
-    assert [ln for ln in _lines(after) if ln.split(":")[2:3] == [str(me)]][0].startswith(f"dev:x:{me}:")
+    assert [ln for ln in _lines(after) if _id_field(ln) == str(me)][0].startswith(f"dev:x:{me}:")
