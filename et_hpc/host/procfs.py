@@ -12,6 +12,7 @@ process is simply left out (``None`` / skipped). Nothing here spawns a process.
 - ``pid_ns(pid)``: the PID namespace link (``pid:[4026532253]``) or ``None``.
 - ``ns_members(ns, exclude)``: live host pids in that PID namespace.
 - ``memory_kb(pid)``: PSS from ``smaps_rollup`` when readable, else RSS from ``statm`` (KiB).
+- ``with_argument(arg)``: live pids with ``arg`` as one whole element of their command line.
 """
 
 from __future__ import annotations
@@ -141,3 +142,19 @@ def memory_kb(pid: int) -> int:
             return int(f.read().split()[1]) * _PAGE_KB
     except (OSError, ValueError, IndexError):
         return 0
+
+
+def with_argument(arg: str) -> list[int]:
+    """Live (non-zombie) host pids whose command line has ``arg`` as one of its elements (e.g. an
+    ``apptainer instance start ... NAME`` still running for an instance name)."""
+    want = arg.encode()
+    out = []
+    for pid in _pids():
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if want in argv and stat(pid) is not None:
+            out.append(pid)
+    return out

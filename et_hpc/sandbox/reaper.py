@@ -3,7 +3,9 @@
 A sandbox leaves three traces on a node: the apptainer instance, its overlay file and its registry
 file ``<scratch>/live/<name>.json`` (written before the overlay or the instance exist). ``reap()``
 stops instances and deletes files whose owner process is dead on this host; sandboxes whose owner is
-alive are left alone. Runners call it when a worker starts; ``et-hpc reap`` runs it by hand.
+alive are left alone. An ``apptainer instance start`` that a killed worker left running is waited
+for, so its instance is stopped too. Runners call it when a worker starts; ``et-hpc reap`` runs it
+by hand.
 """
 
 from __future__ import annotations
@@ -12,16 +14,19 @@ import json
 import logging
 import re
 import socket
+import time
 from pathlib import Path
 
 from pydantic import BaseModel, Field
 
 from et_hpc.errors import InfraError
-from et_hpc.host import apptainer
-from et_hpc.host.procfs import pid_alive
+from et_hpc.host import apptainer, procfs
 from et_hpc.sandbox.sandbox import scratch_paths
 
 log = logging.getLogger(__name__)
+
+# longer than apptainer.instance_start's own timeout, so every start in flight has ended
+START_WAIT_S = 130.0
 
 # <run_prefix>-<host>-<pid>-<8 hex>, as made by sandbox.new_instance_name
 _NAME_RE = re.compile(r"^(?P<head>.+)-(?P<pid>\d+)-(?P<rand>[0-9a-f]{8})$")
@@ -84,6 +89,7 @@ def reap(scratch: Path | None = None, all_runs: bool = False, dry_run: bool = Fa
                     return
             rep.deleted.append(str(p))
 
+    dead: dict[str, list[Path]] = {}  # sandboxes of dead owners: name -> files to delete
     for reg in sorted(live_dir.glob("*.json")):
         try:
             rec = json.loads(reg.read_text())
@@ -94,30 +100,48 @@ def reap(scratch: Path | None = None, all_runs: bool = False, dry_run: bool = Fa
         handled.add(name)
         if rhost != host:
             continue  # another node's scratch seen through a shared path: not ours to judge
-        if pid_alive(pid):
+        if procfs.pid_alive(pid):
             rep.kept.append(name)
             continue
-        stop(name)
-        if rec.get("overlay"):
-            delete(Path(rec["overlay"]))
-        delete(reg)
+        dead[name] = ([Path(rec["overlay"])] if rec.get("overlay") else []) + [reg]
 
     for ov in sorted(overlays_dir.glob("*.img")):
         name = ov.stem
         if name in handled:
             continue
         owner = _name_owner(name)
-        if owner is not None and not pid_alive(owner):
+        if owner is not None and not procfs.pid_alive(owner):
             handled.add(name)
-            stop(name)
-            delete(ov)
+            dead[name] = [ov]
+
+    # A worker killed while it started a sandbox leaves its `apptainer instance start` running:
+    # the instance appears after the listing above, from an overlay deleted under it. Wait for
+    # such starts to end, then look again.
+    starting = [n for n in dead if n not in running and procfs.with_argument(n)]
+    if starting:
+        deadline = time.monotonic() + START_WAIT_S
+        while any(procfs.with_argument(n) for n in starting) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for n in starting:
+            if procfs.with_argument(n):
+                rep.errors.append(f"apptainer instance start of {n} still running after {START_WAIT_S:.0f} s")
+                del dead[n]  # its files stay for the next reaping
+        try:
+            running = {i.name: i for i in apptainer.instance_list()}
+        except InfraError as e:
+            rep.errors.append(str(e))
+
+    for name, files in dead.items():
+        stop(name)
+        for f in files:
+            delete(f)
 
     if all_runs:
         for name in running:
             if name in handled:
                 continue
             owner = _name_owner(name)
-            if owner is not None and not pid_alive(owner):
+            if owner is not None and not procfs.pid_alive(owner):
                 stop(name)
     if rep.stopped or rep.deleted:
         log.info("reaped %d instance(s), %d file(s)", len(rep.stopped), len(rep.deleted))

@@ -68,6 +68,39 @@ def test_reap_after_random_sigkills(base_sif: Path, tmp_path: Path) -> None:
     assert not again.stopped and not again.deleted
 
 
+def test_reap_waits_for_a_start_its_dead_owner_left_running(base_sif: Path, tmp_path: Path) -> None:
+    """SIGKILL of a worker leaves its `apptainer instance start` running: the instance appears after
+    the worker is gone. Reaping at that moment must still leave no instance and no files."""
+    from et_hpc.host import procfs
+    from helpers import until
+
+    scratch = tmp_path / "scratch"
+    p = subprocess.Popen([sys.executable, "-c", WORKER, str(base_sif), str(scratch), "1"], stdout=subprocess.DEVNULL)
+    try:
+        def in_flight() -> str | None:
+            for reg in (scratch / "live").glob("*.json"):
+                name = reg.stem
+                if procfs.with_argument(name):
+                    return name
+            return None
+
+        name = until("an instance start in flight", in_flight, 60, 0.005)
+        p.kill()
+        p.wait()
+    finally:
+        if p.poll() is None:
+            p.kill()
+    # positive control: the worker is dead, its start is not, and the instance is not there yet
+    assert procfs.with_argument(name), "the start ended with its worker: nothing to test"
+    assert name not in _ours()
+    rep = reap(scratch=scratch)
+    assert not rep.errors, rep.errors
+    until("the start to end", lambda: not procfs.with_argument(name), 150, 0.05)
+    assert name not in _ours(), "the instance started after reaping and was left"
+    assert not list((scratch / "overlays").glob("*.img"))
+    assert not list((scratch / "live").glob("*.json"))
+
+
 def test_reap_keeps_live_owners(base_sif: Path, tmp_path: Path) -> None:
     from et_hpc.sandbox.sandbox import Sandbox
 
