@@ -21,12 +21,9 @@ from pydantic import BaseModel, Field
 
 from et_hpc.errors import InfraError
 from et_hpc.host import apptainer, procfs
-from et_hpc.sandbox.sandbox import scratch_paths
+from et_hpc.sandbox.sandbox import START_WAIT_S, scratch_paths, wait_for_start
 
 log = logging.getLogger(__name__)
-
-# longer than apptainer.instance_start's own timeout, so every start in flight has ended
-START_WAIT_S = 130.0
 
 # <run_prefix>-<host>-<pid>-<8 hex>, as made by sandbox.new_instance_name
 _NAME_RE = re.compile(r"^(?P<head>.+)-(?P<pid>\d+)-(?P<rand>[0-9a-f]{8})$")
@@ -120,10 +117,8 @@ def reap(scratch: Path | None = None, all_runs: bool = False, dry_run: bool = Fa
     starting = [n for n in dead if n not in running and procfs.with_argument(n)]
     if starting:
         deadline = time.monotonic() + START_WAIT_S
-        while any(procfs.with_argument(n) for n in starting) and time.monotonic() < deadline:
-            time.sleep(0.05)
         for n in starting:
-            if procfs.with_argument(n):
+            if not wait_for_start(n, max(0.0, deadline - time.monotonic())):
                 rep.errors.append(f"apptainer instance start of {n} still running after {START_WAIT_S:.0f} s")
                 del dead[n]  # its files stay for the next reaping
         try:

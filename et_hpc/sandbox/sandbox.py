@@ -31,7 +31,7 @@ from typing import Any
 from filelock import FileLock
 
 from et_hpc.errors import InfraError
-from et_hpc.host import apptainer
+from et_hpc.host import apptainer, procfs
 from et_hpc.paths import scratch_dir
 from et_hpc.sandbox.config import DEFAULT_OVERLAY_MB
 from et_hpc.sandbox.shell import Shell, kill_session
@@ -44,6 +44,8 @@ PRISTINE = "/.et-pristine"  # where the image is bound read-only (see et_hpc.san
 DEFAULT_NPROC = 512
 DEFAULT_VMEM_MB = 8192
 DEFAULT_FSIZE_MB = 4096  # ulimit -f: largest file a command may write (a 100 GB sparse file is refused)
+# longer than apptainer.instance_start's own timeout, so every start in flight has ended
+START_WAIT_S = 130.0
 _LIVE: set[Sandbox] = set()
 _LIVE_LOCK = threading.Lock()
 _HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
@@ -189,6 +191,7 @@ class Sandbox:
         self._shells: list[Shell] = []
         self._init: tuple[int, str] | None = None  # (host pid, start time) of the instance's init
         self._stopped = True
+        self._starting = False  # `apptainer instance start` may be in flight
         self._prepared = False
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -225,7 +228,11 @@ class Sandbox:
         self._init = None
         try:
             t1 = time.monotonic()
-            self._start_instance(options)
+            self._starting = True
+            try:
+                self._start_instance(options)
+            finally:
+                self._starting = False
             t2 = time.monotonic()
             self.init_process()
             self.timings["instance_s"], self.timings["init_s"] = t2 - t1, time.monotonic() - t2
@@ -314,6 +321,10 @@ class Sandbox:
         t0 = time.monotonic()
         self.close_shells()
         self.stop_warmup()
+        if self._starting and self.name:
+            # stopped by a signal or another thread while its start runs: stopping now would find
+            # nothing, and the instance would appear afterwards with no one left to stop it
+            wait_for_start(self.name)
         try:
             if self.name:
                 apptainer.instance_stop(self.name, timeout_s=0, check=False)
@@ -481,6 +492,17 @@ class Sandbox:
             self._warmer = start_warmup(self)
         except (InfraError, OSError) as e:  # only a cost: scoring reads the files itself
             log.warning("could not start the scoring warm-up in %s: %s", self.name, e)
+
+
+def wait_for_start(name: str, timeout_s: float = START_WAIT_S) -> bool:
+    """Wait until no `apptainer instance start ... NAME` runs on this host (True), or ``timeout_s``.
+    It polls the process table, so it also works in a signal handler of the thread that started it."""
+    deadline = time.monotonic() + timeout_s
+    while procfs.with_argument(name):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 # -- stopping on signals and exit ------------------------------------------------------------

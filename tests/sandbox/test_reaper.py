@@ -68,6 +68,43 @@ def test_reap_after_random_sigkills(base_sif: Path, tmp_path: Path) -> None:
     assert not again.stopped and not again.deleted
 
 
+def _start_in_flight(scratch: Path) -> str | None:
+    """The name of a sandbox of ``scratch`` whose `apptainer instance start` runs now and has
+    started the instance's own processes (its overlay is in use)."""
+    from et_hpc.host import procfs
+
+    for reg in (scratch / "live").glob("*.json"):
+        if procfs.with_argument(reg.stem) and _instance_processes(reg.stem):
+            return reg.stem
+    return None
+
+
+def _instance_processes(name: str) -> list[int]:
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if f"[{name}]".encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                out.append(int(pid))
+        except OSError:
+            pass
+    return out
+
+
+def _worker_stopped_mid_start(sif: Path, scratch: Path, sig: int) -> str:
+    """Start a worker, send it ``sig`` while its first `apptainer instance start` runs; the name."""
+    from helpers import until
+
+    p = subprocess.Popen([sys.executable, "-c", WORKER, str(sif), str(scratch), "1"], stdout=subprocess.DEVNULL)
+    try:
+        name = until("an instance start in flight", lambda: _start_in_flight(scratch), 60, 0.005)
+        p.send_signal(sig)
+        assert p.wait(timeout=200) == -sig
+    finally:
+        if p.poll() is None:
+            p.kill()
+    return name
+
+
 def test_reap_waits_for_a_start_its_dead_owner_left_running(base_sif: Path, tmp_path: Path) -> None:
     """SIGKILL of a worker leaves its `apptainer instance start` running: the instance appears after
     the worker is gone. Reaping at that moment must still leave no instance and no files."""
@@ -75,21 +112,7 @@ def test_reap_waits_for_a_start_its_dead_owner_left_running(base_sif: Path, tmp_
     from helpers import until
 
     scratch = tmp_path / "scratch"
-    p = subprocess.Popen([sys.executable, "-c", WORKER, str(base_sif), str(scratch), "1"], stdout=subprocess.DEVNULL)
-    try:
-        def in_flight() -> str | None:
-            for reg in (scratch / "live").glob("*.json"):
-                name = reg.stem
-                if procfs.with_argument(name):
-                    return name
-            return None
-
-        name = until("an instance start in flight", in_flight, 60, 0.005)
-        p.kill()
-        p.wait()
-    finally:
-        if p.poll() is None:
-            p.kill()
+    name = _worker_stopped_mid_start(base_sif, scratch, signal.SIGKILL)
     # positive control: the worker is dead, its start is not, and the instance is not there yet
     assert procfs.with_argument(name), "the start ended with its worker: nothing to test"
     assert name not in _ours()
@@ -97,6 +120,20 @@ def test_reap_waits_for_a_start_its_dead_owner_left_running(base_sif: Path, tmp_
     assert not rep.errors, rep.errors
     until("the start to end", lambda: not procfs.with_argument(name), 150, 0.05)
     assert name not in _ours(), "the instance started after reaping and was left"
+    assert not list((scratch / "overlays").glob("*.img"))
+    assert not list((scratch / "live").glob("*.json"))
+
+
+def test_sigterm_mid_start_leaves_nothing(base_sif: Path, tmp_path: Path) -> None:
+    """SIGTERM while the sandbox starts: the worker's own handler waits for the start, stops the
+    instance and deletes its files before it dies; nothing is left for a reaper."""
+    from et_hpc.host import procfs
+    from helpers import until
+
+    scratch = tmp_path / "scratch"
+    name = _worker_stopped_mid_start(base_sif, scratch, signal.SIGTERM)
+    until("the start to end", lambda: not procfs.with_argument(name), 150, 0.05)
+    assert name not in _ours(), "the instance started after its worker stopped it and was left"
     assert not list((scratch / "overlays").glob("*.img"))
     assert not list((scratch / "live").glob("*.json"))
 
