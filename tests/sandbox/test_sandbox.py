@@ -57,6 +57,40 @@ def test_lifecycle_overlay_registry_and_cleanup(base_sif: Path, scratch: Path) -
     sb.stop()  # twice is fine
 
 
+def _processes_naming(name: str) -> list[int]:
+    """Host pids whose command line mentions ``name`` (the instance's monitor, FUSE mounts, starts)."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if name.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                out.append(int(pid))
+        except OSError:
+            pass
+    return out
+
+
+@pytest.mark.apptainer
+@pytest.mark.parametrize("init_known", [True, False], ids=["kill-init", "apptainer-stop"])
+def test_stop_leaves_no_process_or_state(base_sif: Path, scratch: Path, init_known: bool) -> None:
+    """stop() kills the instance's init from the host; when the recorded init is not the process
+    at that pid any more it leaves the stop to apptainer. Either way nothing of the instance stays."""
+    sb = Sandbox(base_sif, run_prefix="t-stop", scratch=scratch).start()
+    sb.shell().run("sleep 300 &")
+    name = sb.name
+    assert name in _instances() and _processes_naming(name)  # positive control: there is something to stop
+    if not init_known:
+        pid, _ = sb.init_process()
+        sb._init = (pid, "1")  # a start time no live process has: the pid counts as reused
+    sb.stop()
+    assert sb.stopped_by == ("kill" if init_known else "apptainer")
+    assert name not in _instances() and not apptainer.instance_files(name)
+    end = time.monotonic() + 5
+    while _processes_naming(name) and time.monotonic() < end:
+        time.sleep(0.05)
+    assert not _processes_naming(name), "processes of the stopped instance are left"
+    assert not list((scratch / "live").iterdir()) and not list((scratch / "overlays").iterdir())
+
+
 @pytest.mark.apptainer
 def test_writable_tmpfs_mode(base_sif: Path, scratch: Path) -> None:
     with Sandbox(base_sif, run_prefix="t-tmpfs", writable_tmpfs=True, scratch=scratch) as sb:
