@@ -99,3 +99,16 @@ def until(what: str, fn, timeout_s: float, every_s: float = 0.5):
             return got
         time.sleep(every_s)
     pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def processes_naming(text: str) -> list[int]:
+    """Host pids whose command line contains ``text`` (an instance's monitor and FUSE mounts show
+    ``[NAME]`` in theirs; a start in flight has the name as an argument)."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if text.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                out.append(int(pid))
+        except OSError:
+            pass
+    return out

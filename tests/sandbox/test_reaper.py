@@ -72,22 +72,12 @@ def _start_in_flight(scratch: Path) -> str | None:
     """The name of a sandbox of ``scratch`` whose `apptainer instance start` runs now and has
     started the instance's own processes (its overlay is in use)."""
     from et_hpc.host import procfs
+    from helpers import processes_naming
 
     for reg in (scratch / "live").glob("*.json"):
-        if procfs.with_argument(reg.stem) and _instance_processes(reg.stem):
+        if procfs.with_argument(reg.stem) and processes_naming(f"[{reg.stem}]"):
             return reg.stem
     return None
-
-
-def _instance_processes(name: str) -> list[int]:
-    out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if f"[{name}]".encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
-                out.append(int(pid))
-        except OSError:
-            pass
-    return out
 
 
 def _worker_stopped_mid_start(sif: Path, scratch: Path, sig: int) -> str:

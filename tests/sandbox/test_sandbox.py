@@ -15,6 +15,7 @@ import pytest
 
 from et_hpc.host import apptainer
 from et_hpc.sandbox.sandbox import Sandbox, new_instance_name
+from helpers import processes_naming
 
 
 @pytest.fixture
@@ -57,18 +58,6 @@ def test_lifecycle_overlay_registry_and_cleanup(base_sif: Path, scratch: Path) -
     sb.stop()  # twice is fine
 
 
-def _processes_naming(name: str) -> list[int]:
-    """Host pids whose command line mentions ``name`` (the instance's monitor, FUSE mounts, starts)."""
-    out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if name.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
-                out.append(int(pid))
-        except OSError:
-            pass
-    return out
-
-
 @pytest.mark.apptainer
 @pytest.mark.parametrize("init_known", [True, False], ids=["kill-init", "apptainer-stop"])
 def test_stop_leaves_no_process_or_state(base_sif: Path, scratch: Path, init_known: bool) -> None:
@@ -77,7 +66,7 @@ def test_stop_leaves_no_process_or_state(base_sif: Path, scratch: Path, init_kno
     sb = Sandbox(base_sif, run_prefix="t-stop", scratch=scratch).start()
     sb.shell().run("sleep 300 &")
     name = sb.name
-    assert name in _instances() and _processes_naming(name)  # positive control: there is something to stop
+    assert name in _instances() and processes_naming(name)  # positive control: there is something to stop
     if not init_known:
         pid, _ = sb.init_process()
         sb._init = (pid, "1")  # a start time no live process has: the pid counts as reused
@@ -85,9 +74,9 @@ def test_stop_leaves_no_process_or_state(base_sif: Path, scratch: Path, init_kno
     assert sb.stopped_by == ("kill" if init_known else "apptainer")
     assert name not in _instances() and not apptainer.instance_files(name)
     end = time.monotonic() + 5
-    while _processes_naming(name) and time.monotonic() < end:
+    while processes_naming(name) and time.monotonic() < end:
         time.sleep(0.05)
-    assert not _processes_naming(name), "processes of the stopped instance are left"
+    assert not processes_naming(name), "processes of the stopped instance are left"
     assert not list((scratch / "live").iterdir()) and not list((scratch / "overlays").iterdir())
 
 
