@@ -18,7 +18,7 @@ from pathlib import Path
 
 from et_hpc.tasks.loader import load_tasks
 
-FIX = Path(os.environ.get("ET_HPC_FIXTURES", Path(__file__).resolve().parents[2] / "shared/fixtures/endless-terminals"))
+FIX = Path(os.environ.get("ET_HPC_FIXTURES", Path(__file__).resolve().parents[1] / "tests/fixtures/endless-terminals"))
 
 
 def main() -> None:

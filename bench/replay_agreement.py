@@ -36,7 +36,7 @@ from et_hpc.runs.store import open_run  # noqa: E402
 from et_hpc.tasks.loader import load_tasks  # noqa: E402
 from et_hpc.util import tail_lines  # noqa: E402
 
-DEFAULT_SOURCE = Path(os.environ.get("ET_HPC_FIXTURES", HERE.parent.parent / "shared" / "fixtures"
+DEFAULT_SOURCE = Path(os.environ.get("ET_HPC_FIXTURES", HERE.parent / "tests" / "fixtures"
                                      / "endless-terminals")) / "native"
 
 # (task id, recorded run index) -> why our reward differs from the recorded success.

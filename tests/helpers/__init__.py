@@ -20,7 +20,7 @@ import pytest
 
 TESTS = Path(__file__).resolve().parent.parent
 REPO = TESTS.parent
-FIXTURES = Path(os.environ.get("ET_HPC_FIXTURES", REPO.parent / "shared" / "fixtures" / "endless-terminals"))
+FIXTURES = Path(os.environ.get("ET_HPC_FIXTURES", TESTS / "fixtures" / "endless-terminals"))
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 TOOLS = ("apptainer", "slurm")  # the requirements a test names by marker
 
