@@ -36,7 +36,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = add_command(subparsers, "view", help="write a static HTML viewer of runs' episodes (optionally serve it)",
                     description=DESCRIPTION, epilog=EPILOG)
     p.add_argument("runs", nargs="+", metavar="RUN", help="run folder(s), or run names inside --store")
-    p.add_argument("--store", type=Path, help="store root to find runs given by name")
+    p.add_argument("--store", type=Path, help="store root to find runs given by name (default: $ET_HPC_STORE)")
     p.add_argument("-o", "--output", type=Path, help="folder to write the site into (default: STORE/_view/RUN)")
     p.add_argument("--serve", action="store_true", help="serve the site on 127.0.0.1 until interrupted")
     p.add_argument("--port", type=int, default=8765, help="--serve: the port (default 8765; 0 picks a free one)")
@@ -44,10 +44,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_dir(run: str, store: Path | None) -> Path:
+    """A run folder given as a path, or by name inside --store (default: $ET_HPC_STORE)."""
+    from et_hpc.paths import store_dir
+
     p = Path(run).expanduser()
-    if p.exists() or store is None:
-        return p
-    return store.expanduser() / run
+    q = Path(store or store_dir()).expanduser() / run
+    return q if not p.exists() and q.is_dir() else p
 
 
 def cmd_view(args: argparse.Namespace) -> int:

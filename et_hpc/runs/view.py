@@ -176,7 +176,9 @@ def _detail_rows(rs: RunStore, wanted: set[str]) -> Iterable[dict[str, Any]]:
         return
     dataset = ds.dataset([str(f) for f in files], schema=EPISODE_SCHEMA, format="parquet")
     seen: set[str] = set()
-    for batch in dataset.to_batches(columns=DETAIL_COLS, batch_size=256):
+    # little read-ahead: transcripts and token lists are most of a shard's bytes
+    scanner = dataset.scanner(columns=DETAIL_COLS, batch_size=256, batch_readahead=1, fragment_readahead=1)
+    for batch in scanner.to_batches():
         for row in batch.to_pylist():
             eid = row["episode_id"]
             if eid in wanted and eid not in seen:
