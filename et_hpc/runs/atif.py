@@ -184,7 +184,7 @@ class AtifResult:
 
     def line(self) -> str:
         st = ", ".join(f"{k} {v}" for k, v in sorted(self.by_status.items()))
-        return f"wrote {self.documents} ATIF {ATIF_VERSION} documents to {self.out} ({st}); index: {self.out / 'index.jsonl'}"
+        return f"wrote {self.documents} {ATIF_VERSION} documents to {self.out} ({st}); index: {self.out / 'index.jsonl'}"
 
 
 def export_atif(run: RunStore, out: Path | str, ok_only: bool = False) -> AtifResult:

@@ -5,7 +5,8 @@ Harbor 0.25.0 (``harbor/models/trajectories/*.py``: ``Trajectory``, ``Step``, ``
 ``harbor/utils/trajectory_validator.py``: ``TrajectoryValidator``) needs Python >= 3.12 to install,
 but those modules need only pydantic; scripts/provision-debian unpacks the wheel beside the venv
 (``helpers.HARBOR``) and a child Python imports them from there. A round trip is the bar:
-``Trajectory.model_validate(doc).to_json_dict() == doc`` for every exported document.
+``Trajectory.model_validate_json(file).to_json_dict() == doc`` for every exported document (how
+harbor's ``trial/trial.py`` reads a trajectory file).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ for f in sys.argv[1:]:
     v = TrajectoryValidator()
     ok = v.validate(Path(f))
     try:
-        back = Trajectory.model_validate(doc).to_json_dict()
+        # read as harbor reads a trial's trajectory (harbor/trial/trial.py: model_validate_json of the file)
+        back = Trajectory.model_validate_json(Path(f).read_text()).to_json_dict()
         same = back == doc
     except Exception as e:
         same = f"{type(e).__name__}: {e}"[:2000]
