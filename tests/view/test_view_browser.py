@@ -227,3 +227,30 @@ def test_bad_input_one_line_exit_2(view_runs: dict[str, Path], tmp_path: Path, c
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
     if case == "out-not-ours":
         assert (tmp_path / "d" / "notes.txt").read_text() == "mine"
+
+
+def test_pages_and_status_filter(browser, tmp_path: Path) -> None:
+    """250 episodes (written through the store API, 1 in 10 an infrastructure error): 100 a page,
+    every episode on some page, and the status filter."""
+    from et_hpc.record import EpisodeRecord
+    from et_hpc.runs.store import RunStore
+
+    recs = [EpisodeRecord(run_name="many", task_id=f"task_{i // 5:03d}", sample=i % 5,
+                          status="infra_error" if i % 10 == 3 else "ok", reward=None if i % 10 == 3 else float(i % 2),
+                          error="stand-in failure" if i % 10 == 3 else None, turns=i % 7) for i in range(250)]
+    RunStore(tmp_path / "many").write(recs)
+    out = tmp_path / "v"
+    r = subprocess.run(ET_HPC + ["view", str(tmp_path / "many"), "-o", str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    _open(browser, out, "run=r0", RUN_READY)
+    seen = []
+    for page in range(3):
+        rows = _rows(browser)
+        assert len(rows) == (100 if page < 2 else 50)
+        seen += [r["id"] for r in rows]
+        assert browser.eval("document.getElementById('count').textContent").startswith(f"{page * 100 + 1}-")
+        browser.eval("document.querySelector('#pager button:last-child').click()")
+    assert sorted(seen) == sorted(r.episode_id for r in recs)
+    _open(browser, out, "run=r0&status=infra_error", RUN_READY)
+    assert {r["id"] for r in _rows(browser)} == {r.episode_id for r in recs if r.status == "infra_error"}
+    assert all(r["cells"][7] == "stand-in failure" for r in _rows(browser))  # the error, where a note would be
