@@ -156,7 +156,7 @@ def _detail_text(row: dict[str, Any]) -> str:
         if c == "logprobs" and v is not None:
             v = [[_num(x, 4) for x in turn] if turn is not None else None for turn in v]
         elif c == "timings" and v is not None:
-            v = {k: v.get(k) for k in TIMING_FIELDS}
+            v = {k: _num(v.get(k), 3) for k in TIMING_FIELDS}
         elif c == "tests" and v is not None:
             v = [[t["name"], t["outcome"]] for t in v]
         elif c == "created_at" and v is not None:
