@@ -22,7 +22,8 @@ def test_demo_end_to_end(base_sif, tmp_path):
         assert row[-2:] == ["as", "expected"], row
     from et_hpc.runs.store import RunStore
 
-    runs = sorted(p for p in store.iterdir() if p.is_dir())
+    assert "viewer: " + str(store / "_view") in r.stdout
+    runs = sorted(p for p in store.iterdir() if p.is_dir() and not p.name.startswith("_"))  # _view: the viewer
     assert len(runs) == 3
     for run in runs:
         s = RunStore(run).summary()

@@ -95,5 +95,9 @@ def cmd_demo(args) -> int:
     _step("summary")
     print(format_table(["run", "executor", "policy", "episodes", "ok", "errors", "pass rate", "time", "check"], rows))
     print(f"\nstore: {args.store}  (read it with: et-hpc store summary {args.store}/<run>)")
+    from et_hpc.runs.view import build_site
+
+    site = build_site([args.store / r[0] for r in rows], args.store / "_view" / f"demo-{stamp}")
+    print(f"viewer: {site.index}  (open it in a browser, or: et-hpc view {' '.join(str(args.store / r[0]) for r in rows)} --serve)")
     print(f"demo finished in {time.monotonic() - t_all:.0f}s")
     return 1 if failed else 0

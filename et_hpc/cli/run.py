@@ -362,6 +362,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         for k, v in queue.items():
             info[f"queue.{k}"] = "-" if v is None else v
     _print_summary(f"run {info['run']}", info, False)
+    print(f"see the episodes: et-hpc view {run_dir}")
     if cap is not None:
         from et_hpc.runs.capacity import format_capacity
 

@@ -1,4 +1,4 @@
-"""The ``et-hpc store`` (summary, compact) and ``et-hpc export`` (atropos, skyrl) subcommands."""
+"""The ``et-hpc store`` (summary, compact) and ``et-hpc export`` (atropos, skyrl, atif) subcommands."""
 
 from __future__ import annotations
 
@@ -99,6 +99,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print what was written as JSON")
     p.set_defaults(func=_export_skyrl)
 
+    p = add_command(
+        esub, "atif",
+        help="ATIF v1.8 trajectories (Harbor's format), one JSON document per episode",
+        description=_wrap("One ATIF v1.8 document per episode (deduped; error episodes too, with their "
+        "status, unless --ok-only): steps with the model's text, reasoning and tool calls, the "
+        "commands' output as observations, per-step token ids and logprobs when recorded, and the "
+        "reward, tests and timings in final_metrics. Files: OUT_DIR/<task>.<sample>.json and "
+        "OUT_DIR/index.jsonl."),
+        epilog="example:\n  et-hpc export atif et-hpc-runs/my-run -o trajectories/",
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run's folder")
+    p.add_argument("-o", "--output", required=True, metavar="OUT_DIR", help="the folder to write the documents into")
+    p.add_argument("--ok-only", action="store_true", help="only episodes with status ok")
+    p.set_defaults(func=_export_atif)
+
 
 def _export_args(p: argparse.ArgumentParser, output_help: str) -> None:
     """RUN_DIR, -o and --on-error: what every export format takes."""
@@ -170,3 +185,11 @@ def _export_skyrl(args: argparse.Namespace) -> int:
     res = export_skyrl(open_run(args.run_dir), args.output, on_error=args.on_error,
                        drop_zero_variance=args.drop_zero_variance, progress=True)
     return _report_export(res, args)
+
+
+def _export_atif(args: argparse.Namespace) -> int:
+    from et_hpc.runs.atif import export_atif
+    from et_hpc.runs.store import open_run
+
+    print(export_atif(open_run(args.run_dir), args.output, ok_only=args.ok_only).line())
+    return 0

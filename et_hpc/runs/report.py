@@ -326,6 +326,7 @@ def format_html(rep: Report) -> str:
         + ". Error bars and intervals: 95% (Wilson for a rate, Newcombe for a change); "
         "* marks a change whose interval excludes 0. Errors are not counted as failures.</p>",
         svg_chart(rep.runs),
+        f"<p>Episodes, transcripts and tests: <code>et-hpc view {e(rep.store)}/RUN</code> writes a viewer per run.</p>",
         f"<h2>Runs</h2><table><thead><tr>{head}</tr></thead><tbody>\n{body}\n</tbody></table>",
         "<h2>Capacity</h2><table><thead><tr>" + "".join(f"<th>{e(h)}</th>" for h in CAPACITY_HEADERS)
         + "</tr></thead><tbody>\n" + "\n".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>"

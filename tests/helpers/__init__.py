@@ -23,6 +23,9 @@ REPO = TESTS.parent
 FIXTURES = Path(os.environ.get("ET_HPC_FIXTURES", TESTS / "fixtures" / "endless-terminals"))
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 TOOLS = ("apptainer", "slurm")  # the requirements a test names by marker
+# Harbor's own ATIF models (harbor.models.trajectories), unpacked by scripts/provision-debian
+HARBOR_VERSION = "0.25.0"
+HARBOR = Path(os.environ.get("ET_HPC_HARBOR", Path(sys.prefix) / f"harbor-{HARBOR_VERSION}"))
 
 
 def missing(what: str) -> str | None:
@@ -44,6 +47,10 @@ def missing(what: str) -> str | None:
         return None if FIXTURES.is_dir() else f"fixtures not found at {FIXTURES} (set ET_HPC_FIXTURES)"
     if what == "ruff":
         return None if ruff_cmd() else "ruff is not installed (pip install -e '.[test]')"
+    if what == "chromium":
+        return None if shutil.which("chromium") else "chromium is not installed (run scripts/provision-debian as root)"
+    if what == "harbor":
+        return None if (HARBOR / "harbor").is_dir() else f"harbor {HARBOR_VERSION} is not at {HARBOR} (run scripts/provision-debian)"
     raise ValueError(what)
 
 

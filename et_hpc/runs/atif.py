@@ -1,0 +1,207 @@
+"""ATIF export: one Agent Trajectory Interchange Format (v1.8) document per episode.
+
+ATIF is the trajectory format of Harbor (``harbor.models.trajectories``, harbor 0.25.0) that
+Terminal-Bench submissions and trajectory tools read. Mapping of a record:
+
+- the system prompt and the task prompt are steps of ``source`` ``system`` and ``user``;
+- every assistant message is one ``agent`` step: ``message`` (its text, "" when it only called a
+  tool), ``reasoning_content``, ``tool_calls`` (tool-call mode: as the model made them, arguments
+  parsed from their JSON; the ``<command>`` text protocol: one ``terminal`` call with the command,
+  marked ``extra.protocol = "text"``), and the command's output as its ``observation`` (linked to
+  the call by ``source_call_id``);
+- per-step ``metrics`` when the run recorded token ids: ``prompt_token_ids`` (the whole prompt
+  the model saw for that step, as ATIF defines it, rebuilt from the record's per-turn deltas),
+  ``completion_token_ids``, ``logprobs`` and their counts. An episode whose ids drift from the
+  server's tokenization (``token_drift``) keeps its completion ids and logprobs (what was sampled)
+  but no prompt ids (they are not one sequence the server saw);
+- ``final_metrics``: token totals and the step count, and in ``extra`` the reward, status,
+  passed/total and per-test verdicts, score note, stop reason, timings and peak memory;
+- root ``extra``: run, task, sample, group, policy version and the episode's ids.
+
+Output: ``DIR/<task_id>.<sample>.json`` per episode and ``DIR/index.jsonl`` (one line per document:
+file, episode id, task, sample, status, reward).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from et_hpc import __version__
+from et_hpc.errors import UserError
+from et_hpc.record import EpisodeRecord
+from et_hpc.runs.store import RunStore
+from et_hpc.util import atomic_write_text
+
+ATIF_VERSION = "ATIF-v1.8"
+# the ET text protocol: a reply names its command as <command>...</command>
+_COMMAND = re.compile(r"<command>\s*(.*?)\s*</command>", re.DOTALL)
+_TEXT_TOOL = "terminal"
+_SAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def _text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(p.get("text", json.dumps(p)) if isinstance(p, dict) else str(p) for p in content)
+    return json.dumps(content)
+
+
+def _arguments(raw: Any) -> dict[str, Any]:
+    if isinstance(raw, dict):
+        return raw
+    try:
+        v = json.loads(raw) if isinstance(raw, str) else None
+    except ValueError:
+        v = None
+    return v if isinstance(v, dict) else {"raw": "" if raw is None else str(raw)}
+
+
+def _token_metrics(rec: EpisodeRecord) -> list[dict[str, Any]] | None:
+    """Per agent turn, the ATIF metrics the record's token ids give (None when it has none)."""
+    if not rec.token_ids:
+        return None
+    exact = rec.token_drift is None and rec.prompt_token_ids is not None and len(rec.prompt_token_ids) == len(rec.token_ids)
+    seq: list[int] = []
+    out = []
+    for i, completion in enumerate(rec.token_ids):
+        m: dict[str, Any] = {"completion_token_ids": list(completion or []), "completion_tokens": len(completion or [])}
+        if exact:
+            seq = seq + list(rec.prompt_token_ids[i] or [])  # type: ignore[index]
+            m["prompt_token_ids"] = list(seq)
+            m["prompt_tokens"] = len(seq)
+            seq = seq + list(completion or [])
+        lps = rec.logprobs[i] if rec.logprobs is not None and i < len(rec.logprobs) else None
+        if lps is not None and len(lps) == len(completion or []):
+            m["logprobs"] = [float(x) for x in lps]
+        out.append(m)
+    return out
+
+
+def trajectory(rec: EpisodeRecord) -> dict[str, Any]:
+    """The ATIF v1.8 document of one episode (a JSON-ready dict, ``None`` values left out)."""
+    steps: list[dict[str, Any]] = []
+    metrics = _token_metrics(rec)
+    n_agent = sum(1 for m in rec.messages if m.get("role") == "assistant")
+    if metrics is not None and len(metrics) != n_agent:
+        metrics = None  # ids that do not pair with the turns are not attached to any step
+    seen_user = False
+    last_agent: dict[str, Any] | None = None
+    turn = 0
+    for m in rec.messages:
+        role = m.get("role")
+        text = _text(m.get("content"))
+        if role == "assistant":
+            step: dict[str, Any] = {"step_id": len(steps) + 1, "source": "agent", "message": text}
+            if rec.model:
+                step["model_name"] = rec.model
+            reasoning = m.get("reasoning_content") or m.get("reasoning")
+            if reasoning:
+                step["reasoning_content"] = _text(reasoning)
+            calls = []
+            for k, tc in enumerate(m.get("tool_calls") or []):
+                f = tc.get("function") or {}
+                calls.append({"tool_call_id": str(tc.get("id") or f"call_{turn}_{k}"),
+                              "function_name": str(f.get("name") or "unknown"), "arguments": _arguments(f.get("arguments"))})
+            if not calls:
+                cmd = _COMMAND.search(text)
+                if cmd:
+                    calls.append({"tool_call_id": f"call_{turn}_0", "function_name": _TEXT_TOOL,
+                                  "arguments": {"command": cmd.group(1)}, "extra": {"protocol": "text"}})
+            if calls:
+                step["tool_calls"] = calls
+            if metrics is not None:
+                step["metrics"] = metrics[turn]
+                step["llm_call_count"] = 1
+            turn += 1
+            steps.append(step)
+            last_agent = step
+            continue
+        if role == "system" or (role == "user" and not seen_user):
+            seen_user |= role == "user"
+            steps.append({"step_id": len(steps) + 1, "source": role, "message": text})
+            last_agent = None
+            continue
+        # a tool result, or (text protocol) the environment's reply: the observation of the last agent step
+        if last_agent is None:
+            steps.append({"step_id": len(steps) + 1, "source": "user", "message": text})
+            continue
+        ids = [c["tool_call_id"] for c in last_agent.get("tool_calls", [])]
+        call = m.get("tool_call_id") if m.get("tool_call_id") in ids else None
+        if call is None and role != "tool" and ids:
+            taken = {r.get("source_call_id") for r in last_agent.get("observation", {}).get("results", [])}
+            call = next((i for i in ids if i not in taken), None)
+        result: dict[str, Any] = {"content": text}
+        if call is not None:
+            result["source_call_id"] = call
+        last_agent.setdefault("observation", {"results": []})["results"].append(result)
+    if not steps:  # ATIF needs one step: an episode that never reached its prompt (an error) says why
+        steps.append({"step_id": 1, "source": "system", "message": rec.error or f"no transcript (status {rec.status})"})
+    t = rec.timings.model_dump(exclude_none=True)
+    final_extra = {
+        "reward": rec.reward, "status": rec.status, "passed": rec.passed, "total": rec.total,
+        "tests": [{"name": x.name, "outcome": x.outcome} for x in rec.tests], "score_note": rec.score_note,
+        "stop_reason": rec.stop_reason, "error": rec.error, "turns": rec.turns, "timings": t,
+        "peak_mem_mb": rec.peak_mem_mb, "peak_pids": rec.peak_pids, "events": rec.events,
+        "tokens_source": rec.tokens_source, "token_drift": rec.token_drift,
+    }
+    final: dict[str, Any] = {"total_steps": len(steps), "extra": {k: v for k, v in final_extra.items() if v is not None}}
+    if rec.prompt_tokens is not None:
+        final["total_prompt_tokens"] = rec.prompt_tokens
+    if rec.completion_tokens is not None:
+        final["total_completion_tokens"] = rec.completion_tokens
+    agent: dict[str, Any] = {"name": "et-hpc", "version": __version__,
+                             "extra": {"policy_kind": rec.policy_kind, "sampling_params": rec.sampling_params}}
+    if rec.model:
+        agent["model_name"] = rec.model
+    root_extra = {"run_name": rec.run_name, "task_id": rec.task_id, "sample": rec.sample, "group_id": rec.group_id,
+                  "split": rec.split, "policy_version": rec.policy_version, "policy_versions": rec.policy_versions,
+                  "crossed_version": rec.crossed_version, "image_digest": rec.image_digest, "host": rec.host,
+                  "created_at": rec.created_at.isoformat()}
+    doc: dict[str, Any] = {
+        "schema_version": ATIF_VERSION, "session_id": rec.episode_id, "trajectory_id": rec.episode_id,
+        "agent": agent, "steps": steps, "final_metrics": final,
+        "extra": {k: v for k, v in root_extra.items() if v is not None},
+    }
+    if metrics is None and rec.token_ids:
+        doc["notes"] = "token ids were recorded but do not pair one to one with the agent steps; left out"
+    elif rec.token_drift and metrics is not None:
+        doc["notes"] = f"token ids drift from the server's tokenization ({rec.token_drift}): prompt ids left out"
+    return doc
+
+
+@dataclass
+class AtifResult:
+    out: Path
+    documents: int
+    by_status: dict[str, int]
+
+    def line(self) -> str:
+        st = ", ".join(f"{k} {v}" for k, v in sorted(self.by_status.items()))
+        return f"wrote {self.documents} {ATIF_VERSION} documents to {self.out} ({st}); index: {self.out / 'index.jsonl'}"
+
+
+def export_atif(run: RunStore, out: Path | str, ok_only: bool = False) -> AtifResult:
+    """One ATIF document per deduped episode of ``run`` (only ``ok`` ones with ``ok_only``)."""
+    out = Path(out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise UserError(f"-o {out} is a file; give a directory (one JSON document per episode goes there)")
+    out.mkdir(parents=True, exist_ok=True)
+    index = []
+    counts: dict[str, int] = {}
+    for rec in sorted(run.records(), key=lambda r: (r.task_id, r.sample)):
+        if ok_only and rec.status != "ok":
+            continue
+        name = f"{_SAFE.sub('_', rec.task_id)}.{rec.sample}.json"
+        atomic_write_text(out / name, json.dumps(trajectory(rec), ensure_ascii=False, indent=1) + "\n")
+        counts[rec.status] = counts.get(rec.status, 0) + 1
+        index.append(json.dumps({"file": name, "episode_id": rec.episode_id, "task_id": rec.task_id, "sample": rec.sample,
+                                 "status": rec.status, "reward": rec.reward}))
+    atomic_write_text(out / "index.jsonl", "".join(line + "\n" for line in index))
+    return AtifResult(out=out, documents=len(index), by_status=counts)
