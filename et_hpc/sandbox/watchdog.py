@@ -283,44 +283,55 @@ class Sample:
         return self.proc_kb + self.tmpfs_kb + self.other_kb
 
 
-def instance_processes(ns: str, exclude: set[int] | frozenset[int] = frozenset()) -> dict[int, tuple[int, str]]:
-    """The instance's live processes: host pid -> (parent pid, start time). Those whose PID
-    namespace is ``ns`` and every descendant of them: a process in a nested PID namespace is a
-    child of one of the instance's, and when its parent dies it is reaped by an init that is one
-    too. ``exclude`` is left out of the answer (not out of the walk)."""
-    info: dict[int, tuple[int, str]] = {}
-    children: dict[int, list[int]] = {}
-    roots: list[int] = []
+def instance_pids(ns: str) -> set[int]:
+    """Host pids of the instance's processes: those whose PID namespace is ``ns`` and every
+    descendant of them. A process in a nested PID namespace is a child of one of the instance's,
+    and when its parent dies it is reaped by an init that is one too; so the walk down
+    ``/proc/X/task/*/children`` from the namespace's members finds them all (a process forked
+    during the walk may be missed: it is found by the next one)."""
+    found: set[int] = set()
     for name in os.listdir("/proc"):
-        if not name.isdigit():
+        if name.isdigit():
+            try:
+                if os.readlink(f"/proc/{name}/ns/pid") == ns:
+                    found.add(int(name))
+            except OSError:
+                continue
+    todo = list(found)
+    while todo:
+        pid = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
             continue
-        pid = int(name)
+        for tid in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                    kids = f.read().split()
+            except OSError:
+                continue
+            for k in kids:
+                child = int(k)
+                if child not in found:
+                    found.add(child)
+                    todo.append(child)
+    return found
+
+
+def instance_processes(ns: str, exclude: set[int] | frozenset[int] = frozenset()) -> dict[int, tuple[int, str]]:
+    """The instance's live processes (``instance_pids``) but ``exclude``: host pid -> (parent
+    pid, start time); zombies left out."""
+    out: dict[int, tuple[int, str]] = {}
+    for pid in instance_pids(ns) - set(exclude):
         try:
             with open(f"/proc/{pid}/stat", "rb") as f:
                 data = f.read()
             fields = data[data.rfind(b")") + 2:].split()
             if fields[0] in (b"Z", b"X"):
                 continue
-            ppid, start = int(fields[1]), fields[19].decode()
+            out[pid] = (int(fields[1]), fields[19].decode())
         except (OSError, IndexError, ValueError):
             continue
-        info[pid] = (ppid, start)
-        children.setdefault(ppid, []).append(pid)
-        try:
-            if os.readlink(f"/proc/{pid}/ns/pid") == ns:
-                roots.append(pid)
-        except OSError:
-            continue
-    out: dict[int, tuple[int, str]] = {}
-    todo = roots
-    while todo:
-        pid = todo.pop()
-        if pid in out:
-            continue
-        out[pid] = info[pid]
-        todo.extend(children.get(pid, ()))
-    for pid in exclude:
-        out.pop(pid, None)
     return out
 
 
