@@ -282,10 +282,27 @@ class EpisodeRecord(BaseModel):
         return tokens, masks, (lps if with_lp else None)
 
     def to_row(self) -> dict[str, Any]:
-        """A dict matching ``EPISODE_SCHEMA`` (JSON fields serialised)."""
+        """A dict matching ``EPISODE_SCHEMA`` (JSON fields serialised), storable whatever its text.
+
+        A Python string may hold what UTF-8 cannot encode: lone surrogates (an agent's command
+        decoded with ``surrogateescape``, a ``\\udc80`` escape in a replayed transcript). The JSON
+        fields then use ASCII escapes (lossless: reading them back gives the same strings); every
+        other string has such characters replaced by their ``\\uXXXX`` text, and one event says
+        which fields were escaped.
+        """
         row = self.model_dump()
+        escaped: list[str] = []
         for f in _JSON_FIELDS:
-            row[f] = json.dumps(row[f], ensure_ascii=False, separators=(",", ":"))
+            text = json.dumps(row[f], ensure_ascii=False, separators=(",", ":"))
+            if not _encodable(text):
+                text = json.dumps(row[f], ensure_ascii=True, separators=(",", ":"))
+                escaped.append(f)
+            row[f] = text
+        for k, v in row.items():
+            if k not in _JSON_FIELDS:
+                row[k] = _escape(v, k, escaped)
+        if escaped:
+            row["events"] = [*(row["events"] or []), _escaped_event(escaped)]
         return row
 
     @classmethod
@@ -296,6 +313,72 @@ class EpisodeRecord(BaseModel):
             if isinstance(data.get(f), str):
                 data[f] = json.loads(data[f])
         return cls.model_validate(data)
+
+
+ESCAPED_EVENT = "record: text that is not valid Unicode (lone surrogates) was stored as \\uXXXX escapes in"
+
+
+def _escaped_event(fields: list[str]) -> str:
+    return f"{ESCAPED_EVENT} {', '.join(sorted(set(fields)))}"
+
+
+def _encodable(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def escape_text(s: str) -> str:
+    """``s`` with every character UTF-8 cannot encode (a lone surrogate) written as ``\\uXXXX``."""
+    return s if _encodable(s) else s.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _escape(v: Any, name: str, escaped: list[str]) -> Any:
+    """``v`` (a row value: str, list, dict, scalar) with its strings escaped; ``name`` goes into
+    ``escaped`` when something had to be."""
+    if isinstance(v, str):
+        if _encodable(v):
+            return v
+        escaped.append(name)
+        return escape_text(v)
+    if isinstance(v, list):
+        return [_escape(x, name, escaped) for x in v]
+    if isinstance(v, dict):
+        return {k: _escape(x, name, escaped) for k, x in v.items()}
+    return v
+
+
+def write_failed_record(rec: Any, cause: str) -> EpisodeRecord:
+    """The error record that stands for ``rec`` (an EpisodeRecord or a dict) when its own record
+    could not be written: same unit and episode id, status ``infra_error`` (outside the agent's
+    reach: masked, and redone on resume), ``error`` naming the cause, an event keeping what the
+    episode ended as. Only plain fields are kept, so this record stores whatever broke the other."""
+
+    def get(key: str) -> Any:
+        return rec.get(key) if isinstance(rec, dict) else getattr(rec, key, None)
+
+    def text(v: Any, limit: int = 2000) -> str:
+        return escape_text(str(v))[:limit]
+
+    try:
+        sample = max(0, int(get("sample") or 0))
+    except (TypeError, ValueError):
+        sample = 0
+    ended = f"status {text(get('status'), 40)}, reward {text(get('reward'), 40)}"
+    return EpisodeRecord(
+        episode_id=text(get("episode_id") or uuid.uuid4(), 200),
+        run_name=text(get("run_name") or "", 500),
+        task_id=text(get("task_id") or "", 500),
+        sample=sample,
+        group_id=text(get("group_id") or "", 500),
+        status="infra_error",
+        error=text(f"the run store could not write this episode's record: {cause}"),
+        events=[f"store: the episode ended with {ended}; its record could not be written"],
+        host=text(get("host") or "", 200) or None,
+        worker=text(get("worker") or "", 200) or None,
+    )
 
 
 def records_to_table(records: list[EpisodeRecord]) -> pa.Table:

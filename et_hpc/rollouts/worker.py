@@ -40,10 +40,11 @@ from typing import Any
 
 from submitit.helpers import Checkpointable, DelayedSubmission
 
-from et_hpc.record import EpisodeRecord, records_to_table
+from et_hpc.record import EpisodeRecord, records_to_table, write_failed_record
 from et_hpc.rollouts.queue import Lease, WorkQueue, new_worker_id
 from et_hpc.rollouts.versions import PolicyVersion, VersionReader
 from et_hpc.runner.config import RunConfig
+from et_hpc.runs.store import WRITE_ATTEMPTS, WRITE_RETRY_S
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +218,7 @@ class Worker(Checkpointable):
         if fl.stop.is_set():
             self._interrupted(fl)
             return
-        slot = self.queue.commit(fl.lease, records_to_table(recs))
+        slot = self._commit(fl, recs)
         with self.lock:
             if slot is None and not (self.queue.done / f"{unit.uid}~{fl.lease.attempt}.json").exists():
                 self.stats.discarded += 1
@@ -225,6 +226,28 @@ class Worker(Checkpointable):
             else:
                 self.stats.committed += 1
         self._write_worker()
+
+    def _commit(self, fl: _InFlight, recs: list[EpisodeRecord]) -> int | None:
+        """Commit the group's records, retrying a failing write; when it keeps failing, commit
+        one error record per episode naming the cause instead (outside the agent's reach: the
+        group is masked). Raises only when even that fails (``_slot`` gives the unit back)."""
+        cause = ""
+        for attempt in range(WRITE_ATTEMPTS):
+            if attempt:
+                time.sleep(WRITE_RETRY_S * attempt)
+            try:
+                return self._commit_once(fl, records_to_table(recs))
+            except Exception as e:  # noqa: BLE001 - any cause is retried, then recorded
+                cause = f"{type(e).__name__}: {e}"
+                log.warning("unit %s: writing its records failed (attempt %d of %d): %s",
+                            fl.lease.unit.uid, attempt + 1, WRITE_ATTEMPTS, cause)
+        log.error("unit %s: its records could not be written (%s); committing error records", fl.lease.unit.uid, cause)
+        return self._commit_once(fl, records_to_table([write_failed_record(r, cause) for r in recs]))
+
+    def _commit_once(self, fl: _InFlight, table: Any) -> int | None:
+        tmp = self.queue.results_path(fl.lease)
+        (tmp.parent / f".tmp-{tmp.name}").unlink(missing_ok=True)  # left by a failed attempt
+        return self.queue.commit(fl.lease, table)
 
     def _interrupted(self, fl: _InFlight) -> None:
         with self.lock:

@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from et_hpc.errors import UserError
 from et_hpc.host import slurm as watch
-from et_hpc.record import EpisodeRecord
+from et_hpc.record import EpisodeRecord, write_failed_record
 from et_hpc.runner.base import Notify, Outcome, Progress
 from et_hpc.runner.config import RunConfig
 from et_hpc.runner.plan import OK, Plan, Unit, open_store, rec_get, rec_passed
@@ -236,7 +236,11 @@ class UnitPool:
                 continue
             if retried:
                 rec = _with_events(rec, retried)
-            self.store.write([rec])
+            written = self._write(rec, task.id, sample)
+            if written is None:
+                self._tick()
+                continue
+            rec, status = written, rec_get(written, "status")
             with self._lock:
                 if status == OK:
                     self.result.ok += 1
@@ -244,6 +248,25 @@ class UnitPool:
                 else:
                     self.result.errors += 1
             self._tick()
+
+    def _write(self, rec: Any, task_id: str, sample: int) -> Any:
+        """Store ``rec``; a write that keeps failing leaves an error record naming the cause
+        instead (what was stored is returned). None when nothing could be stored: the unit is
+        counted as crashed, with the cause, and the thread goes on with the next unit."""
+        try:
+            write_or_error = getattr(self.store, "write_or_error", None)
+            if write_or_error is None:  # a store without the fallback: its write, guarded
+                self.store.write([rec])
+                return rec
+            _, cause = write_or_error([rec])
+            return rec if cause is None else write_failed_record(rec, cause)
+        except Exception as e:  # noqa: BLE001 - never end the worker thread over a write
+            log.error("unit %s/%s: its record could not be stored", task_id, sample, exc_info=True)
+            with self._lock:
+                self.result.crashed += 1
+                self.result.failures.append(f"{task_id}#{sample}: the record could not be stored: "
+                                            f"{type(e).__name__}: {e}")
+            return None
 
     def interrupted(self) -> bool:
         """Asked to stop, or the Slurm job is being cancelled under us (asked only after an error)."""

@@ -60,9 +60,9 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 from pydantic import BaseModel
 
-from et_hpc.errors import UserError
+from et_hpc.errors import InfraError, UserError
 from et_hpc.paths import store_dir
-from et_hpc.record import EPISODE_SCHEMA, STATUSES, EpisodeRecord, records_to_table
+from et_hpc.record import EPISODE_SCHEMA, STATUSES, EpisodeRecord, records_to_table, write_failed_record
 from et_hpc.record import solved as is_solved
 from et_hpc.util import atomic_open, atomic_write_text, fsync_dir, progress_bar
 
@@ -83,6 +83,12 @@ _DICT_COLS = [
 _UNIT_COLS = ["task_id", "sample", "status"]
 _UNIT_SCHEMA = pa.schema([EPISODE_SCHEMA.field(c) for c in _UNIT_COLS])
 _DEDUPE_COLS = ("task_id", "sample", "status", "created_at", "episode_id")
+WRITE_ATTEMPTS = 3  # tries of one shard write before it is reported as failed
+WRITE_RETRY_S = 0.2  # pause before the 2nd try (twice that before the 3rd)
+
+
+class StoreWriteError(InfraError):
+    """Records could not be written to the run store, after retries; the message says why."""
 
 
 def _shard_name() -> str:
@@ -262,12 +268,37 @@ class RunStore:
         return f"RunStore({str(self.path)!r})"
 
     # --- writing -------------------------------------------------------------------------------
-    def write(self, records: list[EpisodeRecord]) -> Path | None:
-        """Write ``records`` as one new shard; returns its path (``None`` for an empty list)."""
+    def write(self, records: list[EpisodeRecord], attempts: int = WRITE_ATTEMPTS) -> Path | None:
+        """Write ``records`` as one new shard; returns its path (``None`` for an empty list).
+
+        A failing write (a full or flaky filesystem, a record that does not serialise) is tried
+        ``attempts`` times, with a short pause between; then ``StoreWriteError`` says why."""
         if not records:
             return None
-        self.path.mkdir(parents=True, exist_ok=True)
-        return write_table_atomic(self.path, records_to_table(list(records)))
+        last: BaseException | None = None
+        for i in range(max(1, attempts)):
+            if i:
+                time.sleep(WRITE_RETRY_S * i)
+            try:
+                self.path.mkdir(parents=True, exist_ok=True)
+                return write_table_atomic(self.path, records_to_table(list(records)))
+            except Exception as e:  # noqa: BLE001 - any cause is retried, then reported with it
+                last = e
+                log.warning("run store %s: writing %d record(s) failed (attempt %d of %d): %s: %s",
+                            self.path, len(records), i + 1, attempts, type(e).__name__, e)
+        raise StoreWriteError(f"{type(last).__name__}: {last}") from last
+
+    def write_or_error(self, records: list[Any]) -> tuple[Path | None, str | None]:
+        """Write ``records``; when that fails after its retries, write one ``infra_error`` record
+        per episode instead (``write_failed_record``: the unit is then visible and redone on
+        resume). Returns (the shard, the cause of the failure or None). Raises StoreWriteError
+        only when even the error records cannot be written."""
+        try:
+            return self.write(records), None
+        except StoreWriteError as e:
+            cause = str(e)
+        log.error("run store %s: %s; writing error records instead", self.path, cause)
+        return self.write([write_failed_record(r, cause) for r in records]), cause
 
     def write_config(self, config: dict[str, Any]) -> Path:
         """Store the run config (atomically replaces an earlier one)."""

@@ -1,9 +1,14 @@
 """One persistent bash per episode: run a command, get its output and exit code, with real timeouts.
 
 The shell is started from an argv (a host ``bash`` for tests, ``apptainer exec instance://NAME bash``
-in a sandbox) and fed through a pipe. Each command is sent as one ``eval $'…' </dev/null`` line
-followed by a line that prints a fresh random end marker with the exit code, so output can never be
-attributed to the wrong command and a command cannot read the commands after it.
+in a sandbox) and fed through a pipe. Each command is sent as one line, ``eval $'…' </dev/null``
+followed on the same line by what prints a fresh random end marker with the exit code. Bash reads
+the whole line before it runs the command, and the next line is written only after the marker came,
+so while a command runs the pipe holds nothing of ours: the command cannot read its end marker (from
+the shell's saved copy of its input) to print it early, a marker it prints itself ends nothing, and
+it cannot read the commands after it. What the framing does not survive (the shell is the agent's:
+code the agent leaves in it, or a process that keeps the shell's input open to read later lines)
+is in SECURITY.md.
 
 Job control (``set -m``) gives every command its own process group. On timeout the groups started
 in the shell's session since the command began are killed from the host through ``/proc`` (the
@@ -377,9 +382,14 @@ class Shell:
             cap = self._cap
             assert cap is not None
             cap.set_marker(marker)
+        # The end marker is printed by the same line as the script's last command: bash reads a
+        # whole line before it runs any of it, so while the command runs nothing of ours is left
+        # unread in the pipe (no marker to read from the shell's saved copy of its input), and the
+        # next line is written only after this one's marker came.
         tail = f"printf '\\n%s:%s:' {marker} \"{info_expr}\"; jobs -p; printf '%s.\\n' {marker}\n"
+        line = script.rstrip("\n") + "; " + tail
         try:
-            self._proc.stdin.write((script + tail).encode("utf-8", "surrogateescape"))
+            self._proc.stdin.write(line.encode("utf-8", "surrogateescape"))
             self._proc.stdin.flush()
         except (BrokenPipeError, OSError):
             pass

@@ -3,21 +3,26 @@
 ``Watchdog(sandbox, memory_mb=..., max_pids=...)`` is a context manager running one thread that,
 every ``interval_s`` (default 0.25 s):
 
-1. finds the instance's processes: host pids whose ``/proc/X/ns/pid`` is the PID namespace of the
-   instance's init (``sandbox.init_pid`` when set, else ``instance_init_pid(name)`` from
-   ``apptainer instance list --json NAME``), init itself excluded;
+1. finds the instance's processes (``instance_processes``): host pids whose ``/proc/X/ns/pid`` is
+   the PID namespace of the instance's init (``sandbox.init_pid`` when set, else
+   ``instance_init_pid(name)`` from ``apptainer instance list --json NAME``) and all their
+   descendants, so nested PID namespaces count too; init itself excluded;
 2. sums their memory: PSS from ``/proc/X/smaps_rollup`` (RSS from ``statm`` where that is not
    readable) and adds the RAM held by the instance's own tmpfs mounts, which no process's RSS
    shows: with ``--containall`` apptainer gives the instance an unlimited tmpfs on ``/dev/shm``
    (half the node's RAM) and a session tmpfs for ``/tmp``, ``/var/tmp`` and ``/dev``
    (``sessiondir max size``, 64 MiB). The root is a FUSE mount the host cannot traverse, so a
    small helper process (host Python, started once per watchdog) enters the instance's user and
-   mount namespaces and answers ``statvfs`` queries over a pipe;
+   mount (and IPC) namespaces and answers ``statvfs`` queries over a pipe. Also counted, held
+   outside any process's RSS: memfd and tmpfs files only open fds keep (``/proc/X/fd``), tmpfs
+   mounted in nested mount namespaces (``statvfs`` through ``/proc/X/root``, by the helper) and
+   SysV shared memory segments no process has attached;
 3. at ``memory_mb`` (processes + tmpfs) or ``max_pids`` processes it SIGKILLs the instance's
-   processes from the host (through pidfds, checked to be in the namespace): first all but init
+   processes from the host (through pidfds, checked by start time): first all but init
    and the ``protect()``-ed pids (the agent's persistent shell, so the command that blew up returns
    "killed" and the shell lives); when that is not enough, ``/dev/shm`` is emptied (the agent's
-   files there are gone) and then the protected pids are killed too. Each trip appends one line to
+   files there are gone), unattached SysV segments are removed, and then the protected pids are
+   killed too. Each trip appends one line to
    ``events`` (e.g. ``memory ceiling 2048 MB reached (2101 MB) during the agent's commands:
    killed 37 processes``); ``on_event(note)`` is called just before the kill with a short
    bracketed note (``Shell.add_note`` puts it in the killed command's result).
@@ -33,6 +38,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -40,6 +46,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from stat import S_ISREG as stat_is_reg
 from typing import Any
 
 from et_hpc.errors import InfraError
@@ -73,6 +80,8 @@ def instance_init_pid(name: str) -> int:
 _HELPER = r'''
 import ctypes, json, os, shutil, sys
 pid = int(sys.argv[1])
+def unescape(p):
+    return p.encode().decode("unicode_escape")
 def tmpfs(path):
     out = {}
     with open(path) as f:
@@ -81,30 +90,65 @@ def tmpfs(path):
             fs = b.split()
             if fs and fs[0] == "tmpfs":
                 p = a.split()
-                mp = p[4].encode().decode("unicode_escape")
-                out.setdefault(p[2], mp)
+                out.setdefault(p[2], unescape(p[4]))
     return out
 mine = tmpfs("/proc/%d/mountinfo" % pid)
 host = tmpfs("/proc/self/mountinfo")
 mounts = sorted(mp for dev, mp in mine.items() if dev not in host)
+devs = sorted(dev for dev in mine if dev not in host)
+proc = os.open("/proc", os.O_RDONLY | os.O_DIRECTORY)  # the host's, kept across setns
 libc = ctypes.CDLL(None, use_errno=True)
 fds = [os.open("/proc/%d/ns/%s" % (pid, n), os.O_RDONLY) for n in ("user", "mnt")]
+try:  # the instance's SysV IPC namespace, for its shared memory segments (opened while /proc is the host's)
+    ipc = os.open("/proc/%d/ns/ipc" % pid, os.O_RDONLY)
+except OSError:
+    ipc = None
 for fd, flag in zip(fds, (0x10000000, 0x00020000)):
     if libc.setns(fd, flag) != 0:
         sys.stdout.write(json.dumps({"error": "setns: " + os.strerror(ctypes.get_errno())}) + "\n")
         sys.exit(0)
     os.close(fd)
-sys.stdout.write(json.dumps({"mounts": mounts}) + "\n")
+if ipc is not None:
+    libc.setns(ipc, 0x08000000)
+    os.close(ipc)
+sys.stdout.write(json.dumps({"mounts": mounts, "devs": devs}) + "\n")
 sys.stdout.flush()
 def used(mp):
     st = os.statvfs(mp)
     return (st.f_blocks - st.f_bfree) * st.f_frsize
+def nested(p, mp):
+    fd = os.open("%d/root%s" % (p, mp), os.O_RDONLY | os.O_DIRECTORY, dir_fd=proc)
+    try:
+        st = os.fstatvfs(fd)
+    finally:
+        os.close(fd)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+def sysv(remove=False):
+    total = 0
+    try:
+        with open("/proc/sysvipc/shm") as f:
+            head = f.readline().split()
+            for line in f:
+                v = dict(zip(head, line.split()))
+                if v.get("nattch") == "0":
+                    if remove and libc.shmctl(int(v["shmid"]), 0, None) != 0:  # IPC_RMID
+                        continue
+                    total += int(v.get("rss") or v.get("size") or 0)
+    except (OSError, ValueError, KeyError):
+        pass
+    return total
 for line in sys.stdin:
-    cmd = line.strip()
+    cmd = line.rstrip("\n")
     res = {}
     try:
         if cmd == "s":
             res["used"] = {mp: used(mp) for mp in mounts}
+            res["sysv"] = sysv()
+        elif cmd == "r":
+            res["freed"] = sysv(remove=True)
+        elif cmd.startswith("n "):
+            p, _, mp = cmd[2:].partition(" ")
+            res["used"] = nested(int(p), bytes.fromhex(mp).decode("utf-8", "surrogateescape"))
         elif cmd.startswith("e ") and cmd[2:] in mounts:
             mp = cmd[2:]
             before = used(mp)
@@ -120,7 +164,7 @@ for line in sys.stdin:
             res["freed"] = before - used(mp)
         else:
             res["error"] = "bad request"
-    except OSError as e:
+    except (OSError, ValueError) as e:
         res["error"] = str(e)
     sys.stdout.write(json.dumps(res) + "\n")
     sys.stdout.flush()
@@ -132,8 +176,11 @@ class _TmpfsProbe:
 
     def __init__(self, init_pid: int) -> None:
         self.mounts: list[str] = []
+        self.devs: set[str] = set()  # "major:minor" of those mounts
+        self.sysv = 0  # bytes of SysV shared memory no process has attached (last ``used``)
         self.error: str | None = None
         self._proc: subprocess.Popen[str] | None = None
+        self._lock = threading.Lock()
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-I", "-S", "-c", _HELPER, str(init_pid)],
@@ -148,8 +195,13 @@ class _TmpfsProbe:
             self.close()
         else:
             self.mounts = list(first.get("mounts") or [])
+            self.devs = set(first.get("devs") or [])
 
     def _ask(self, line: str | None) -> dict[str, Any]:
+        with self._lock:  # one request and its reply at a time (the poll thread and a caller's sample())
+            return self._ask_locked(line)
+
+    def _ask_locked(self, line: str | None) -> dict[str, Any]:
         proc = self._proc
         if proc is None or proc.stdin is None or proc.stdout is None:
             return {"error": "no helper"}
@@ -172,13 +224,21 @@ class _TmpfsProbe:
         return self._proc is not None
 
     def used(self) -> dict[str, int]:
-        if not self.mounts:
-            return {}
         res = self._ask("s")
         if "error" in res:
             self.error = str(res["error"])
             return {}
+        self.sysv = int(res.get("sysv") or 0)
         return {k: int(v) for k, v in (res.get("used") or {}).items()}
+
+    def nested(self, pid: int, mountpoint: str) -> int | None:
+        """Bytes used on the tmpfs mounted at ``mountpoint`` in host pid ``pid``'s mount namespace."""
+        res = self._ask(f"n {pid} {mountpoint.encode('utf-8', 'surrogateescape').hex()}")
+        return None if "error" in res else int(res.get("used") or 0)
+
+    def remove_sysv(self) -> int:
+        """Remove the SysV shared memory segments no process has attached; returns bytes freed."""
+        return int(self._ask("r").get("freed") or 0)
 
     def empty(self, mountpoint: str) -> int:
         if mountpoint not in self.mounts:
@@ -202,19 +262,141 @@ class _TmpfsProbe:
 
 @dataclass
 class Sample:
-    """One poll: the instance's processes, their memory and its tmpfs usage."""
+    """One poll: the instance's processes, their memory, its tmpfs usage and memory held elsewhere."""
 
     pids: list[int]
     proc_kb: int
     tmpfs: dict[str, int] = field(default_factory=dict)  # mountpoint -> bytes used
+    held: int = 0  # bytes of memfd and tmpfs files only open fds keep (no counted mount has them)
+    sysv: int = 0  # bytes of SysV shared memory segments no process has attached
 
     @property
     def tmpfs_kb(self) -> int:
         return sum(self.tmpfs.values()) // 1024
 
     @property
+    def other_kb(self) -> int:
+        return (self.held + self.sysv) // 1024
+
+    @property
     def total_kb(self) -> int:
-        return self.proc_kb + self.tmpfs_kb
+        return self.proc_kb + self.tmpfs_kb + self.other_kb
+
+
+def instance_pids(ns: str) -> set[int]:
+    """Host pids of the instance's processes: those whose PID namespace is ``ns`` and every
+    descendant of them. A process in a nested PID namespace is a child of one of the instance's,
+    and when its parent dies it is reaped by an init that is one too; so the walk down
+    ``/proc/X/task/*/children`` from the namespace's members finds them all (a process forked
+    during the walk may be missed: it is found by the next one)."""
+    found: set[int] = set()
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                if os.readlink(f"/proc/{name}/ns/pid") == ns:
+                    found.add(int(name))
+            except OSError:
+                continue
+    todo = list(found)
+    while todo:
+        pid = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                    kids = f.read().split()
+            except OSError:
+                continue
+            for k in kids:
+                child = int(k)
+                if child not in found:
+                    found.add(child)
+                    todo.append(child)
+    return found
+
+
+def instance_processes(ns: str, exclude: set[int] | frozenset[int] = frozenset()) -> dict[int, tuple[int, str]]:
+    """The instance's live processes (``instance_pids``) but ``exclude``: host pid -> (parent
+    pid, start time); zombies left out."""
+    out: dict[int, tuple[int, str]] = {}
+    for pid in instance_pids(ns) - set(exclude):
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                data = f.read()
+            fields = data[data.rfind(b")") + 2:].split()
+            if fields[0] in (b"Z", b"X"):
+                continue
+            out[pid] = (int(fields[1]), fields[19].decode())
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def _unescape_mount(path: str) -> str:
+    """A mountinfo path with its octal escapes (``\\040`` for a space) undone."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), path)
+
+
+def _mountinfo(pid: int) -> dict[int, tuple[str, str, str]] | None:
+    """mount id -> (major:minor, mountpoint, fstype) of ``pid``'s mount namespace."""
+    out = {}
+    try:
+        with open(f"/proc/{pid}/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+            for line in f:
+                a, _, b = line.partition(" - ")
+                p, fs = a.split(), b.split()
+                if len(p) >= 5 and fs:
+                    out[int(p[0])] = (p[2], _unescape_mount(p[4]), fs[0])
+    except (OSError, ValueError):
+        return None
+    return out
+
+
+def _fd_mount_id(pid: int, fd: str) -> int | None:
+    try:
+        with open(f"/proc/{pid}/fdinfo/{fd}", "rb") as f:
+            for line in f:
+                if line.startswith(b"mnt_id:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _dev(st: os.stat_result) -> str:
+    return f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+
+
+def _maps_any(pid: int, files: dict[tuple[int, int], int]) -> bool:
+    """``pid`` maps one of ``files`` ((st_dev, inode) keys)."""
+    want = {(f"{os.major(d):02x}:{os.minor(d):02x}", str(i)) for d, i in files}
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                p = line.split(maxsplit=5)
+                if len(p) >= 5 and (p[3], p[4]) in want:
+                    return True
+    except OSError:
+        pass
+    return False
+
+
+def _pss_shmem_kb(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
+            for line in f:
+                if line.startswith(b"Pss_Shmem:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def _host_tmpfs_devs() -> set[str]:
+    return {dev for dev, _mp, fs in (_mountinfo(os.getpid()) or {}).values() if fs == "tmpfs"}
 
 
 class Watchdog:
@@ -254,6 +436,8 @@ class Watchdog:
         self.ns: str | None = None
         self.init_pid: int | None = None
         self._probe: _TmpfsProbe | None = None
+        self._own_mnt: str | None = None
+        self._host_tmpfs: set[str] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -285,6 +469,11 @@ class Watchdog:
         if ns is None:
             raise InfraError(f"cannot read the PID namespace of instance init {pid}")
         self.init_pid, self.ns = int(pid), ns
+        try:
+            self._own_mnt = os.readlink(f"/proc/{pid}/ns/mnt")
+        except OSError:
+            self._own_mnt = None
+        self._host_tmpfs = _host_tmpfs_devs()
         if self.measure_tmpfs and self.memory_mb:
             self._probe = _TmpfsProbe(self.init_pid)
             self.tmpfs_ok = self._probe.ok
@@ -323,10 +512,85 @@ class Watchdog:
 
     def sample(self) -> Sample:
         assert self.ns is not None and self.init_pid is not None
-        pids = procfs.ns_members(self.ns, {self.init_pid})
+        pids = sorted(instance_processes(self.ns, {self.init_pid}))
         kb = sum(procfs.memory_kb(p) for p in pids)
-        tmp = self._probe.used() if self._probe is not None else {}
-        return Sample(pids, kb, tmp)
+        probe = self._probe
+        tmp = probe.used() if probe is not None else {}
+        if probe is None:
+            return Sample(pids, kb, tmp)
+        counted = set(probe.devs) | self._host_tmpfs
+        tmp.update(self._nested_tmpfs([self.init_pid, *pids], counted))
+        held, shmem_kb = self._held_files([self.init_pid, *pids], counted)
+        return Sample(pids, kb - shmem_kb, tmp, held, probe.sysv)
+
+    def _nested_tmpfs(self, pids: list[int], counted: set[str]) -> dict[str, int]:
+        """Bytes used on tmpfs mounts made in mount namespaces of the instance's processes other
+        than the instance's own (``unshare -rm`` then ``mount -t tmpfs``); ``counted`` (devices
+        already measured) grows by the ones measured here."""
+        assert self._probe is not None
+        out: dict[str, int] = {}
+        seen = {self._own_mnt}
+        for pid in pids:
+            try:
+                mnt = os.readlink(f"/proc/{pid}/ns/mnt")
+            except OSError:
+                continue
+            if mnt in seen:
+                continue
+            seen.add(mnt)
+            for dev, mp, fstype in (_mountinfo(pid) or {}).values():
+                if fstype != "tmpfs" or dev in counted:
+                    continue
+                used = self._probe.nested(pid, mp)
+                if used is not None:
+                    counted.add(dev)
+                    out[f"{mp} (nested mount namespace of pid {pid})"] = used
+        return out
+
+    def _held_files(self, pids: list[int], counted: set[str]) -> tuple[int, int]:
+        """Bytes of memfd and tmpfs files that open fds keep and no measured mount counts (an
+        unlinked /dev/shm file counts there; a memfd or a file of an unmounted tmpfs nowhere
+        else), each file once; and the KiB of shared memory that processes mapping such files
+        show in their PSS (taken off theirs so it is not counted twice)."""
+        files: dict[tuple[int, int], int] = {}
+        mounts: dict[int, dict[int, tuple[str, str, str]] | None] = {}
+        for pid in pids:
+            try:
+                fds = os.listdir(f"/proc/{pid}/fd")
+            except OSError:
+                continue
+            for fd in fds:
+                try:
+                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                except OSError:
+                    continue
+                if not link.startswith("/") or link.startswith(("/dev/null", "/dev/pts/", "/proc/")):
+                    continue
+                try:
+                    st = os.stat(f"/proc/{pid}/fd/{fd}")
+                except OSError:
+                    continue
+                if not stat_is_reg(st.st_mode) or _dev(st) in counted or (st.st_dev, st.st_ino) in files:
+                    continue
+                if not link.startswith("/memfd:"):
+                    if pid not in mounts:
+                        mounts[pid] = _mountinfo(pid)
+                    mid = _fd_mount_id(pid, fd)
+                    entry = (mounts[pid] or {}).get(mid) if mid is not None else None
+                    # on a tmpfs, or on a mount no namespace shows any more (a tmpfs whose
+                    # namespace is gone lives on while a file of it is open)
+                    if entry is not None and entry[2] != "tmpfs":
+                        continue
+                    if entry is None and os.major(st.st_dev) != 0:
+                        continue
+                files[(st.st_dev, st.st_ino)] = st.st_blocks * 512
+        if not files:
+            return 0, 0
+        shmem_kb = 0
+        for pid in pids:
+            if _maps_any(pid, files):
+                shmem_kb += _pss_shmem_kb(pid)
+        return sum(files.values()), shmem_kb
 
     def check(self) -> str | None:
         """One poll; returns the event line when it tripped."""
@@ -340,8 +604,15 @@ class Watchdog:
                 return self._trip(f"process limit {self.max_pids} reached ({len(s.pids)} processes)", s)
             if self.memory_mb and s.total_kb > self.memory_mb * 1024:
                 what = f"{-(-s.total_kb // 1024)} MB"  # rounded up: over the ceiling reads as over it
-                if s.tmpfs_kb >= 1024:
+                if s.tmpfs_kb >= 1024 or s.other_kb >= 1024:
                     what += f": processes {s.proc_kb // 1024} MB, tmpfs {s.tmpfs_kb // 1024} MB"
+                nested = [f"{mp} {used // 2**20} MB" for mp, used in s.tmpfs.items()
+                          if "nested" in mp and used >= 1 << 20]
+                if nested:
+                    what += f" (of it {', '.join(nested)})"
+                if s.other_kb >= 1024:
+                    what += (f", files held open (memfd, unmounted tmpfs) {s.held // 2**20} MB,"
+                             f" unattached SysV shared memory {s.sysv // 2**20} MB")
                 return self._trip(f"memory ceiling {self.memory_mb} MB reached ({what})", s)
             return None
 
@@ -365,6 +636,9 @@ class Watchdog:
                 if mp == "/dev/shm" and used >= 1 << 20:
                     freed = self._probe.empty(mp)
                     notes.append(f"emptied {mp} ({freed // 2**20} MB; the agent's files there are gone)")
+            if s.sysv >= 1 << 20:
+                freed = self._probe.remove_sysv()
+                notes.append(f"removed the unattached SysV shared memory segments ({freed // 2**20} MB)")
             s = self.sample()
         if keep and (self._over(s) or (self.max_pids and len(s.pids) >= self.max_pids)):
             killed += self.kill_all(set())
@@ -385,19 +659,18 @@ class Watchdog:
         kept shell starts after this began are not touched. Returns how many were killed."""
         assert self.ns is not None and self.init_pid is not None
         spare = {self.init_pid} | keep
-        doomed = set(procfs.ns_members(self.ns, spare))
+        doomed = set(instance_processes(self.ns, spare))
         hit: set[int] = set()
         for _ in range(_KILL_ROUNDS):
             victims = []
-            for pid in procfs.ns_members(self.ns, spare):
-                st = procfs.stat(pid)
-                if pid in doomed or (st is not None and st[0] in doomed | {self.init_pid}):
-                    victims.append(pid)
+            for pid, (ppid, start) in instance_processes(self.ns, spare).items():
+                if pid in doomed or ppid in doomed or ppid == self.init_pid:
+                    victims.append((pid, start))
             if not victims:
                 break
-            doomed.update(victims)
-            for pid in victims:
-                if _kill(pid, self.ns):
+            doomed.update(p for p, _ in victims)
+            for pid, start in victims:
+                if _kill(pid, start):
                     hit.add(pid)
             time.sleep(0.005)
         return len(hit)
@@ -406,15 +679,16 @@ class Watchdog:
         return self.trips_by_phase.get(phase, 0) > 0
 
 
-def _kill(pid: int, ns: str) -> bool:
-    """SIGKILL ``pid`` if it is (still) in PID namespace ``ns``; through a pidfd, so a pid reused
-    between the check and the signal is never hit."""
+def _kill(pid: int, start: str) -> bool:
+    """SIGKILL ``pid`` if it is still the process that started at ``start`` (as the walk of the
+    instance's processes saw it); through a pidfd, so a pid reused between the check and the
+    signal is never hit."""
     try:
         fd = os.pidfd_open(pid)
     except OSError:
         return False
     try:
-        if procfs.pid_ns(pid) != ns:
+        if procfs.start_time(pid) != start:
             return False
         signal.pidfd_send_signal(fd, signal.SIGKILL)
         return True
