@@ -29,6 +29,7 @@ _AREAS = [
     "et_hpc.cli.store",
     "et_hpc.cli.demo",
     "et_hpc.cli.report",
+    "et_hpc.cli.rescore",
 ]
 
 EPILOG = """\
