@@ -85,10 +85,6 @@ def rescore_unit(task: RescoreTask, sample: int, cfg: RunConfig, image: Any,
     """The unit runner of a rescore (see the module doc). Never raises for infrastructure trouble:
     a missing or damaged kept state, a sandbox that will not start or scoring that breaks become a
     record with an error status and reward None."""
-    from et_hpc.episode.run import final_score, sandbox_spec
-    from et_hpc.sandbox.sandbox import scratch_paths
-    from et_hpc.sandbox.warm import start_ready
-
     stop = stop or threading.Event()
     t0 = time.monotonic()
     src_dir = Path(task.source_run)
@@ -130,41 +126,59 @@ def rescore_unit(task: RescoreTask, sample: int, cfg: RunConfig, image: Any,
 
     if image is None or getattr(image, "path", None) is None:
         return record("infra_error", error=f"no image for task {task.id}: run 'et-hpc build'")
-    value = src.final_state or ""
     try:
-        archive = fs.archive_path(src_dir, value)
-        fs.link_into(src_dir, cfg.run_dir(), value)  # the new run holds the states its records name
-        img = scratch_paths()[1] / f"rescore-{os.getpid()}-{secrets.token_hex(4)}.img"
-        t = time.monotonic()
-        fs.extract(archive, value, img)
-        timings["extract_s"] = time.monotonic() - t
+        fs.link_into(src_dir, cfg.run_dir(), src.final_state or "")  # the new run holds the states its records name
+        sc, wd_events = score_kept_state(src_dir, src.final_state or "", task.task, cfg, image, timings)
     except (InfraError, OSError) as e:
-        return record("infra_error", error=f"kept state: {e}")
-    spec = dataclasses.replace(sandbox_spec(task.task, cfg, image), overlay_image=str(img), overlay_readonly=True,
-                               run_prefix=f"et-{cfg.run_name()}"[:24])
-    t = time.monotonic()
-    try:
-        ready = start_ready(spec)
-    except (InfraError, OSError) as e:
-        img.unlink(missing_ok=True)
-        return record("infra_error", error=f"sandbox: {e}")
-    timings["setup_s"] = time.monotonic() - t
-    try:
-        wd = ready.watchdog.start() if ready.watchdog is not None else None
-        t = time.monotonic()
-        sc, wd_events = final_score(ready.sandbox, wd, task.task, cfg)
-        timings["score_s"] = time.monotonic() - t
-        events += wd_events
+        return record("infra_error", error=str(e))
     except Exception as e:  # noqa: BLE001 - a unit must end in a record
         log.exception("rescoring %s#%s failed", task.id, sample)
         return record("infra_error", error=f"{type(e).__name__}: {e}")
-    finally:
-        ready.stop()
-    if stop.is_set() and sc.status != "ok":
+    events += wd_events
+    from et_hpc.sandbox.scoring import GONE_NOTE
+
+    if stop.is_set() and (sc.status != "ok" or sc.note == GONE_NOTE):
         return record("infra_error", error="interrupted by the run")
     if sc.status != "ok":
         return record("score_error", sc=sc, error=sc.error)
     return record(OK, sc=sc)
+
+
+def score_kept_state(run_dir: Path, value: str, task: Any, cfg: RunConfig, image: Any,
+                     timings: dict[str, float] | None = None) -> tuple[Any, list[str]]:
+    """Score the kept state ``value`` of ``run_dir`` with ``task.final_tests`` in a fresh sandbox of
+    ``image`` (the kept overlay read-only under a tmpfs), through ``final_score`` as a live episode.
+    Returns (score result, watchdog events); raises ``InfraError``/``OSError`` for what is outside the
+    agent's reach (a missing or damaged state, a sandbox that does not start)."""
+    from et_hpc.episode.run import final_score, sandbox_spec
+    from et_hpc.sandbox.sandbox import scratch_paths
+    from et_hpc.sandbox.warm import start_ready
+
+    timings = timings if timings is not None else {}
+    archive = fs.archive_path(Path(run_dir), value)
+    img = scratch_paths()[1] / f"rescore-{os.getpid()}-{secrets.token_hex(4)}.img"
+    t = time.monotonic()
+    try:
+        fs.extract(archive, value, img)
+    except OSError as e:
+        raise InfraError(f"kept state {archive}: {e}") from None
+    timings["extract_s"] = time.monotonic() - t
+    spec = dataclasses.replace(sandbox_spec(task, cfg, image), overlay_image=str(img), overlay_readonly=True)
+    t = time.monotonic()
+    try:
+        ready = start_ready(spec)  # the sandbox owns the image from here: its stop deletes it
+    except BaseException:
+        img.unlink(missing_ok=True)
+        raise
+    timings["setup_s"] = time.monotonic() - t
+    try:
+        wd = ready.watchdog.start() if ready.watchdog is not None else None
+        t = time.monotonic()
+        sc, events = final_score(ready.sandbox, wd, task, cfg)
+        timings["score_s"] = time.monotonic() - t
+    finally:
+        ready.stop()
+    return sc, events
 
 
 # ---------------------------------------------------------------- planning
