@@ -151,8 +151,8 @@ def score_kept_state(run_dir: Path, value: str, task: Any, cfg: RunConfig, image
     Returns (score result, watchdog events); raises ``InfraError``/``OSError`` for what is outside the
     agent's reach (a missing or damaged state, a sandbox that does not start)."""
     from et_hpc.episode.run import final_score, sandbox_spec
-    from et_hpc.sandbox.sandbox import scratch_paths
-    from et_hpc.sandbox.warm import start_ready
+    from et_hpc.sandbox.sandbox import Sandbox, scratch_paths
+    from et_hpc.sandbox.watchdog import Watchdog
 
     timings = timings if timings is not None else {}
     archive = fs.archive_path(Path(run_dir), value)
@@ -163,22 +163,89 @@ def score_kept_state(run_dir: Path, value: str, task: Any, cfg: RunConfig, image
     except OSError as e:
         raise InfraError(f"kept state {archive}: {e}") from None
     timings["extract_s"] = time.monotonic() - t
-    spec = dataclasses.replace(sandbox_spec(task, cfg, image), overlay_image=str(img), overlay_readonly=True)
-    t = time.monotonic()
     try:
-        ready = start_ready(spec)  # the sandbox owns the image from here: its stop deletes it
+        refused, left_out = fs.check_start(img)
     except BaseException:
         img.unlink(missing_ok=True)
         raise
-    timings["setup_s"] = time.monotonic() - t
+    if refused:  # the agent changed what starting its state would run: not started, the agent's 0
+        img.unlink(missing_ok=True)
+        from et_hpc.sandbox.scoring import ScoreResult
+
+        note = ("the kept state changes what starts a sandbox (" + ", ".join(refused[:5])
+                + "): it is not started again, and scores 0")
+        return ScoreResult(status="ok", reward=0.0, note=note, interpreter="none"), []
+    events = [f"rescore: the kept {p} was left out (the image's applies)" for p in left_out]
+    spec = sandbox_spec(task, cfg, image)
+    sb = Sandbox(Path(spec.image_path), run_prefix=spec.run_prefix, overlay_image=img, overlay_readonly=True,
+                 network_none=spec.network_none, nproc=spec.nproc, vmem_mb=spec.vmem_mb, fsize_mb=spec.fsize_mb,
+                 warm_scoring=False)
+    wd = None
+    t = time.monotonic()
     try:
-        wd = ready.watchdog.start() if ready.watchdog is not None else None
+        sb.start()  # owns the image from here: its stop deletes it
+        prepare_accounts(sb)
+        if spec.watchdog_interval_s:
+            wd = Watchdog(sb, memory_mb=spec.memory_mb, max_pids=spec.max_pids, interval_s=spec.watchdog_interval_s)
+            wd.prepare()
+            wd.start()
+        timings["setup_s"] = time.monotonic() - t
         t = time.monotonic()
-        sc, events = final_score(ready.sandbox, wd, task, cfg)
+        sc, wd_events = final_score(sb, wd, task, cfg)
         timings["score_s"] = time.monotonic() - t
+        events += wd_events
     finally:
-        ready.stop()
+        if wd is not None:
+            wd.stop()
+        sb.stop()
+        img.unlink(missing_ok=True)
     return sc, events
+
+
+# The account naming of et_hpc.sandbox.sandbox.PREPARE_SCRIPT (the agent's uid named `user` in the
+# instance's /etc/passwd and /etc/group, which apptainer writes per instance), run by the image's
+# pristine Python through its pristine loader: in a kept state the instance's bash is the agent's.
+PREPARE_PY = r"""
+import os
+me, mg = str(os.getuid()), str(os.getgid())
+def fix(path, name, drop, new):
+    try:
+        lines = open(path).read().splitlines()
+    except OSError:
+        return False
+    out, found = [], False
+    for ln in lines:
+        f = ln.split(":")
+        if f[0] == name:
+            found = True
+            f[2:2 + len(new)] = new
+            out.append(":".join(f))
+        elif len(f) > 2 and f[2] == drop:
+            continue
+        else:
+            out.append(ln)
+    if found:
+        nl = chr(10)
+        open(path, "w").write(nl.join(out) + nl)
+    return found
+names = [ln.split(":") for ln in open("/etc/passwd").read().splitlines()]
+n = "user" if any(f[0] == "user" for f in names) else next((f[0] for f in names if len(f) > 2 and f[2] == "1000"), None)
+if n and fix("/etc/passwd", n, me, [me, mg]):
+    fix("/etc/group", n, mg, [mg])
+"""
+
+
+def prepare_accounts(sb: Any) -> None:
+    """Name the agent's uid ``user`` in the instance (as a live episode's first shell does), with the
+    image's pristine Python: nothing of the kept state runs."""
+    from et_hpc.sandbox.scoring import pristine_layout
+
+    loader, libdirs = pristine_layout()
+    argv = [loader, "--inhibit-cache", "--library-path", ":".join(libdirs), "/.et-pristine/usr/bin/python3",
+            "-I", "-S", "-B", "-c", PREPARE_PY]
+    cp = sb.exec(argv, timeout=60, pwd="/")
+    if cp.returncode != 0:
+        log.warning("naming the account in %s failed: %s", sb.name, cp.stdout[-300:])
 
 
 # ---------------------------------------------------------------- planning
