@@ -337,6 +337,15 @@ def plan_rescore(source: str, *, tests: Path | None = None, task_source: str | N
     run_dir = cfg.run_dir()
     if run_dir.resolve() == src_dir:
         raise UserError(f"the rescore would write into its source run {src_dir}: pick another --run-name")
+    try:  # a rerun resumes only with the same tests: records of two test versions must not mix
+        before = json.loads((run_dir / RESCORE_JSON).read_text())
+    except (OSError, ValueError):
+        before = None
+    if before is not None:
+        changed = sorted(t for t, v in before.get("tests", {}).items() if t in digests and v.get("digest") != digests[t])
+        if changed or before.get("source_dir") != str(src_dir):
+            what = f"other tests for {', '.join(changed[:3])}" if changed else f"another source run ({before.get('source_dir')})"
+            raise UserError(f"run {run_dir} was rescored with {what}: pick another --run-name")
     # images: the task's pristine image, the one the episodes ran on
     lookup = image_lookup
     if lookup is None:

@@ -150,7 +150,12 @@ def test_size_bound_and_bad_input(kept_run, tmp_path: Path, capsys: pytest.Captu
         "tests not python": ["rescore", "src", "--tests", str(tmp_path / "bad")],
         "no tests given": ["rescore", "src"],
         "diff of a plain run": ["rescore", "src", "--diff"],
+        "other tests into a rescored run": ["rescore", "src", "--task-source", str(DEMO), "--run-name", "guard"],
     }
+    guard = src_dir.parent / "guard"  # a run rescored earlier with other tests of demo_hello_file
+    guard.mkdir()
+    (guard / "rescore.json").write_text(json.dumps({"source_dir": str(src_dir.resolve()),
+                                                     "tests": {"demo_hello_file": {"digest": "sha256:" + "0" * 64}}}))
     capsys.readouterr()
     for what, args in cases.items():
         rc = main([*args, "--store", str(src_dir.parent)])
