@@ -5,9 +5,12 @@ et_hpc.runs.final_state) and makes a ``Plan`` for a new run: one unit per ``ok``
 kept state and new tests for its task (``--tests DIR``: ``DIR/<task_id>/test_final_state.py``;
 ``--task-source SRC``: the final tests of the tasks SRC loads). The plan runs on the executors of
 any run (local threads, Slurm arrays), with ``rescore_unit`` as the unit runner: it unpacks the
-kept overlay (digest checked) on node-local scratch, starts the task's pristine image with it as
-a read-only layer under a ``--writable-tmpfs`` (so the tests may write, and nothing changes the
-kept state), and scores it through ``et_hpc.episode.run.final_score``, the function every live
+kept overlay (digest checked) on node-local scratch, checks from the host that nothing a start
+runs was changed (``final_state.check_start``: else the state is not started, the agent's 0),
+starts the task's image (the cache's SIF: ``sandbox.local_copy`` does not apply) with it as a
+read-only layer under a ``--writable-tmpfs`` (the tests may write; nothing changes the kept
+state), names the account with the image's pristine Python (no shell: the instance's bash is the
+agent's), and scores it through ``et_hpc.episode.run.final_score``, the function every live
 episode is scored by (the entry from the host, the pristine interpreter, the watchdog and its
 blame). The record is the source episode's (messages, tokens, versions, timings) with the new
 status, reward, verdicts, ``tests_digest``, ``rescored_from`` and ``score_s``.

@@ -71,8 +71,6 @@ class SandboxSpec:
     watchdog_interval_s: float = 0.0
     local_copy: str = "auto"
     local_copy_budget_gb: float = 20.0
-    overlay_image: str | None = None  # start on this existing overlay (Sandbox.overlay_image); never warmed
-    overlay_readonly: bool = False
 
 
 @dataclass
@@ -111,8 +109,7 @@ def start_ready(spec: SandboxSpec) -> Ready:
     sif = episode_image(SimpleNamespace(path=spec.image_path, digest=spec.image_digest), options)
     sandbox = Sandbox(sif, run_prefix=spec.run_prefix, overlay_mb=spec.overlay_mb,
                       writable_tmpfs=spec.writable_tmpfs, network_none=spec.network_none,
-                      nproc=spec.nproc, vmem_mb=spec.vmem_mb, fsize_mb=spec.fsize_mb,
-                      overlay_image=spec.overlay_image, overlay_readonly=spec.overlay_readonly)
+                      nproc=spec.nproc, vmem_mb=spec.vmem_mb, fsize_mb=spec.fsize_mb)
     wd: Watchdog | None = None
     try:
         sandbox.start()
