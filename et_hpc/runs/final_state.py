@@ -292,6 +292,7 @@ REFUSED = {
     "/upper/etc": set(),
 }
 LEFT_OUT = ("/upper/etc/ld.so.preload", "/upper/etc/ld.so.cache")
+_MUST_BE_DIRS = {"/upper": ("usr", "etc"), "/upper/usr": ("bin", "lib"), "/upper/usr/lib": (_ARCH,)}
 # NSS modules glibc and Debian's base ship; an /etc/nsswitch.conf naming others is left out (apptainer
 # looks accounts up inside the instance when it starts one and at every exec)
 NSS_MODULES = {"files", "dns", "compat", "db", "nis", "nisplus", "hesiod", "systemd", "myhostname", "mymachines",
@@ -308,6 +309,13 @@ def _foreign_nss(text: str) -> bool:
             return True
     return False
 _OPAQUE = ".wh..wh..opq"
+
+
+def _is_dir(mode: str) -> bool:
+    try:
+        return int(mode, 8) & 0o170000 == 0o040000
+    except ValueError:
+        return False
 
 
 def _debugfs() -> str:
@@ -330,8 +338,12 @@ def check_start(img: Path) -> tuple[list[str], list[str]]:
     refused: list[str] = []
     for d, names in REFUSED.items():
         listing = _dfs(img, f"ls -p {d}")
-        entries = {parts[5] for ln in listing.splitlines() if (parts := ln.split("/")) and len(parts) > 6}
+        modes = {parts[5]: parts[2] for ln in listing.splitlines() if (parts := ln.split("/")) and len(parts) > 6}
+        entries = set(modes)
         path = d.removeprefix("/upper") or "/"
+        for sub in _MUST_BE_DIRS.get(d, ()):  # e.g. /usr/bin made a link elsewhere
+            if sub in modes and not _is_dir(modes[sub]):
+                refused.append(f"{path.rstrip('/')}/{sub} (no longer a directory)")
         for e in sorted(entries):
             base = e.removeprefix(".wh.")
             if e in names or base in names or e == _OPAQUE or (e.startswith(".wh.") and base in
