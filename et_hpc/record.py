@@ -107,6 +107,10 @@ EPISODE_SCHEMA = pa.schema(
         ("worker", pa.string()),
         ("peak_mem_mb", pa.float64()),
         ("peak_pids", pa.int32()),
+        # kept final state and rescoring (et_hpc.runs.final_state, et_hpc.runner.rescore)
+        ("final_state", pa.string()),
+        ("tests_digest", pa.string()),
+        ("rescored_from", pa.string()),
     ],
     metadata={b"et_hpc.schema_version": str(SCHEMA_VERSION).encode()},
 )
@@ -210,6 +214,11 @@ class EpisodeRecord(BaseModel):
     worker: str | None = None  # the process that ran it: "<host>:<pid>"
     peak_mem_mb: float | None = None  # the sandbox's peak memory (PSS, RSS where unreadable, + tmpfs)
     peak_pids: int | None = None  # the sandbox's peak process count
+    # sandbox.keep_final_state: "sha256:<hex>" names the kept state (<run>/final-state/<hex>.tar.gz),
+    # "not kept: <why>" when it was asked for but not kept; None when it was not asked for
+    final_state: str | None = None
+    tests_digest: str | None = None  # rescored: "sha256:<hex>" of the final test file that scored it
+    rescored_from: str | None = None  # rescored: "<source run>/<episode_id>" of the episode it regrades
 
     def with_queue(self, ready_at: float | None) -> EpisodeRecord:
         """This record with ``timings.queue_s`` = its start minus ``ready_at`` (a Unix time: when

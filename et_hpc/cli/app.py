@@ -30,6 +30,7 @@ _AREAS = [
     "et_hpc.cli.demo",
     "et_hpc.cli.report",
     "et_hpc.cli.view",
+    "et_hpc.cli.rescore",
 ]
 
 EPILOG = """\

@@ -234,15 +234,29 @@ def run_episode(task: Task, sample: int, cfg: RunConfig, image: Any, *, stop: th
         timings["setup_s"] += pre_setup
     base["model"] = getattr(policy, "model", None) or base["model"]  # a served model is named on first use
     t = time.monotonic()
-    if warm is None or not warm.retire(ready):  # with a pool, it stops them in the background
+    status, kw = outcome
+    kept: dict[str, str] = {}
+    keep = cfg.sandbox.keep_final_state and bool(ready) and status in ("ok", "score_error")
+    if keep:  # archived by the stop, before the overlay is deleted: so not in the background
+        keep_state_hook(ready[-1].sandbox, cfg.run_dir(), cfg.sandbox.final_state_mb, kept)
+    if keep or warm is None or not warm.retire(ready):  # with a pool, it stops them in the background
         for r in ready:
             r.stop()
     timings["teardown_s"] = time.monotonic() - t
+    if keep:
+        try:  # the tests that scored it, kept beside it: what a rescore diffs against
+            from et_hpc.runs.final_state import keep_tests
+
+            base["tests_digest"] = keep_tests(cfg.run_dir(), task.final_tests)
+        except OSError as e:
+            log.warning("could not keep the final tests of %s: %s", task.id, e)
+        base["final_state"] = kept.get("final_state", "not kept: the sandbox stopped before scoring")
+        if base["final_state"].startswith("not kept"):
+            kw["events"] = [*kw.get("events", []), f"final_state: {base['final_state']}"]
     versions.update(policy_version_fields(policy))
     close = getattr(policy, "close", None)
     if close:
         close()
-    status, kw = outcome
     if getattr(policy, "events", None):  # failovers between policy servers
         kw["events"] = [*policy.events, *kw.get("events", [])]
     return record(status, **kw)
@@ -309,17 +323,9 @@ def _drive(task, setup, policy, pcfg, budgets, cfg, stop, timings) -> tuple[str,
             return result.status, {"error": result.error, "result": result}
         events = [f"shell_broken: {result.error}"] if result.stop_reason == "shell_broken" else []
         t = time.monotonic()
-        timeout = cfg.scoring_timeout_s
-        if task.limits.verifier_timeout_s:
-            timeout = max(timeout, task.limits.verifier_timeout_s)
-        if wd is not None:
-            wd.phase, wd.protect = PHASE_SCORING, set  # scoring closes the shells
-        sc = score(sandbox, task.final_tests, timeout_s=timeout)
+        sc, wd_events = final_score(sandbox, wd, task, cfg)
         timings["score_s"] = time.monotonic() - t
-        if wd is not None:
-            wd.stop()
-            events += wd.events
-            sc = watchdog_blame(wd, sc)
+        events += wd_events
         if stop.is_set() and (sc.status != "ok" or sc.note == GONE_NOTE):
             return "infra_error", {"error": "interrupted by the run", "result": result, "events": events}
         if sc.status != "ok":
@@ -334,6 +340,34 @@ def _drive(task, setup, policy, pcfg, budgets, cfg, stop, timings) -> tuple[str,
         if wd is not None:
             wd.stop()
             timings["peak_mem_mb"], timings["peak_pids"] = round(wd.peak_kb / 1024, 3), wd.peak_pids
+
+
+def final_score(sandbox: Any, wd: Watchdog | None, task: Task, cfg: RunConfig) -> tuple[Any, list[str]]:
+    """Score the state in ``sandbox`` with ``task``'s final tests, as every episode is scored (also
+    what 'et-hpc rescore' runs on a kept state): the watchdog switched to its scoring phase, then
+    stopped, a kill during the tests blamed on the state. Returns (score result, watchdog events)."""
+    timeout = cfg.scoring_timeout_s
+    if task.limits.verifier_timeout_s:
+        timeout = max(timeout, task.limits.verifier_timeout_s)
+    if wd is not None:
+        wd.phase, wd.protect = PHASE_SCORING, set  # scoring closes the shells
+    sc = score(sandbox, task.final_tests, timeout_s=timeout)
+    events: list[str] = []
+    if wd is not None:
+        wd.stop()
+        events += wd.events
+        sc = watchdog_blame(wd, sc)
+    return sc, events
+
+
+def keep_state_hook(sandbox: Any, run_dir: Any, limit_mb: float, out: dict[str, str]) -> None:
+    """Have ``sandbox.stop()`` archive its overlay (et_hpc.runs.final_state) into ``out["final_state"]``."""
+    from et_hpc.runs.final_state import NOT_KEPT, keep
+
+    if getattr(sandbox, "overlay", None) is None:
+        out["final_state"] = f"{NOT_KEPT}the sandbox has no overlay image (sandbox.writable_tmpfs)"
+        return
+    sandbox.before_overlay_delete = lambda path: out.__setitem__("final_state", keep(path, run_dir, limit_mb))
 
 
 # measured beside the timings, recorded as their own columns

@@ -36,6 +36,11 @@ class SandboxConfig(BaseModel):
     # sandboxes started ahead per worker process for the units that run next (et_hpc.sandbox.warm);
     # 0: each episode starts its own; 2 is the recommended value (README "Runs")
     warm: int = Field(default=0, ge=0, le=64)
+    # keep what the agent changed (the episode's overlay, compressed, content-addressed) beside the
+    # run for 'et-hpc rescore' (et_hpc.runs.final_state); a state larger than final_state_mb
+    # compressed is not kept (the record says so). Costs the archive's time at teardown and its space.
+    keep_final_state: bool = False
+    final_state_mb: float = Field(default=64.0, gt=0)
 
 
 SandboxOptions = SandboxConfig  # its old name

@@ -25,6 +25,7 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -148,6 +149,11 @@ class Sandbox:
     sandbox (and applied to scoring by et_hpc.sandbox.scoring); core dumps are off (``ulimit -c 0``).
     ``warm_scoring`` (default True): once the first shell is up, load the image's pristine python
     and pytest in the background so scoring finds them warm (``et_hpc.sandbox.scoring.start_warmup``).
+    ``overlay_image``: start on this existing ext3 overlay (a kept final state, et_hpc.runs.final_state)
+    instead of a fresh one; the sandbox owns it and deletes it at ``stop()``. With ``overlay_readonly``
+    it is mounted read-only under a ``--writable-tmpfs`` layer, so nothing run in the sandbox changes it.
+    ``before_overlay_delete(path)``: called by ``stop()`` once the instance is gone, before the
+    overlay is deleted (e.g. to archive it); its errors are logged, never raised.
     """
 
     def __init__(
@@ -166,6 +172,8 @@ class Sandbox:
         pristine: bool = True,
         home: str = HOME,
         warm_scoring: bool = True,
+        overlay_image: Path | None = None,
+        overlay_readonly: bool = False,
     ) -> None:
         self.sif = Path(sif)
         self.run_prefix = run_prefix
@@ -182,6 +190,11 @@ class Sandbox:
         self.pristine_bound = False
         self.home = home
         self.warm_scoring = warm_scoring
+        self.overlay_image = Path(overlay_image) if overlay_image is not None else None
+        self.overlay_readonly = overlay_readonly
+        if self.overlay_image is not None:
+            self.writable_tmpfs = overlay_readonly
+        self.before_overlay_delete: Callable[[Path], None] | None = None
         self._warm_pending = False
         self._warmer: subprocess.Popen[bytes] | None = None
         self.name: str | None = None
@@ -205,7 +218,14 @@ class Sandbox:
         self.name = new_instance_name(self.run_prefix)
         self.registry = live / f"{self.name}.json"
         options = ["--containall", "--cleanenv"]
-        if self.overlay_mb:
+        if self.overlay_image is not None:
+            self.overlay = self.overlay_image
+            self._write_registry()
+            if self.overlay_readonly:
+                options += ["--overlay", f"{self.overlay}:ro", "--writable-tmpfs"]
+            else:
+                options += ["--overlay", str(self.overlay)]
+        elif self.overlay_mb:
             tmpl = overlay_template(self.overlay_mb, templates)
             self.overlay = overlays / f"{self.name}.img"
             self._write_registry()  # before anything exists, so a crash leaves a trail
@@ -334,6 +354,11 @@ class Sandbox:
                     log.warning("instance %s still listed 10 s after it was stopped", self.name)
         except Exception as e:  # noqa: BLE001
             log.warning("stopping instance %s failed: %s", self.name, e)
+        if self.overlay is not None and self.before_overlay_delete is not None:
+            try:
+                self.before_overlay_delete(self.overlay)
+            except Exception as e:  # noqa: BLE001 - stopping must go on
+                log.warning("the hook on overlay %s failed: %s", self.overlay, e)
         for p in (self.overlay, self.registry):
             if p is not None:
                 try:

@@ -1,0 +1,460 @@
+"""Rescoring: regrade a stored run's kept final states with other final tests, without the agent.
+
+``plan_rescore`` reads a run whose episodes kept their final state (``sandbox.keep_final_state``,
+et_hpc.runs.final_state) and makes a ``Plan`` for a new run: one unit per ``ok`` episode with a
+kept state and new tests for its task (``--tests DIR``: ``DIR/<task_id>/test_final_state.py``;
+``--task-source SRC``: the final tests of the tasks SRC loads). The plan runs on the executors of
+any run (local threads, Slurm arrays), with ``rescore_unit`` as the unit runner: it unpacks the
+kept overlay (digest checked) on node-local scratch, checks from the host that nothing a start
+runs was changed (``final_state.check_start``: else the state is not started, the agent's 0),
+starts the task's image (the cache's SIF: ``sandbox.local_copy`` does not apply) with it as a
+read-only layer under a ``--writable-tmpfs`` (the tests may write; nothing changes the kept
+state), names the account with the image's pristine Python (no shell: the instance's bash is the
+agent's), and scores it through ``et_hpc.episode.run.final_score``, the function every live
+episode is scored by (the entry from the host, the pristine interpreter, the watchdog and its
+blame). The record is the source episode's (messages, tokens, versions, timings) with the new
+status, reward, verdicts, ``tests_digest``, ``rescored_from`` and ``score_s``.
+
+The source run is only read. The new run resumes like any run: units it holds already are
+skipped (errors too, unless ``retry_errors``). ``rescore.json`` in the new run says where it came
+from, the tests per task (digests and a unified diff against the tests that scored the source
+episodes) and the episodes it could not rescore, with why; ``diff_report`` turns it and both runs'
+records into the episodes whose reward flipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import hashlib
+import json
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from et_hpc.errors import InfraError, UserError
+from et_hpc.record import EpisodeRecord, TestResult, Timings, records_from_table, solved
+from et_hpc.runner.config import RunConfig, _apply
+from et_hpc.runner.plan import OK, Plan, image_missing, load_run_tasks, open_store, read_run_json, save_run_json
+from et_hpc.runs import final_state as fs
+from et_hpc.util import atomic_write_text
+
+log = logging.getLogger(__name__)
+
+UNIT_RUNNER = "et_hpc.runner.rescore:rescore_unit"
+RESCORE_JSON = "rescore.json"
+TEST_FILE = "test_final_state.py"
+
+
+@dataclasses.dataclass
+class RescoreTask:
+    """What a rescore unit needs beside its sample: the task with its new final tests, and the
+    source run whose kept states it regrades (picklable: it travels to Slurm array tasks)."""
+
+    id: str
+    task: Any
+    source_run: str
+    tests_digest: str
+
+    @property
+    def split(self) -> str | None:
+        return getattr(self.task, "split", None)
+
+
+# ---------------------------------------------------------------- one unit
+@functools.lru_cache(maxsize=4)
+def _source_records(run_dir: str) -> dict[tuple[str, int], EpisodeRecord]:
+    recs = records_from_table(open_store(Path(run_dir)).read())
+    return {(r.task_id, r.sample): r for r in recs}
+
+
+def _slurm_ids() -> tuple[str | None, int | None]:
+    job = os.environ.get("SLURM_ARRAY_JOB_ID") or os.environ.get("SLURM_JOB_ID")
+    task = os.environ.get("SLURM_ARRAY_TASK_ID")
+    return job, int(task) if task and task.isdigit() else None
+
+
+def rescore_unit(task: RescoreTask, sample: int, cfg: RunConfig, image: Any,
+                 stop: threading.Event | None = None) -> EpisodeRecord:
+    """The unit runner of a rescore (see the module doc). Never raises for infrastructure trouble:
+    a missing or damaged kept state, a sandbox that will not start or scoring that breaks become a
+    record with an error status and reward None."""
+    stop = stop or threading.Event()
+    t0 = time.monotonic()
+    src_dir = Path(task.source_run)
+    src = _source_records(str(src_dir)).get((task.id, sample))
+    if src is None:
+        raise InfraError(f"run {src_dir} has no episode {task.id}#{sample}")
+    job, array_task = _slurm_ids()
+    events = [f"rescored {src.run_name}/{src.episode_id} with tests {task.tests_digest}"]
+    timings: dict[str, float] = {}
+
+    def record(status: str, *, sc: Any = None, error: str | None = None) -> EpisodeRecord:
+        ok = status == OK and sc is not None
+        t = src.timings.model_copy(update={"score_s": timings.get("score_s")})
+        return src.model_copy(update={
+            "episode_id": str(uuid.uuid4()),
+            "run_name": cfg.run_name(),
+            "status": status,
+            "reward": sc.reward if ok else None,
+            "passed": sc.passed if sc is not None else None,
+            "total": sc.total if sc is not None else None,
+            "tests": [TestResult(name=x.name, outcome=x.outcome) for x in (sc.tests if sc is not None else [])],
+            "score_note": sc.note if ok else None,
+            "interpreter": sc.interpreter if sc is not None else None,
+            "error": error,
+            "events": [*src.events, *events, *((sc.notes or []) if sc is not None else []),
+                       f"rescore: setup {timings.get('setup_s', 0):.3f} s, scoring {timings.get('score_s', 0):.3f} s, "
+                       f"total {time.monotonic() - t0:.3f} s"],
+            "image_digest": getattr(image, "digest", None) or src.image_digest,
+            "image_path": str(getattr(image, "path", "") or "") or src.image_path,
+            "host": socket.gethostname(),
+            "worker": f"{socket.gethostname()}:{os.getpid()}",
+            "slurm_job_id": job,
+            "slurm_array_task_id": array_task,
+            "tests_digest": task.tests_digest,
+            "rescored_from": f"{src.run_name}/{src.episode_id}",
+            "created_at": EpisodeRecord.model_fields["created_at"].default_factory(),
+            "timings": Timings.model_validate(t.model_dump()),
+        })
+
+    if image is None or getattr(image, "path", None) is None:
+        return record("infra_error", error=f"no image for task {task.id}: run 'et-hpc build'")
+    try:
+        fs.link_into(src_dir, cfg.run_dir(), src.final_state or "")  # the new run holds the states its records name
+        sc, wd_events = score_kept_state(src_dir, src.final_state or "", task.task, cfg, image, timings)
+    except (InfraError, OSError) as e:
+        return record("infra_error", error=str(e))
+    except Exception as e:  # noqa: BLE001 - a unit must end in a record
+        log.exception("rescoring %s#%s failed", task.id, sample)
+        return record("infra_error", error=f"{type(e).__name__}: {e}")
+    events += wd_events
+    from et_hpc.sandbox.scoring import GONE_NOTE
+
+    if stop.is_set() and (sc.status != "ok" or sc.note == GONE_NOTE):
+        return record("infra_error", error="interrupted by the run")
+    if sc.status != "ok":
+        return record("score_error", sc=sc, error=sc.error)
+    return record(OK, sc=sc)
+
+
+def score_kept_state(run_dir: Path, value: str, task: Any, cfg: RunConfig, image: Any,
+                     timings: dict[str, float] | None = None) -> tuple[Any, list[str]]:
+    """Score the kept state ``value`` of ``run_dir`` with ``task.final_tests`` in a fresh sandbox of
+    ``image`` (the kept overlay read-only under a tmpfs), through ``final_score`` as a live episode.
+    Returns (score result, watchdog events); raises ``InfraError``/``OSError`` for what is outside the
+    agent's reach (a missing or damaged state, a sandbox that does not start)."""
+    from et_hpc.episode.run import final_score, sandbox_spec
+    from et_hpc.sandbox.sandbox import Sandbox, scratch_paths
+    from et_hpc.sandbox.watchdog import Watchdog
+
+    timings = timings if timings is not None else {}
+    archive = fs.archive_path(Path(run_dir), value)
+    img = scratch_paths()[1] / f"rescore-{os.getpid()}-{secrets.token_hex(4)}.img"
+    t = time.monotonic()
+    try:
+        fs.extract(archive, value, img)
+    except OSError as e:
+        raise InfraError(f"kept state {archive}: {e}") from None
+    timings["extract_s"] = time.monotonic() - t
+    try:
+        refused, left_out = fs.check_start(img)
+    except BaseException:
+        img.unlink(missing_ok=True)
+        raise
+    if refused:  # the agent changed what starting its state would run: not started, the agent's 0
+        img.unlink(missing_ok=True)
+        from et_hpc.sandbox.scoring import ScoreResult
+
+        note = ("the kept state changes what starts a sandbox (" + ", ".join(refused[:5])
+                + "): it is not started again, and scores 0")
+        return ScoreResult(status="ok", reward=0.0, note=note, interpreter="none"), []
+    events = [f"rescore: the kept {p} was left out (the image's applies)" for p in left_out]
+    spec = sandbox_spec(task, cfg, image)
+    sb = Sandbox(Path(spec.image_path), run_prefix=spec.run_prefix, overlay_image=img, overlay_readonly=True,
+                 network_none=spec.network_none, nproc=spec.nproc, vmem_mb=spec.vmem_mb, fsize_mb=spec.fsize_mb,
+                 warm_scoring=False)
+    wd = None
+    t = time.monotonic()
+    try:
+        sb.start()  # owns the image from here: its stop deletes it
+        prepare_accounts(sb)
+        if spec.watchdog_interval_s:
+            wd = Watchdog(sb, memory_mb=spec.memory_mb, max_pids=spec.max_pids, interval_s=spec.watchdog_interval_s)
+            wd.prepare()
+            wd.start()
+        timings["setup_s"] = time.monotonic() - t
+        t = time.monotonic()
+        sc, wd_events = final_score(sb, wd, task, cfg)
+        timings["score_s"] = time.monotonic() - t
+        events += wd_events
+    finally:
+        if wd is not None:
+            wd.stop()
+        sb.stop()
+        img.unlink(missing_ok=True)
+    return sc, events
+
+
+# The account naming of et_hpc.sandbox.sandbox.PREPARE_SCRIPT (the agent's uid named `user` in the
+# instance's /etc/passwd and /etc/group, which apptainer writes per instance), run by the image's
+# pristine Python through its pristine loader: in a kept state the instance's bash is the agent's.
+PREPARE_PY = r"""
+import os
+me, mg = str(os.getuid()), str(os.getgid())
+def fix(path, name, drop, new):
+    try:
+        lines = open(path).read().splitlines()
+    except OSError:
+        return False
+    out, found = [], False
+    for ln in lines:
+        f = ln.split(":")
+        if f[0] == name:
+            found = True
+            f[2:2 + len(new)] = new
+            out.append(":".join(f))
+        elif len(f) > 2 and f[2] == drop:
+            continue
+        else:
+            out.append(ln)
+    if found:
+        nl = chr(10)
+        open(path, "w").write(nl.join(out) + nl)
+    return found
+names = [ln.split(":") for ln in open("/etc/passwd").read().splitlines()]
+n = "user" if any(f[0] == "user" for f in names) else next((f[0] for f in names if len(f) > 2 and f[2] == "1000"), None)
+if n and fix("/etc/passwd", n, me, [me, mg]):
+    fix("/etc/group", n, mg, [mg])
+"""
+
+
+def prepare_accounts(sb: Any) -> None:
+    """Name the agent's uid ``user`` in the instance (as a live episode's first shell does), with the
+    image's pristine Python: nothing of the kept state runs."""
+    from et_hpc.sandbox.scoring import pristine_layout
+
+    loader, libdirs = pristine_layout()
+    argv = [loader, "--inhibit-cache", "--library-path", ":".join(libdirs), "/.et-pristine/usr/bin/python3",
+            "-I", "-S", "-B", "-c", PREPARE_PY]
+    cp = sb.exec(argv, timeout=60, pwd="/")
+    if cp.returncode != 0:
+        log.warning("naming the account in %s failed: %s", sb.name, cp.stdout[-300:])
+
+
+# ---------------------------------------------------------------- planning
+def _digest_all(parts: list[str]) -> str:
+    return hashlib.sha256("\n".join(sorted(parts)).encode()).hexdigest()
+
+
+def _check_tests(path: Path) -> str:
+    """The text of a final test file; ``UserError`` when it cannot be read or is not valid Python
+    (it would fail every episode, and that must not read as the agents' zeros)."""
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read tests {path}: {getattr(e, 'strerror', None) or e}") from None
+    try:
+        compile(text, str(path), "exec")
+    except SyntaxError as e:
+        raise UserError(f"tests {path}:{e.lineno}: not valid Python: {e.msg}") from None
+    return text
+
+
+def _diff(old: str | None, new: str, tid: str) -> str:
+    if old is None:
+        return "(the tests that scored the source episodes were not kept)"
+    return "".join(difflib.unified_diff(old.splitlines(True), new.splitlines(True),
+                                        f"{tid}/{TEST_FILE} (source run)", f"{tid}/{TEST_FILE} (rescore)"))
+
+
+def plan_rescore(source: str, *, tests: Path | None = None, task_source: str | None = None,
+                 run_name: str | None = None, store: Path | None = None, overrides: list | None = None,
+                 image_lookup: Any = None, write: bool = True) -> Plan:
+    """The plan of a rescore of ``source`` (see the module doc). ``UserError`` (one line) for a
+    missing run, a run without kept states, tests that are missing or not valid Python."""
+    from et_hpc.paths import find_run_dir
+
+    if (tests is None) == (task_source is None):
+        raise UserError("give the new tests: --tests DIR or --task-source SRC (one of them)")
+    src_dir = find_run_dir(source, store).resolve()
+    meta = read_run_json(src_dir)
+    try:
+        src_cfg = RunConfig.model_validate(meta.get("config") or {})
+    except ValidationError as e:
+        raise UserError(f"{src_dir}/run.json: its config does not load here: {e.errors()[0]['msg']}") from None
+    recs = list(_source_records.__wrapped__(str(src_dir)).values())
+    if not recs:
+        raise UserError(f"run {src_dir} has no records")
+    kept = [r for r in recs if r.status == OK and fs.digest_of(r.final_state)]
+    if not kept:
+        raise UserError(f"no episode of run {src_dir} kept its final state: run it with "
+                        "--set sandbox.keep_final_state=true")
+    # the tasks and their new tests
+    if task_source is not None:
+        from et_hpc.tasks.loader import load_tasks
+
+        loaded = load_tasks(task_source).tasks
+        by_id = {t.id: t for t in loaded}
+        new_tests = {t.id: Path(t.final_tests) for t in loaded if t.final_tests is not None}
+    else:
+        assert tests is not None
+        if not Path(tests).is_dir():
+            raise UserError(f"--tests {tests}: not a directory (expected DIR/<task_id>/{TEST_FILE})")
+        try:
+            loaded, _ = load_run_tasks(src_cfg)
+        except UserError as e:
+            raise UserError(f"the tasks of run {src_dir} do not load ({e}): pass --task-source SRC") from None
+        by_id = {t.id: t for t in loaded}
+        new_tests = {tid: Path(tests) / tid / TEST_FILE for tid in by_id if (Path(tests) / tid / TEST_FILE).is_file()}
+    wanted = sorted({r.task_id for r in kept})
+    usable = [tid for tid in wanted if tid in by_id and tid in new_tests]
+    if not usable:
+        where = f"--tests {tests}" if tests is not None else f"--task-source {task_source}"
+        raise UserError(f"{where} has no final tests for any task of run {src_dir} with a kept state "
+                        f"(expected e.g. {wanted[0]}/{TEST_FILE})")
+    texts = {tid: _check_tests(new_tests[tid]) for tid in usable}
+    digests = {tid: fs.PREFIX + hashlib.sha256(texts[tid].encode()).hexdigest() for tid in usable}
+    name = run_name or f"{src_dir.name}-rescore-{_digest_all(list(digests.values()))[:8]}"
+    data = src_cfg.model_dump(mode="json")
+    data.update(name=name, store=str(store or src_dir.parent), unit_runner=UNIT_RUNNER, samples=src_cfg.samples)
+    data["continuous"] = {}
+    data["sandbox"]["warm"] = 0
+    for keys, val in overrides or []:
+        _apply(data, keys, val, "rescore")
+    try:
+        cfg = RunConfig.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise UserError(f"--set {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+    cfg = cfg.model_copy(update={"unit_runner": UNIT_RUNNER})
+    run_dir = cfg.run_dir()
+    if run_dir.resolve() == src_dir:
+        raise UserError(f"the rescore would write into its source run {src_dir}: pick another --run-name")
+    try:  # a rerun resumes only with the same tests: records of two test versions must not mix
+        before = json.loads((run_dir / RESCORE_JSON).read_text())
+    except (OSError, ValueError):
+        before = None
+    if before is not None:
+        changed = sorted(t for t, v in before.get("tests", {}).items() if t in digests and v.get("digest") != digests[t])
+        if changed or before.get("source_dir") != str(src_dir):
+            what = f"other tests for {', '.join(changed[:3])}" if changed else f"another source run ({before.get('source_dir')})"
+            raise UserError(f"run {run_dir} was rescored with {what}: pick another --run-name")
+    # images: the task's pristine image, the one the episodes ran on
+    lookup = image_lookup
+    if lookup is None:
+        from et_hpc.images.store import ImageStore
+
+        lookup = ImageStore().lookup
+    images: dict[str, Any] = {}
+    skipped: list[dict[str, Any]] = []
+    for tid in usable:
+        img = lookup(by_id[tid])
+        why = image_missing(img)
+        if why is None:
+            images[tid] = img
+    # the units, and what cannot be rescored (listed, never guessed)
+    done = open_store(run_dir).units()
+    units: list[tuple[str, int]] = []
+    n_done = 0
+    for r in sorted(recs, key=lambda r: (r.task_id, r.sample)):
+        why = None
+        if r.status != OK:
+            why = f"status {r.status} (nothing was scored)"
+        elif not fs.digest_of(r.final_state):
+            why = "no kept state" + (f" ({r.final_state})" if r.final_state else " (keep_final_state was off)")
+        elif r.task_id not in texts:
+            why = "no new tests for its task"
+        elif r.task_id not in images:
+            why = f"no image: {image_missing(lookup(by_id[r.task_id]))}"
+        elif r.image_digest and getattr(images[r.task_id], "digest", None) not in (None, r.image_digest):
+            why = f"its image changed ({r.image_digest[:12]} -> {images[r.task_id].digest[:12]})"
+        if why is not None:
+            skipped.append({"task_id": r.task_id, "sample": r.sample, "episode_id": r.episode_id, "why": why})
+            continue
+        st = done.get((r.task_id, r.sample))
+        if st == OK or (st is not None and not cfg.retry_errors):
+            n_done += 1
+            continue
+        units.append((r.task_id, r.sample))
+    old_tests = {r.task_id: r.tests_digest for r in kept}
+    tasks = {tid: RescoreTask(id=tid, task=by_id[tid].model_copy(update={"final_tests": new_tests[tid].resolve()}),
+                              source_run=str(src_dir), tests_digest=digests[tid]) for tid in usable}
+    plan = Plan(cfg=cfg, run_dir=run_dir, tasks=tasks, images=images, units=units,
+                total=len(units) + n_done, done_ok=n_done)
+    if write:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        info = {
+            "source_run": src_dir.name, "source_dir": str(src_dir),
+            "tests": {tid: {"path": str(new_tests[tid].resolve()), "digest": digests[tid],
+                            "source_digest": old_tests.get(tid),
+                            "diff": _diff(fs.kept_tests(src_dir, old_tests.get(tid)), texts[tid], tid)}
+                      for tid in usable},
+            "not_rescored": skipped,
+        }
+        atomic_write_text(run_dir / RESCORE_JSON, json.dumps(info, indent=2) + "\n")
+        save_run_json(cfg, run_dir, {**plan.summary(), "rescore_of": str(src_dir), "not_rescored": len(skipped)})
+    return plan
+
+
+# ---------------------------------------------------------------- what changed
+def diff_report(run_dir: Path) -> dict[str, Any]:
+    """Per task: the episodes whose reward flipped between the source run and the rescore, the
+    tests' diff, and the episodes not rescored (with why). ``UserError`` when ``run_dir`` is not
+    a rescore."""
+    p = Path(run_dir) / RESCORE_JSON
+    try:
+        info = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise UserError(f"{run_dir} is not a rescored run (no {RESCORE_JSON}): run 'et-hpc rescore RUN --tests DIR' "
+                        "first") from None
+    except ValueError as e:
+        raise UserError(f"{p} is not valid JSON ({e})") from None
+    src = {r.episode_id: r for r in _source_records.__wrapped__(info["source_dir"]).values()}
+    new = records_from_table(open_store(Path(run_dir)).read())
+    tasks: dict[str, dict[str, Any]] = {}
+    for tid, t in sorted(info["tests"].items()):
+        tasks[tid] = {"tests_digest": t["digest"], "source_tests_digest": t.get("source_digest"),
+                      "diff": t["diff"], "flipped": [], "same": 0, "errors": [], "not_rescored": []}
+    for r in sorted(new, key=lambda r: (r.task_id, r.sample)):
+        entry = tasks.setdefault(r.task_id, {"flipped": [], "same": 0, "errors": [], "not_rescored": [], "diff": ""})
+        old = src.get((r.rescored_from or "/").split("/", 1)[1])
+        if r.status != OK:
+            entry["errors"].append({"sample": r.sample, "status": r.status, "error": r.error})
+        elif old is not None and solved(old.reward) != solved(r.reward):
+            entry["flipped"].append({"sample": r.sample, "episode_id": old.episode_id,
+                                     "old_reward": old.reward, "new_reward": r.reward})
+        else:
+            entry["same"] += 1
+    for s in info.get("not_rescored", []):
+        tasks.setdefault(s["task_id"], {"flipped": [], "same": 0, "errors": [], "not_rescored": [], "diff": ""})
+        tasks[s["task_id"]]["not_rescored"].append(s)
+    flipped = sum(len(t["flipped"]) for t in tasks.values())
+    return {"run": Path(run_dir).name, "source_run": info["source_run"], "rescored": len(new), "flipped": flipped,
+            "not_rescored": len(info.get("not_rescored", [])), "tasks": tasks}
+
+
+def format_diff(rep: dict[str, Any], *, show_diff: bool = True) -> str:
+    lines = [f"rescore {rep['run']} of {rep['source_run']}: {rep['rescored']} episode(s) rescored, "
+             f"{rep['flipped']} flipped, {rep['not_rescored']} not rescored"]
+    for tid, t in rep["tasks"].items():
+        lines.append(f"\n{tid}: {len(t['flipped'])} flipped, {t['same']} unchanged, {len(t['errors'])} error(s), "
+                     f"{len(t['not_rescored'])} not rescored")
+        for f in t["flipped"]:
+            lines.append(f"  sample {f['sample']}: {f['old_reward']:g} -> {f['new_reward']:g}  (episode {f['episode_id']})")
+        for e in t["errors"]:
+            lines.append(f"  sample {e['sample']}: {e['status']}: {(e['error'] or '')[:200]}")
+        for s in t["not_rescored"]:
+            lines.append(f"  sample {s['sample']}: not rescored: {s['why']}")
+        if show_diff and t.get("diff"):
+            lines += ["  " + ln for ln in t["diff"].rstrip("\n").splitlines()]
+    return "\n".join(lines)

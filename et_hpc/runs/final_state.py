@@ -1,0 +1,369 @@
+"""Kept final states: what an agent changed, archived beside its run for rescoring.
+
+An episode's writable layer is a sparse ext3 image on node-local scratch (et_hpc.sandbox.sandbox):
+``upper/`` holds every file the agent created or changed, and fuse-overlayfs's whiteouts
+(``.wh.NAME``) and opaque markers for what it deleted; ``work/`` is the overlay's scratch. With
+``sandbox.keep_final_state`` the image is archived once the instance has stopped (its FUSE daemons
+have exited and flushed it) and before it is deleted, from the host and without root: GNU tar
+reads the image's data extents only (``--sparse``: the holes of a 512 MiB image are skipped) and
+zlib compresses them. The archive holds one member, ``overlay.img``, and is stored under its
+own sha256 in ``<run_dir>/final-state/<hex>.tar.gz`` (content-addressed: the same state twice is one
+file, a changed byte a different name, and readers check the digest). Keeping the whole image,
+rather than a copy of ``upper/``, keeps whiteouts, opaque directories, modes, owners, xattrs and
+timestamps exactly as the live scoring saw them, and needs no FUSE mount or root to make or use.
+
+The record's ``final_state`` says what happened: ``"sha256:<hex>"`` (kept), ``"not kept: <why>"``
+(asked for, but larger than ``sandbox.final_state_mb`` compressed, or it failed: never the
+episode's failure), or null (not asked for). Tools to look inside a kept state without a
+container: ``tar -xzf <hex>.tar.gz`` then ``debugfs -R 'ls -l /upper/home/user' overlay.img``.
+
+What it does not hold: files apptainer binds per instance (``/etc/passwd``, ``/etc/group``,
+``/etc/hosts``, ``/etc/resolv.conf``), tmpfs mounts (``/tmp`` and ``/dev/shm`` under
+``--containall``), and nothing with ``sandbox.writable_tmpfs`` (there is no image to keep).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import secrets
+import shutil
+import subprocess
+import time
+import zlib
+from pathlib import Path
+
+from et_hpc.errors import InfraError
+
+log = logging.getLogger(__name__)
+
+DIR = "final-state"
+MEMBER = "overlay.img"
+PREFIX = "sha256:"
+NOT_KEPT = "not kept: "
+_HEX = re.compile(r"^[0-9a-f]{64}$")
+_CHUNK = 1 << 20
+
+
+def digest_of(value: str | None) -> str | None:
+    """The hex digest a record's ``final_state`` names, or None (not kept, not asked for, malformed)."""
+    if not value or not value.startswith(PREFIX):
+        return None
+    hx = value[len(PREFIX):]
+    return hx if _HEX.match(hx) else None
+
+
+def archive_path(run_dir: Path, value: str) -> Path:
+    hx = digest_of(value)
+    if hx is None:
+        raise InfraError(f"{value!r} does not name a kept state")
+    return Path(run_dir) / DIR / f"{hx}.tar.gz"
+
+
+def _holders(path: Path) -> list[int]:
+    """Our processes that hold ``path`` open (fuse2fs serves the image through a file descriptor)."""
+    target = os.path.realpath(path)
+    me = os.getuid()
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            if os.stat(f"/proc/{pid}").st_uid != me:
+                continue
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == target:
+                    out.append(int(pid))
+                    break
+            except OSError:
+                continue
+    return out
+
+
+def wait_unused(path: Path, timeout_s: float = 10.0) -> bool:
+    """True once no process of ours holds ``path`` open (its FUSE daemon has flushed and exited)."""
+    deadline = time.monotonic() + timeout_s
+    while _holders(path):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def keep(overlay: Path, run_dir: Path, limit_mb: float) -> str:
+    """Archive ``overlay`` into ``run_dir``'s content-addressed store; the record's ``final_state``.
+
+    Never raises: a state over ``limit_mb`` compressed, or any failure, gives ``"not kept: <why>"``.
+    """
+    try:
+        return _keep(Path(overlay), Path(run_dir), limit_mb)
+    except Exception as e:  # noqa: BLE001 - keeping the state must never fail the episode
+        log.warning("could not keep the final state %s: %s", overlay, e)
+        return f"{NOT_KEPT}{type(e).__name__}: {e}"[:300]
+
+
+def _keep(overlay: Path, run_dir: Path, limit_mb: float) -> str:
+    if not overlay.is_file():
+        return f"{NOT_KEPT}no overlay image ({overlay} is gone)"
+    if not wait_unused(overlay):
+        return f"{NOT_KEPT}the overlay is still in use after the instance stopped"
+    limit = int(limit_mb * 2**20)
+    store = run_dir / DIR
+    store.mkdir(parents=True, exist_ok=True)
+    tmp = store / f".tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    argv = ["tar", "--sparse", "--numeric-owner", "-C", str(overlay.parent), "-cf", "-",
+            f"--transform=s|^{re.escape(overlay.name)}$|{MEMBER}|", overlay.name]
+    h = hashlib.sha256()
+    z = zlib.compressobj(6, zlib.DEFLATED, 31)  # gzip framing: `tar -xzf` reads it
+    written = 0
+    over = False
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        with open(tmp, "wb") as f:
+            assert proc.stdout is not None
+            while chunk := proc.stdout.read(_CHUNK):
+                data = z.compress(chunk)
+                if data:
+                    h.update(data)
+                    f.write(data)
+                    written += len(data)
+                if written > limit:
+                    over = True
+                    break
+            if not over:
+                data = z.flush()
+                h.update(data)
+                f.write(data)
+                written += len(data)
+                over = written > limit
+            if not over:
+                f.flush()
+                os.fsync(f.fileno())
+        if over:
+            proc.kill()
+        proc.wait(timeout=60)
+        err = proc.stderr.read().decode(errors="replace").strip() if proc.stderr else ""
+        if over:
+            return f"{NOT_KEPT}larger than sandbox.final_state_mb={limit_mb:g} compressed"
+        if proc.returncode != 0:
+            return f"{NOT_KEPT}tar failed (exit {proc.returncode}): {err[-200:]}"
+        hx = h.hexdigest()
+        dst = store / f"{hx}.tar.gz"
+        if dst.exists():
+            tmp.unlink()  # the same state is already kept
+        else:
+            os.replace(tmp, dst)
+        return f"{PREFIX}{hx}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for s in (proc.stdout, proc.stderr):
+            if s is not None:
+                s.close()
+        tmp.unlink(missing_ok=True)
+
+
+def size_of(run_dir: Path, value: str | None) -> int | None:
+    """Bytes of the kept archive a ``final_state`` names, or None."""
+    try:
+        return archive_path(run_dir, value or "").stat().st_size
+    except (InfraError, OSError):
+        return None
+
+
+def link_into(src_run: Path, dst_run: Path, value: str) -> Path:
+    """The kept state ``value`` of ``src_run`` also under ``dst_run`` (a hard link where the
+    filesystem allows, else a copy), so a rescored run holds the states its records name."""
+    src = archive_path(src_run, value)
+    dst = archive_path(dst_run, value)
+    if dst.exists():
+        return dst
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f".tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        os.link(src, tmp)
+    except OSError:
+        shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+    return dst
+
+
+def extract(archive: Path, value: str, dest: Path) -> Path:
+    """Unpack the kept overlay image of ``archive`` (named ``value``) to the file ``dest``, sparse.
+
+    The archive's sha256 must be the one its name gives (checked on the bytes tar reads); only the
+    one member ``overlay.img`` is taken, as a regular file. Raises ``InfraError`` otherwise.
+    """
+    hx = digest_of(value)
+    if hx is None:
+        raise InfraError(f"{value!r} does not name a kept state")
+    work = dest.parent / f".{dest.name}.x{secrets.token_hex(4)}"
+    work.mkdir(mode=0o700)
+    try:
+        h = hashlib.sha256()
+        proc = subprocess.Popen(["tar", "-xz", "--sparse", "--no-same-owner", "--no-same-permissions",
+                                 "-C", str(work), "-f", "-", MEMBER],
+                                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        assert proc.stdin is not None
+        try:
+            with open(archive, "rb") as f:
+                while chunk := f.read(_CHUNK):
+                    h.update(chunk)
+                    proc.stdin.write(chunk)
+        except BrokenPipeError:
+            pass
+        except OSError as e:
+            proc.kill()
+            raise InfraError(f"cannot read kept state {archive}: {e}") from None
+        finally:
+            try:
+                proc.stdin.close()
+            except BrokenPipeError:
+                pass
+        err = proc.stderr.read().decode(errors="replace").strip() if proc.stderr else ""
+        proc.wait()
+        if h.hexdigest() != hx:
+            raise InfraError(f"kept state {archive} does not match its digest (changed or damaged)")
+        img = work / MEMBER
+        if proc.returncode != 0 or img.is_symlink() or not img.is_file():
+            raise InfraError(f"kept state {archive} did not unpack: {err[-200:] or 'no ' + MEMBER}")
+        img.chmod(0o600)
+        os.replace(img, dest)
+        return dest
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+TESTS_DIR = "tests"
+
+
+def file_digest(path: Path) -> str:
+    """``"sha256:<hex>"`` of a file's bytes (what records name test files by)."""
+    return PREFIX + hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def keep_tests(run_dir: Path, path: Path) -> str:
+    """Keep a copy of the final test file that scored a kept state (``<run_dir>/final-state/tests/<hex>``),
+    so a rescore can show what changed in the tests; returns its ``"sha256:<hex>"``."""
+    data = Path(path).read_bytes()
+    hx = hashlib.sha256(data).hexdigest()
+    d = Path(run_dir) / DIR / TESTS_DIR
+    dst = d / hx
+    if not dst.exists():
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / f".tmp-{os.getpid()}-{secrets.token_hex(4)}"
+        tmp.write_bytes(data)
+        os.replace(tmp, dst)
+    return PREFIX + hx
+
+
+def kept_tests(run_dir: Path, digest: str | None) -> str | None:
+    """The text of a test file ``keep_tests`` kept under ``run_dir``, or None."""
+    hx = digest_of(digest)
+    if hx is None:
+        return None
+    try:
+        return (Path(run_dir) / DIR / TESTS_DIR / hx).read_text(errors="replace")
+    except OSError:
+        return None
+
+
+# -- before a kept state is started again ------------------------------------------------------
+# Starting an instance runs the image's /.singularity.d/startscript (#!/bin/sh) and sources its
+# env scripts, and every `apptainer exec` sources them too: in a kept state those would be the
+# agent's files. A state whose upper layer changes what that start runs is not started; one that
+# only changes the loader's /etc/ld.so.preload or /etc/ld.so.cache has them left out of the
+# private copy (the image's own apply), and scoring is as in a live episode.
+_ARCH = "x86_64-linux-gnu"
+REFUSED = {
+    "/upper": {".singularity.d", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "environment", "singularity"},
+    "/upper/usr": {"lib64", "sbin"},
+    "/upper/usr/bin": {"sh", "dash"},
+    "/upper/usr/lib": set(),
+    f"/upper/usr/lib/{_ARCH}": {"libc.so.6", "ld-linux-x86-64.so.2", "libnss_files.so.2", "libnss_dns.so.2",
+                                "libnss_compat.so.2"},
+    "/upper/etc": set(),
+}
+LEFT_OUT = ("/upper/etc/ld.so.preload", "/upper/etc/ld.so.cache")
+_MUST_BE_DIRS = {"/upper": ("usr", "etc"), "/upper/usr": ("bin", "lib"), "/upper/usr/lib": (_ARCH,)}
+# NSS modules glibc and Debian's base ship; an /etc/nsswitch.conf naming others is left out (apptainer
+# looks accounts up inside the instance when it starts one and at every exec)
+NSS_MODULES = {"files", "dns", "compat", "db", "nis", "nisplus", "hesiod", "systemd", "myhostname", "mymachines",
+               "resolve"}
+
+
+def _foreign_nss(text: str) -> bool:
+    for ln in text.splitlines():
+        ln = ln.split("#", 1)[0]
+        if ":" not in ln:
+            continue
+        toks = re.sub(r"\[[^]]*\]", " ", ln.split(":", 1)[1]).split()
+        if any(t not in NSS_MODULES for t in toks):
+            return True
+    return False
+_OPAQUE = ".wh..wh..opq"
+
+
+def _is_dir(mode: str) -> bool:
+    try:
+        return int(mode, 8) & 0o170000 == 0o040000
+    except ValueError:
+        return False
+
+
+def _debugfs() -> str:
+    found = shutil.which("debugfs") or shutil.which("debugfs", path="/usr/sbin:/sbin")
+    if not found:
+        raise InfraError("debugfs (e2fsprogs) is needed to check a kept state before it is started")
+    return found
+
+
+def _dfs(img: Path, cmd: str, write: bool = False) -> str:
+    argv = [_debugfs(), *(["-w"] if write else []), "-R", cmd, str(img)]
+    cp = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    return cp.stdout + ("\n" + cp.stderr if "not found" in cp.stderr or write else "")
+
+
+def check_start(img: Path) -> tuple[list[str], list[str]]:
+    """Check the kept overlay ``img`` (a private copy) before it is started: returns (paths that
+    change what a start runs: refuse the state, paths left out of the copy). Reads and edits the
+    image with debugfs, from the host: nothing of the state runs."""
+    refused: list[str] = []
+    for d, names in REFUSED.items():
+        listing = _dfs(img, f"ls -p {d}")
+        modes = {parts[5]: parts[2] for ln in listing.splitlines() if (parts := ln.split("/")) and len(parts) > 6}
+        entries = set(modes)
+        path = d.removeprefix("/upper") or "/"
+        for sub in _MUST_BE_DIRS.get(d, ()):  # e.g. /usr/bin made a link elsewhere
+            if sub in modes and not _is_dir(modes[sub]):
+                refused.append(f"{path.rstrip('/')}/{sub} (no longer a directory)")
+        for e in sorted(entries):
+            base = e.removeprefix(".wh.")
+            if e in names or base in names or e == _OPAQUE or (e.startswith(".wh.") and base in
+                                                               {"usr", "etc", "bin", "lib", "lib64", _ARCH}):
+                refused.append(f"{path.rstrip('/')}/{base}")
+        if entries and "opaque" in _dfs(img, f"ea_list {d}"):
+            refused.append(f"{path} (made opaque)")
+    left: list[str] = []
+    if refused:
+        return refused, left
+    nss = "/upper/etc/nsswitch.conf"
+    drop = list(LEFT_OUT)
+    if "not found" not in _dfs(img, f"stat {nss}") and _foreign_nss(_dfs(img, f"cat {nss}")):
+        drop.append(nss)
+    for p in drop:
+        if "not found" in _dfs(img, f"stat {p}"):
+            continue
+        out = _dfs(img, f"rm {p}", write=True)
+        if "not found" not in _dfs(img, f"stat {p}"):
+            refused.append(f"{p.removeprefix('/upper')} (cannot be left out: {out.strip()[-120:]})")
+        else:
+            left.append(p.removeprefix("/upper"))
+    return refused, left
