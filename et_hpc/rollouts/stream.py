@@ -76,11 +76,20 @@ class RolloutGroup:
 
     def scored_data(self) -> dict[str, Any]:
         """Atropos-shaped: ``tokens``, ``masks`` (-100 off the completions), ``scores``,
-        ``inference_logprobs`` per member. Members without complete token ids are left out."""
-        out: dict[str, Any] = {"tokens": [], "masks": [], "scores": [], "inference_logprobs": []}
-        for r in self.records:
-            if r.status != "ok" or not r.has_tokens:
-                continue
+        ``inference_logprobs`` per ok member, plus ``group_id`` and ``dropped_no_tokens``.
+
+        A group is never handed out with tokens it does not have: when an ok member has no exact
+        token ids (absent, or drifting from the server's tokenization) the whole group is dropped
+        (empty lists) and ``dropped_no_tokens`` counts those members; a trainer skips it.
+        """
+        out: dict[str, Any] = {"tokens": [], "masks": [], "scores": [], "inference_logprobs": [],
+                               "group_id": self.group_id, "dropped_no_tokens": 0}
+        ok = [r for r in self.records if r.status == "ok"]
+        missing = sum(not r.has_tokens for r in ok)
+        if missing:
+            out["dropped_no_tokens"] = missing
+            return out
+        for r in ok:
             tokens, masks, lps = r.token_sequence()
             out["tokens"].append(tokens)
             out["masks"].append(masks)

@@ -212,3 +212,22 @@ def test_versions_only_go_up_and_the_reader_sees_changes(tmp_path: Path) -> None
     with pytest.raises(UserError, match="only go up"):
         publish_version(tmp_path, 1)
     assert Counter(p.name for p in tmp_path.iterdir()) == Counter({"version.json": 1})
+
+
+def test_scored_data_never_holds_absent_or_drifted_tokens(tmp_path: Path) -> None:
+    from et_hpc.rollouts.stream import RolloutGroup
+
+    def rec(sample: int, drift: str | None = None, tokens: bool = True) -> EpisodeRecord:
+        kw = dict(prompt_token_ids=[[1, 2], [3]], token_ids=[[4 + sample], [5]], tokens_source="server-exact",
+                  token_drift=drift) if tokens else {}
+        return EpisodeRecord(run_name="r", task_id="t", sample=sample, group_id="t@e0", status="ok",
+                             reward=float(sample), **kw)
+
+    good = RolloutGroup(seq=0, group_id="t@e0", task_id="t", policy_version=None, records=[rec(0), rec(1)],
+                        committed_at=0.0)
+    d = good.scored_data()  # positive control: a group with exact tokens is all there
+    assert d["tokens"] == [[1, 2, 4, 3, 5], [1, 2, 5, 3, 5]] and d["dropped_no_tokens"] == 0 and d["group_id"] == "t@e0"
+    for bad in ([rec(0), rec(1, drift="turn 1 position 0")], [rec(0), rec(1, tokens=False)]):
+        d = RolloutGroup(seq=1, group_id="t@e1", task_id="t", policy_version=None, records=bad,
+                         committed_at=0.0).scored_data()
+        assert d["tokens"] == [] and d["scores"] == [] and d["dropped_no_tokens"] == 1
