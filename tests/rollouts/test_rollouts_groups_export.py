@@ -50,7 +50,7 @@ budgets: {{max_turns: 4}}
 concurrency: 2
 continuous: {{heartbeat_s: 1, poll_s: 0.5, lease_s: 30}}
 """)
-        p = subprocess.run([sys.executable, "-m", "et_hpc.cli", "run", str(cfg), "--continuous", "--target-groups", "3",
+        p = subprocess.run([sys.executable, "-m", "et_hpc.cli", "run", "--config", str(cfg), "--continuous", "--target-groups", "3",
                             "--store", str(store)], capture_output=True, text=True, timeout=600,
                            env={**os.environ, "ET_HPC_STORE": str(store)})
         assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
