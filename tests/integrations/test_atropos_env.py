@@ -244,9 +244,16 @@ def test_process_writes_jsonl_groups(demo_images, tokenizer_dir, model_server, t
 
     store = tmp_path / "store"
     out = tmp_path / "groups.jsonl"
+    # the model server through its endpoint file (et-hpc's client, the file's model_version);
+    # --openai.base_url names a port nothing listens on, so only the file can have served it
+    ep_dir = tmp_path / "private"
+    ep_dir.mkdir(mode=0o700)
+    version = "/ckpts/step-3@step-3"
+    model_server.write_endpoint_file(ep_dir / "endpoint.json", model_version=version)
     cmd = ENV_MODULE + ["process"] + _env_flags(
         tokenizer_dir, model_server, store, "e2e-process", [SOLVED],
-        env__data_path_to_save_groups=str(out), env__total_steps=3, env__ensure_scores_are_not_same="false")
+        env__data_path_to_save_groups=str(out), env__total_steps=3, env__ensure_scores_are_not_same="false",
+        env__endpoint_file=str(ep_dir / "endpoint.json"), openai__base_url="http://127.0.0.1:9/v1")
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env={**os.environ, **OFFLINE}, timeout=900)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     lines = out.read_text().splitlines()
@@ -254,6 +261,7 @@ def test_process_writes_jsonl_groups(demo_images, tokenizer_dir, model_server, t
     sent = [json.loads(line) for line in lines]
     records = _stored(store, "e2e-process")
     assert len(records) == 6
+    assert {r.policy_version for r in records} == {version} and not any(r.crossed_version for r in records)
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     for group in sent:
         _check_group_against_episodes(group, records, tok)
@@ -412,3 +420,29 @@ def test_group_with_one_infra_error_is_not_sent(tokenizer_dir, tmp_path, monkeyp
         assert keep.group_from_records([_rec(0, None, "timeout")]) is None  # nothing ok: nothing to keep
     finally:
         keep.close()
+
+
+def test_env_settings_epochs_rewards_and_runs(tokenizer_dir, tmp_path, monkeypatch):
+    for k, v in OFFLINE.items():
+        monkeypatch.setenv(k, v)
+    env = _offline_env(tokenizer_dir, tmp_path, endpoint_dir=str(tmp_path / "eps"))
+    try:
+        env.tasks = [f"t{i}" for i in range(8)]
+        orders = [env.epoch_order(e) for e in range(4)]
+        assert all(sorted(o) == list(range(8)) for o in orders)  # each epoch serves every task once
+        assert len({tuple(o) for o in orders}) == 4  # a fresh permutation each epoch
+        pol = env.run_config().policy
+        assert pol.endpoint_dir == tmp_path / "eps" and pol.base_url is None and pol.endpoint_file is None
+        assert env.eval_run_name == "atropos-endless-eval"
+        assert env.run_config(env.eval_run_name).run_name() == "atropos-endless-eval"
+        four = _rec(0, 0.0).model_copy(update={"passed": 3, "total": 4})
+        assert env.score(four).reward == 0.75  # the seed's rule: passed / total
+        assert env.score(_rec(1, None, "infra_error")).reward is None
+    finally:
+        env.close()
+    binary = _offline_env(tokenizer_dir, tmp_path, reward="binary")
+    try:
+        assert binary.score(_rec(0, 0.0).model_copy(update={"passed": 3, "total": 4})).reward == 0.0
+        assert binary.run_config().policy.base_url == "http://127.0.0.1:9/v1"
+    finally:
+        binary.close()
