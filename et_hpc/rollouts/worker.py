@@ -13,11 +13,17 @@ interrupts a unit when it must not finish:
 - its lease is gone (expired while this worker was cut off): the records are discarded;
 - the run is stopping (stop file, SIGTERM, Slurm checkpoint): the unit is given back;
 - ``on_version_change: abandon`` and the version moved more than ``max_staleness`` past the one
-  the unit started under: the unit is given back and restarts under the new version.
+  the unit started under: the unit is given back and restarts under the new version. Versions
+  are monotone ids from either source (``et_hpc.rollouts.versions``): the trainer's
+  ``version.json``, else the step in the endpoint file's ``model_version`` (``policy.endpoint_file``
+  or ``policy.endpoint_dir``, as ``slurm/vllm.sbatch --checkpoint-dir`` publishes it).
 
-With ``finish`` (default), a unit in flight during a switch finishes and its records say so
-(``policy_version`` = the start version, ``policy_versions`` = every version seen, in order,
-``crossed_version``). Only whole groups are ever committed; an interrupted unit's episodes are
+With ``finish`` (default), a unit in flight during a switch finishes and its records say so. With
+trainer-owned versions each episode says it for itself: ``policy_version`` = the unit's start
+version (the group's), ``policy_versions`` = it plus every version published while that episode
+ran, ``crossed_version``; the trainer's first publish during an episode that started unversioned
+counts (``unversioned`` -> ``1``). Server-owned versions are the policy's per-turn record, kept.
+Only whole groups are ever committed; an interrupted unit's episodes are
 dropped and the unit is done again from its start.
 
 On Slurm the worker is a submitit array task (``__call__``). SIGTERM (scancel) makes it give
