@@ -50,10 +50,12 @@ def version_step(label: Any) -> int | None:
     if isinstance(label, int) and not isinstance(label, bool):
         return label
     s = str(label).strip()
+    if s.startswith(SWITCHING):  # mid-switch: what was served before it (None when that had no step)
+        return version_step(s[len(SWITCHING):].split(" -> ")[0])
     if s.isdigit():
         return int(s)
-    steps = [int(m) for m in _STEP.findall(s)]
-    return min(steps) if steps else None
+    m = _STEP.search(s)
+    return int(m.group(1)) if m else None
 
 
 @dataclass(frozen=True)

@@ -105,6 +105,7 @@ def test_version_ids_order_both_sources() -> None:
     assert version_step("3") == 3 and version_step(7) == 7
     assert version_step("/ck/step-20@step-20") == 20 and version_step("/ck/step-9@step-9") == 9  # not by text
     assert version_step("switching /ck/a@step-10 -> /ck/b@step-20") == 10  # mid-switch: the older step
+    assert version_step("switching /ck/a@files-ab12 -> /ck/b@step-20") is None  # the older one had none
     assert version_step("/ck/b@files-0123abcd") is None and version_step("Qwen/Qwen3-8B") is None
     assert version_step(None) is None
 
