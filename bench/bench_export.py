@@ -6,7 +6,9 @@ Writes ``--episodes`` synthetic episodes in groups of ``--group`` (one in 40 gro
 infrastructure error, so masking has work to do) with per-turn prompt deltas (first prompt ~600
 tokens, tool output ~150 tokens per turn), completions (~60 tokens) and logprobs, compacts the run,
 then times ``export_atropos`` (default: mask, drop zero-variance), ``export_skyrl`` (mask, keep
-all), and the share of each spent reading the store (``RunStore.select`` + records).
+all), and the share of each spent reading the store (``RunStore.select`` + records). Each step
+reports wall seconds and this process's CPU seconds (user + system, ``time.process_time``), which
+stay comparable when other jobs load the machine.
 """
 
 from __future__ import annotations
@@ -44,9 +46,14 @@ def synthetic(i: int, group: int, turns: int, rng: random.Random) -> EpisodeReco
     )
 
 
-def timed(fn):
-    t = time.perf_counter()
+CPU: dict[str, float] = {}
+
+
+def timed(fn, name: str | None = None):
+    t, c = time.perf_counter(), time.process_time()
     out = fn()
+    if name:
+        CPU[name] = time.process_time() - c
     return time.perf_counter() - t, out
 
 
@@ -70,27 +77,27 @@ def main() -> None:
             t_write += t
         rs.compact()
         tokens = sum(r.num_rows for r in [rs.read(["episode_id"])])
-        t_load, (groups, counts) = timed(lambda: selected_groups(rs))
-        t_at, res_a = timed(lambda: export_atropos(rs, root / "groups.jsonl"))
-        t_sk, res_s = timed(lambda: export_skyrl(rs, root / "episodes.parquet"))
+        t_load, (groups, counts) = timed(lambda: selected_groups(rs), "load")
+        t_at, res_a = timed(lambda: export_atropos(rs, root / "groups.jsonl"), "atropos")
+        t_sk, res_s = timed(lambda: export_skyrl(rs, root / "episodes.parquet"), "skyrl")
         size_a = os.path.getsize(root / "groups.jsonl") / 2**20
         size_s = os.path.getsize(root / "episodes.parquet") / 2**20
         n_tok = sum(len(r.token_sequence()[0]) for g in groups[:50] for r in g) / max(1, sum(len(g) for g in groups[:50]))
         rows = [
-            ("read + select + records (mask)", t_load, f"{counts.episodes} episodes in {counts.selected} groups"),
-            ("export atropos (mask, drop zero-variance)", t_at,
+            ("read + select + records (mask)", t_load, CPU["load"], f"{counts.episodes} episodes in {counts.selected} groups"),
+            ("export atropos (mask, drop zero-variance)", t_at, CPU["atropos"],
              f"{res_a.groups} groups, {res_a.episodes} episodes, {size_a:.0f} MiB"),
-            ("export skyrl (mask)", t_sk, f"{res_s.rows} rows, {size_s:.0f} MiB"),
+            ("export skyrl (mask)", t_sk, CPU["skyrl"], f"{res_s.rows} rows, {size_s:.0f} MiB"),
         ]
         print(f"{tokens} episodes, {a.group} per group, {a.turns} turns, ~{n_tok:.0f} tokens per episode; "
               f"write {t_write:.1f} s; {counts.masked} groups masked; {platform.node()}, {os.cpu_count()} cores")
         if a.markdown:
-            print("| step | s | episodes/s | what |\n|---|---|---|---|")
-            for name, t, what in rows:
-                print(f"| {name} | {t:.2f} | {a.episodes / t:,.0f} | {what} |")
+            print("| step | wall s | CPU s | episodes/s (wall) | what |\n|---|---|---|---|---|")
+            for name, t, c, what in rows:
+                print(f"| {name} | {t:.2f} | {c:.2f} | {a.episodes / t:,.0f} | {what} |")
         else:
-            for name, t, what in rows:
-                print(f"{name:45s} {t:7.2f} s  {a.episodes / t:9,.0f} ep/s  {what}")
+            for name, t, c, what in rows:
+                print(f"{name:45s} {t:7.2f} s  {c:7.2f} CPU s  {a.episodes / t:9,.0f} ep/s  {what}")
     finally:
         if a.dir is None:
             shutil.rmtree(root, ignore_errors=True)

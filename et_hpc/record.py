@@ -23,7 +23,7 @@ from typing import Any, Literal, get_args
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4  # 4: group_id names the sampled group (et_hpc.runs.store.groups_of)
 SOLVED_REWARD = 1.0 - 1e-9  # Endless Terminals rewards are 0/1: an episode is solved at full reward
 
 

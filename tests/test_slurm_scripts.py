@@ -35,6 +35,13 @@ def _get(url: str, key: str | None) -> int:
         return e.code
 
 
+def _answers(url: str, key: str) -> bool:
+    try:
+        return _get(url, key) == 200
+    except OSError:
+        return False
+
+
 def test_vllm_script_writes_and_removes_endpoint(tmp_path: Path) -> None:
     shim = vllm_shim(tmp_path, {"hi": ["hello"]})
     ep = tmp_path / "shared" / "endpoint.json"
@@ -104,13 +111,16 @@ def test_vllm_script_switches_checkpoints(tmp_path: Path, switch: str) -> None:
         tmp = ckpts / ".latest.tmp"  # the trainer's atomic pointer update
         tmp.write_text("step-20\n")
         tmp.rename(ckpts / "latest")
-        wait_for(lambda: json.loads(ep.read_text())["model_version"] != first["model_version"], proc,
-                  "the republished endpoint")
+        wait_for(lambda: json.loads(ep.read_text())["model_version"] != first["model_version"]
+                 and not json.loads(ep.read_text())["model_version"].startswith("switching "), proc,
+                 "the republished endpoint")  # reload publishes "switching OLD -> NEW" first
         second = json.loads(ep.read_text())
         assert second["model_version"].startswith(f"{ckpts}/step-20@files-")  # no step: a listing hash
         assert second["port"] == first["port"] and second["api_key"] == first["api_key"]
         assert ep.stat().st_mode & 0o777 == 0o600
-        assert _get(f"http://127.0.0.1:{second['port']}/v1/models", second["api_key"]) == 200
+        # restart publishes the new version before the new server answers (clients retry meanwhile)
+        wait_for(lambda: _answers(f"http://127.0.0.1:{second['port']}/v1/models", second["api_key"]), proc,
+                 "the server on the new checkpoint")
     finally:
         proc.send_signal(signal.SIGTERM)
         out = proc.communicate(timeout=60)[0]

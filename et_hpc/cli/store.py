@@ -56,8 +56,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         subparsers, "export",
         help="write a run's ok episodes for a trainer (Atropos JSONL, SkyRL/verl parquet)",
         description=_wrap("Export the ok episodes of a run (deduped) in a trainer's format, group by "
-        "group (a task under one run and one policy version). A group with an episode that "
-        "ended in an error is left out whole by default. The counts are printed."),
+        "group (what was sampled together: its group_id). A group with an episode that "
+        "ended in an error, or without exact token ids, is left out whole by default. The counts are printed."),
         epilog="examples:\n  et-hpc export atropos et-hpc-runs/my-run -o groups.jsonl\n"
         "  et-hpc export skyrl et-hpc-runs/my-run -o episodes.parquet",
     )
@@ -65,11 +65,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     p = add_command(
         esub, "atropos",
-        help="Atropos ScoredDataGroup JSONL, one group per task",
-        description=_wrap("One ScoredDataGroup per line: the ok samples of one group (a task under "
-        "one run and one policy version) with tokens, masks (-100 on prompt and tool-output "
-        "positions), scores, inference_logprobs and messages. Without recorded token ids, "
-        "tokens/masks are empty lists and the trainer tokenizes 'messages'. A group with an "
+        help="Atropos ScoredDataGroup JSONL, one line per sampled group",
+        description=_wrap("One ScoredDataGroup per line: the ok samples of one group (its group_id) "
+        "with tokens, masks (-100 on prompt and tool-output "
+        "positions), scores, inference_logprobs and messages. A group with a member without "
+        "exact token ids (absent or drifted) is left out and counted. A group with an "
         "episode that ended in an error is left out whole (--on-error keep-ok keeps its ok "
         "episodes). Groups whose scores are all equal are dropped (as Atropos does) unless "
         "--keep-equal-scores. The counts are printed."),
@@ -86,8 +86,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="SkyRL/verl-style parquet, one row per ok episode",
         description=_wrap("One row per ok episode of the kept groups. SkyRL GeneratorOutput columns: "
         "prompt_token_ids, response_ids, loss_masks (1 on completion tokens, 0 on tool output), "
-        "rollout_logprobs, rewards, trajectory_ids {instance_id, repetition_id}, stop_reasons "
-        "(token columns null without recorded token ids); and the dataset columns data_source "
+        "rollout_logprobs, rewards, trajectory_ids {instance_id = the group_id, repetition_id}, stop_reasons "
+        "(a group with a member without exact token ids is left out and counted); and the dataset columns data_source "
         "('endless'), prompt and messages (lists of {role, content}), env_class, ability, reward, "
         "reward_spec, reward_model, extra_info (task_id, sample, turns, ...). A group with an "
         "episode that ended in an error is left out whole unless --on-error keep-ok."),

@@ -7,12 +7,25 @@ Configured like the seed environment (hermes-agent's ``endless_terminals_env.py`
 
 Each trajectory is one et-hpc episode (``et_hpc.episode.run_episode``): the task's SIF from the
 image cache (build it first with ``et-hpc build``), one Apptainer instance and one overlay per
-episode, the model driven through et-hpc's OpenAI policy against the server of the ``--openai.*``
-settings (exact token ids via ``return_token_ids``, logprobs), the final tests run in the same
-instance after the agent stops. Every episode is also written to et-hpc's run store
-(``store``/``run_name``), so ``et-hpc store summary`` and the exports see the same data.
+episode, the model driven through et-hpc's OpenAI policy (exact token ids via
+``return_token_ids``, logprobs) against ``endpoint_file`` or ``endpoint_dir`` (et-hpc's client:
+replicas, failover, the file's key, the server's ``model_version`` as ``policy_version``), else
+the server of the ``--openai.*`` settings; the final tests run in the same instance after the
+agent stops. Every episode is also written to et-hpc's run store (``store``/``run_name``;
+``evaluate()``'s episodes to their own run, ``eval_run_name``), so ``et-hpc store summary`` and the
+exports see the same data. ``reward``: ``fraction`` (default, the seed's rule) scores passed/total
+of the final tests, ``binary`` 1 only when all pass. Tasks are served in a fresh seeded
+permutation each epoch.
 
-A group (``collect_trajectories``) is ``group_size`` episodes of one task, turned into a
+No episode is lost to a cancel: Atropos cancels ``collect_trajectories`` on ``worker_timeout``,
+on a full queue and for evals, but the episodes run in a thread pool, not in the coroutine; they
+finish, and the group is stored (its records carry the event ``collect cancelled: not sent``).
+A stop (SIGINT/SIGTERM) ends running episodes at their next turn; they are stored with status
+``infra_error`` (masked, never reward 0), one log line each, and the counts (started, stored,
+interrupted) are logged at the end.
+
+A group (``collect_trajectories``) is ``group_size`` episodes of one task, ``group_id =
+<task_id>@s<first sample>`` in the store, turned into a
 ``ScoredDataGroup`` by ``et_hpc.runs.export.atropos_group`` (tokens, masks ``-100`` on prompt and
 tool-output positions, scores = the episodes' rewards, ``inference_logprobs``) and checked with
 ``validate_atropos_group``. Failures are handled as in the store's group selection:
@@ -40,6 +53,7 @@ import random
 import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -61,6 +75,26 @@ log = logging.getLogger(__name__)
 SEED_DATASET = "obiwan96/endless-terminals-train"
 
 
+@dataclass
+class _GroupRun:
+    """One ``collect_trajectories`` group in flight: its members' records as they end."""
+
+    task: Any
+    group_id: str
+    store: RunStore
+    size: int
+    eval_run: bool = False
+    cancelled: bool = False
+    started: bool = False  # a member has started: the whole group runs and is stored
+    left: int = 0
+    records: list[EpisodeRecord | None] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.left = self.size
+        self.records = [None] * self.size
+
+
 class EndlessTerminalsEnvConfig(BaseEnvConfig):
     """The seed environment's settings, plus where et-hpc keeps episodes and how it runs them."""
 
@@ -80,9 +114,27 @@ class EndlessTerminalsEnvConfig(BaseEnvConfig):
     on_error: Literal["mask", "keep-ok"] = Field(default="mask", description="a group with an error episode: mask it or keep its ok episodes")  # noqa: E501
     store: str | None = Field(default=None, description="et-hpc store root for the episodes (default $ET_HPC_STORE or ./et-hpc-runs)")
     run_name: str = Field(default="atropos-endless", description="run name inside the store")
+    eval_run_name: str | None = Field(default=None, description="run name of evaluate()'s episodes (default <run_name>-eval)")
+    reward: Literal["fraction", "binary"] = Field(
+        default="fraction", description="fraction: passed/total of the final tests (the seed's rule); binary: 1 when all pass")
+    endpoint_file: str | None = Field(default=None, description="endpoint file of slurm/vllm.sbatch (address, key, "
+                                      "model_version); replaces --openai.base_url")
+    endpoint_dir: str | None = Field(default=None, description="folder of endpoint files, one per server (replicas, "
+                                     "failover); replaces --openai.base_url")
     shuffle_seed: int = Field(default=0, description="order in which tasks are served")
     num_eval_tasks: int = Field(default=0, ge=0, description="tasks held out for evaluate() (one episode each)")
     overlay_mb: int = Field(default=DEFAULT_OVERLAY_MB, ge=16, description="per-episode writable overlay size")
+
+
+class _QuietInterrupts(logging.Filter):
+    """Drops the agent loop's traceback for an episode a stop interrupted (one line per episode is
+    logged by the environment instead)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from et_hpc.episode.run import Interrupted
+
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, Interrupted)
 
 
 class EndlessTerminalsEnv(BaseEnv):
@@ -100,13 +152,19 @@ class EndlessTerminalsEnv(BaseEnv):
         self.images: dict[str, Any] = {}
         self._order: list[int] = []
         self._pos = 0
-        self._next_sample: dict[str, int] = {}
+        self._epoch = -1
+        self._next_sample: dict[tuple[str, str], int] = {}  # (run dir, task id) -> next free sample
         self._sample_lock = threading.Lock()
         self._stop = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=config.max_concurrent_episodes, thread_name_prefix="et-episode")
         self.run_store: RunStore | None = None
-        self.counts = {"groups_sent": 0, "groups_masked": 0, "groups_without_tokens": 0, "episodes": 0,
-                       "episode_errors": 0}
+        self.eval_store: RunStore | None = None
+        loop_log = logging.getLogger("et_hpc.agent.loop")
+        if not any(isinstance(f, _QuietInterrupts) for f in loop_log.filters):
+            loop_log.addFilter(_QuietInterrupts())
+        self.counts = {"groups_sent": 0, "groups_masked": 0, "groups_without_tokens": 0, "groups_cancelled": 0,
+                       "episodes": 0, "episodes_started": 0, "episodes_stored": 0, "episodes_interrupted": 0,
+                       "episode_errors": 0, "store_errors": 0}
 
     @classmethod
     def config_init(cls) -> tuple[EndlessTerminalsEnvConfig, list[APIServerConfig]]:
@@ -139,49 +197,79 @@ class EndlessTerminalsEnv(BaseEnv):
         if not ready:
             raise UserError(f"{c.dataset_name}: no task with a built image ({len(res.tasks)} tasks loaded); "
                             f"run 'et-hpc build {c.dataset_name}' first")
+        if c.endpoint_file and c.endpoint_dir:
+            raise UserError("set one of --env.endpoint_file and --env.endpoint_dir, not both")
         rng = random.Random(c.shuffle_seed)
         rng.shuffle(ready)
         n_eval = min(c.num_eval_tasks, max(0, len(ready) - 1))
         self.eval_tasks, self.tasks = ready[:n_eval], ready[n_eval:]
-        self._order = list(range(len(self.tasks)))
-        self.run_store = Store(Path(c.store).expanduser() if c.store else None).run(c.run_name)
-        done = self.run_store.units()
-        for task_id, sample in done:
-            self._next_sample[task_id] = max(self._next_sample.get(task_id, 0), sample + 1)
-        log.info("endless_terminals: %d tasks (%d held out for eval), episodes go to %s",
-                 len(self.tasks), len(self.eval_tasks), self.run_store.path)
+        root = Store(Path(c.store).expanduser() if c.store else None)
+        self.run_store = root.run(c.run_name)
+        self.eval_store = root.run(self.eval_run_name)
+        if self.eval_store.path == self.run_store.path:
+            raise UserError(f"--env.eval_run_name {self.eval_run_name!r} is the training run: evaluation episodes need their own run")
+        for rs in (self.run_store, self.eval_store):
+            for task_id, sample in rs.units():
+                key = (str(rs.path), task_id)
+                self._next_sample[key] = max(self._next_sample.get(key, 0), sample + 1)
+        self.run_store.write_config({"kind": "atropos-env", "env": self.name, "dataset": c.dataset_name,
+                                     "group_size": c.group_size, "reward": c.reward, "eval_run": self.eval_run_name})
+        log.info("endless_terminals: %d tasks (%d held out for eval), episodes go to %s (eval: %s), reward %s",
+                 len(self.tasks), len(self.eval_tasks), self.run_store.path, self.eval_store.path, c.reward)
+
+    @property
+    def eval_run_name(self) -> str:
+        return self.config.eval_run_name or f"{self.config.run_name}-eval"
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        """The order tasks are served in epoch ``epoch``: a fresh permutation per epoch (seeded)."""
+        order = list(range(len(self.tasks)))
+        random.Random(f"{self.config.shuffle_seed}:{epoch}").shuffle(order)
+        return order
 
     async def get_next_item(self) -> Any:
         if not self.tasks:
             return None
-        if self._pos >= len(self._order):
-            random.Random(self.config.shuffle_seed + self._pos).shuffle(self._order)
+        if self._epoch < 0 or self._pos >= len(self._order):
+            self._epoch += 1
+            self._order = self.epoch_order(self._epoch)
             self._pos = 0
-        task = self.tasks[self._order[self._pos % len(self._order)]]
+        task = self.tasks[self._order[self._pos]]
         self._pos += 1
         return task
 
     # --- episodes ------------------------------------------------------------------------------
-    def run_config(self) -> RunConfig:
-        """The et-hpc run config of this environment's episodes (the model server from ``--openai.*``)."""
+    def run_config(self, run_name: str | None = None) -> RunConfig:
+        """The et-hpc run config of this environment's episodes: the model server of
+        ``--env.endpoint_file``/``--env.endpoint_dir`` (et-hpc's client: replicas, failover, the
+        file's key, policy versions), else of ``--openai.*``."""
         c = self.config
         srv = self.server.servers[0].config
+        model = None if srv.model_name in ("", "default") else srv.model_name
+        where: dict[str, Any]
+        if c.endpoint_file or c.endpoint_dir:
+            where = {"endpoint_file": Path(c.endpoint_file).expanduser() if c.endpoint_file else None,
+                     "endpoint_dir": Path(c.endpoint_dir).expanduser() if c.endpoint_dir else None}
+            if srv.api_key and srv.api_key != "EMPTY":
+                where["api_key"] = srv.api_key
+        else:
+            where = {"base_url": srv.base_url or None, "api_key": srv.api_key or None}
         policy = PolicyConfig(
-            kind="openai", base_url=srv.base_url or None, model=None if srv.model_name in ("", "default") else srv.model_name,
-            api_key=srv.api_key or None, mode=c.mode, temperature=c.agent_temperature,
+            kind="openai", model=model, mode=c.mode, temperature=c.agent_temperature,
             max_tokens=c.max_tokens_per_turn, logprobs=True, return_token_ids=True, system_prompt=c.system_prompt,
-            request_timeout_s=float(srv.timeout),
+            request_timeout_s=float(srv.timeout), **where,
         )
         budgets = BudgetConfig(max_turns=c.max_agent_turns, wall_time_s=c.wall_time_s, command_timeout_s=c.command_timeout_s,
                           max_tokens_per_turn=c.max_tokens_per_turn, context_tokens=max(c.max_token_length, 1024))
-        return RunConfig(name=c.run_name, store=Path(c.store).expanduser() if c.store else None, samples=c.group_size,
+        return RunConfig(name=run_name or c.run_name, store=Path(c.store).expanduser() if c.store else None, samples=c.group_size,
                          policy=policy, budgets=budgets, scoring_timeout_s=c.test_timeout_s,
                          sandbox=SandboxConfig(overlay_mb=c.overlay_mb))
 
-    def _samples(self, task_id: str, n: int) -> list[int]:
+    def _samples(self, store: RunStore, task_id: str, n: int) -> list[int]:
+        key = (str(store.path), task_id)
         with self._sample_lock:
-            first = self._next_sample.get(task_id, 0)
-            self._next_sample[task_id] = first + n
+            first = self._next_sample.get(key, 0)
+            self._next_sample[key] = first + n
         return list(range(first, first + n))
 
     def _episode(self, task: Any, sample: int, cfg: RunConfig) -> EpisodeRecord:
@@ -189,19 +277,117 @@ class EndlessTerminalsEnv(BaseEnv):
 
         return run_episode(task, sample, cfg, self.images[task.id], stop=self._stop)
 
-    async def run_episodes(self, task: Any, n: int) -> list[EpisodeRecord]:
-        """``n`` episodes of ``task`` at once (threads), stored in the run store as one shard."""
-        cfg = self.run_config()
+    def score(self, rec: EpisodeRecord) -> EpisodeRecord:
+        """``rec`` with its reward under ``config.reward``: ``fraction`` = passed/total of the final
+        tests (the seed environment's rule), ``binary`` = the store's rule (1 when all pass)."""
+        if rec.status != "ok" or self.config.reward != "fraction" or not rec.total:
+            return rec
+        return rec.model_copy(update={"reward": (rec.passed or 0) / rec.total})
+
+    async def run_episodes(self, task: Any, n: int, store: RunStore | None = None) -> list[EpisodeRecord]:
+        """``n`` episodes of ``task`` as one group (threads), stored as one shard when the last ends.
+
+        The group's ``group_id`` is ``<task_id>@s<first sample>``. Episodes run in the pool, not in
+        the coroutine: when Atropos cancels the coroutine (``worker_timeout``, a full queue, an
+        eval), the episodes finish and the group is still stored, with the event
+        ``collect cancelled: not sent``. A stop (SIGINT/SIGTERM, ``close``) ends running episodes at
+        their next turn; they are stored as ``infra_error`` (masked) and logged one line each.
+        """
+        store = store or self.run_store
+        assert store is not None, "setup() first"
+        eval_run = store is self.eval_store
+        cfg = self.run_config(store.name)
+        samples = self._samples(store, task.id, n)
+        group = _GroupRun(task=task, group_id=f"{task.id}@s{samples[0]}", store=store, size=n, eval_run=eval_run)
         loop = asyncio.get_running_loop()
-        futs = [loop.run_in_executor(self._pool, self._episode, task, s, cfg) for s in self._samples(task.id, n)]
-        records = list(await asyncio.gather(*futs))
-        if self._stop.is_set():  # interrupted episodes are not data; a later run redoes them
-            records = [r for r in records if r.status == "ok"]
-        if self.run_store is not None:
-            self.run_store.write(records)
-        self.counts["episodes"] += len(records)
-        self.counts["episode_errors"] += sum(r.status != "ok" for r in records)
-        return records
+        done: asyncio.Future = loop.create_future()
+
+        def finished(records: list[EpisodeRecord]) -> None:  # in the thread that ended the group
+            def settle() -> None:
+                if not done.done():
+                    done.set_result(records)
+            try:
+                loop.call_soon_threadsafe(settle)
+            except RuntimeError:  # the loop is gone (shutdown): the group is stored all the same
+                pass
+
+        for i, sample in enumerate(samples):
+            self._pool.submit(self._run_member, group, i, sample, cfg, finished)
+        try:
+            return await asyncio.shield(done)
+        except asyncio.CancelledError:
+            with group.lock:
+                group.cancelled = True
+            with self._sample_lock:
+                self.counts["groups_cancelled"] += 1
+            if not self._stop.is_set():
+                log.info("group %s cancelled by atropos: its episodes finish and are stored, the group is not sent",
+                         group.group_id)
+            raise
+
+    def _run_member(self, group: _GroupRun, i: int, sample: int, cfg: RunConfig, finished: Any) -> None:
+        """One member of ``group`` in a pool thread; the last member to end writes the group.
+
+        A group that Atropos cancelled, or that a stop reached, before any member started is
+        dropped whole (nothing ran, nothing is stored). Once a member started, every member runs
+        (or, stopping, is recorded as interrupted), so a stored group always has all its members.
+        """
+        task = group.task
+        with group.lock:
+            skip = not group.started and (group.cancelled or self._stop.is_set())
+            group.started = group.started or not skip
+        if skip:
+            with group.lock:
+                group.left -= 1
+                last = group.left == 0
+            if last:
+                finished([])
+            return
+        if self._stop.is_set():  # its group started, it did not: recorded so the group stays whole (masked)
+            rec = EpisodeRecord(run_name=cfg.run_name(), task_id=task.id, sample=sample, status="infra_error",
+                                error="interrupted by the run before it started", policy_kind=f"openai-{cfg.policy.mode}")
+        else:
+            with self._sample_lock:
+                self.counts["episodes_started"] += 1
+            try:
+                rec = self._episode(task, sample, cfg)
+            except Exception as e:  # our bug, never the agent's: an error record, not a lost episode
+                log.exception("episode %s sample %d failed", task.id, sample)
+                rec = EpisodeRecord(run_name=cfg.run_name(), task_id=task.id, sample=sample, status="infra_error",
+                                    error=f"{type(e).__name__}: {e}"[:2000])
+        rec = self.score(rec).model_copy(update={"group_id": group.group_id})
+        if self._stop.is_set() and rec.status != "ok":
+            with self._sample_lock:
+                self.counts["episodes_interrupted"] += 1
+            log.warning("interrupted: %s sample %d (group %s) stored as %s: %s", task.id, sample, group.group_id,
+                        rec.status, rec.error or "")
+        with group.lock:
+            group.records[i] = rec
+            group.left -= 1
+            last = group.left == 0
+            cancelled = group.cancelled
+        if not last:
+            return
+        records = [r for r in group.records if r is not None]
+        if not records:
+            finished([])
+            return
+        if cancelled:
+            records = [r.model_copy(update={"events": [*r.events, "collect cancelled: not sent"]}) for r in records]
+        try:
+            group.store.write(records)
+            with self._sample_lock:
+                self.counts["episodes_stored"] += len(records)
+        except Exception as e:
+            with self._sample_lock:
+                self.counts["store_errors"] += 1
+            log.error("group %s: writing its %d episodes to %s failed: %s", group.group_id, len(records),
+                      group.store.path, e)
+        with self._sample_lock:
+            if not group.eval_run:
+                self.counts["episodes"] += len(records)
+                self.counts["episode_errors"] += sum(r.status != "ok" for r in records)
+        finished(records)
 
     def group_from_records(self, records: list[EpisodeRecord]) -> ScoredDataGroup | None:
         """The ScoredDataGroup to send for one group's episodes, or None (masked, or no tokens)."""
@@ -236,7 +422,7 @@ class EndlessTerminalsEnv(BaseEnv):
         """One episode per held-out task; logs the pass rate and mean reward."""
         if not self.eval_tasks:
             return
-        records = [r for t in self.eval_tasks for r in await self.run_episodes(t, 1)]
+        records = [r for t in self.eval_tasks for r in await self.run_episodes(t, 1, self.eval_store)]
         ok = [r for r in records if r.status == "ok"]
         metrics = {
             "eval/episodes": float(len(records)),
@@ -263,13 +449,13 @@ class EndlessTerminalsEnv(BaseEnv):
 
     async def _until_signalled(self, coro: Any) -> None:
         """Run ``coro``; on SIGINT/SIGTERM stop it, let running episodes end at their next turn
-        (their instances stop, their interrupted records are not stored) and return normally."""
+        (their instances stop; they are stored as ``infra_error``, one log line each) and return."""
         loop = asyncio.get_running_loop()
         main = asyncio.ensure_future(coro)
 
         def stop(name: str) -> None:
             if not self._stop.is_set():
-                log.warning("%s: stopping; running episodes end at their next turn", name)
+                log.warning("%s: stopping; running episodes end at their next turn and are stored", name)
             self._stop.set()
             main.cancel()
 
@@ -290,6 +476,9 @@ class EndlessTerminalsEnv(BaseEnv):
                 loop.remove_signal_handler(sig)
             await loop.run_in_executor(None, self._pool.shutdown, True)
         log.info("endless_terminals: %s", self.counts)
+        c = self.counts
+        log.warning("endless_terminals: episodes started %d, stored %d (%d interrupted), groups cancelled %d",
+                    c["episodes_started"], c["episodes_stored"], c["episodes_interrupted"], c["groups_cancelled"])
 
     async def cleanup(self) -> None:
         """Called by Atropos after each group; nothing to do (sandboxes end with their episode)."""

@@ -16,8 +16,12 @@ Cost: a poll stats the next slot and reads only new slots, whatever the size of 
 
 Filters (counted in the cursor, never silent):
 
-- ``max_staleness=k``: a group whose ``policy_version`` is older than the run's current version
-  (``version.json``) minus ``k`` is discarded (``discarded_stale``);
+- ``max_staleness=k``: a group whose version id is older than the run's current version minus
+  ``k`` is discarded (``discarded_stale``). Ids are monotone whichever side owns the switch
+  (``et_hpc.rollouts.versions``): the trainer's ``version.json``, else the step in the endpoint
+  file's ``model_version`` (``PATH@step-N``, ``slurm/vllm.sbatch --checkpoint-dir``; the file or
+  directory from ``run.json``'s policy, or given as ``endpoint_file``/``endpoint_dir``). A group's
+  id is the one it started under (its first member's ``policy_version``);
 - ``on_error="mask"`` (default): a group with a member whose status is not ``ok`` (an error
   outside the agent's reach that survived the worker's retries) is discarded
   (``discarded_masked``); ``"keep-ok"`` hands out its ok members only.
@@ -47,7 +51,7 @@ import pyarrow.parquet as pq
 from et_hpc.errors import UserError
 from et_hpc.record import EpisodeRecord, records_from_table
 from et_hpc.rollouts.queue import WorkQueue, slot_name
-from et_hpc.rollouts.versions import PolicyVersion, publish_version, read_version
+from et_hpc.rollouts.versions import PolicyVersion, VersionReader, publish_version, version_step
 from et_hpc.util import atomic_write_text
 
 
@@ -69,24 +73,40 @@ class RolloutGroup:
 
     @property
     def version(self) -> int | None:
-        try:
-            return int(self.policy_version) if self.policy_version is not None else None
-        except ValueError:
-            return None
+        """The monotone id of the version the group started under (``version_step``)."""
+        return version_step(self.policy_version)
 
     def scored_data(self) -> dict[str, Any]:
         """Atropos-shaped: ``tokens``, ``masks`` (-100 off the completions), ``scores``,
-        ``inference_logprobs`` per member. Members without complete token ids are left out."""
-        out: dict[str, Any] = {"tokens": [], "masks": [], "scores": [], "inference_logprobs": []}
-        for r in self.records:
-            if r.status != "ok" or not r.has_tokens:
-                continue
+        ``inference_logprobs`` per ok member, plus ``group_id`` and ``dropped_no_tokens``.
+
+        A group is never handed out with tokens it does not have: when an ok member has no exact
+        token ids (absent, or drifting from the server's tokenization) the whole group is dropped
+        (empty lists) and ``dropped_no_tokens`` counts those members; a trainer skips it.
+        """
+        out: dict[str, Any] = {"tokens": [], "masks": [], "scores": [], "inference_logprobs": [],
+                               "group_id": self.group_id, "dropped_no_tokens": 0}
+        ok = [r for r in self.records if r.status == "ok"]
+        missing = sum(not r.has_tokens for r in ok)
+        if missing:
+            out["dropped_no_tokens"] = missing
+            return out
+        for r in ok:
             tokens, masks, lps = r.token_sequence()
             out["tokens"].append(tokens)
             out["masks"].append(masks)
             out["scores"].append(float(r.reward or 0.0))
             out["inference_logprobs"].append(lps)
         return out
+
+
+def _run_endpoint(run_dir: Path) -> tuple[str | None, str | None]:
+    """``policy.endpoint_file`` and ``policy.endpoint_dir`` of the run's ``run.json`` (None, None without)."""
+    try:
+        pol = (json.loads((run_dir / "run.json").read_text()).get("config") or {}).get("policy") or {}
+    except (OSError, ValueError, AttributeError):
+        return None, None
+    return pol.get("endpoint_file"), pol.get("endpoint_dir")
 
 
 def fresh_telemetry() -> dict[str, Any]:
@@ -98,8 +118,11 @@ class RolloutStream:
     """Complete groups of a run for one consumer (see the module docstring)."""
 
     def __init__(self, run_dir: Path | str, consumer: str = "trainer-0", *, auto_commit: bool = True,
-                 poll_s: float = 0.2):
+                 poll_s: float = 0.2, endpoint_file: Path | str | None = None, endpoint_dir: Path | str | None = None):
         self.run_dir = Path(run_dir)
+        if endpoint_file is None and endpoint_dir is None:
+            endpoint_file, endpoint_dir = _run_endpoint(self.run_dir)
+        self._versions = VersionReader(self.run_dir, endpoint_file=endpoint_file, endpoint_dir=endpoint_dir)
         if not consumer or "/" in consumer or consumer.startswith("."):
             raise UserError(f"consumer name {consumer!r}: use letters, digits, '-', '_' and '.'")
         self.consumer = consumer
@@ -171,7 +194,8 @@ class RolloutStream:
                             policy_version=first.policy_version, records=recs, committed_at=mtime)
 
     def current_version(self) -> PolicyVersion | None:
-        return read_version(self.run_dir)
+        """The run's current version: the trainer's ``version.json``, else the server's endpoint file."""
+        return self._versions.current()
 
     def next_batch(self, n_groups: int, timeout_s: float | None = None, max_staleness: int | None = None,
                    on_error: str = "mask") -> list[RolloutGroup]:

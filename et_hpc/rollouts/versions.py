@@ -9,12 +9,23 @@ stat (inode, size, mtime) changed, so checking before every claim is cheap.
 
 No file means no trainer-owned version: records keep whatever the policy reported (the endpoint
 file's ``model_version`` when vLLM owns the switch).
+
+A version is a monotone id plus its label, whichever side owns the switch: the trainer's integer
+(label = the same number), or the checkpoint step that ``slurm/vllm.sbatch --checkpoint-dir``
+publishes in the endpoint file's ``model_version`` (``PATH@step-N``: id N, label the whole
+string). ``version_step`` parses either; a label without a step (``PATH@files-HASH``, a model name)
+has no id and cannot be ordered (staleness "unknown"). While the server switches it publishes
+``switching PATH@step-OLD -> PATH@step-NEW`` first (id: OLD, the older one), so a turn answered
+during a switch is seen as crossing it. ``VersionReader(run_dir, endpoint_file=..., endpoint_dir=...)``
+reads the trainer's file, else the endpoint file's (a directory of replicas: the highest id), so
+``max_staleness`` and ``abandon`` work for both sources.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,12 +37,39 @@ from et_hpc.util import atomic_write_text
 VERSION_FILE = "version.json"
 
 
+_STEP = re.compile(r"@step-(\d+)\b")
+SWITCHING = "switching "
+
+
+def version_step(label: Any) -> int | None:
+    """The monotone id of a version label: an integer (trainer-owned), or N of ``...@step-N``
+    (vllm.sbatch); during a switch (``switching OLD -> NEW``) the older step. None when the label
+    names no step (a content hash, a model name) or is None."""
+    if label is None:
+        return None
+    if isinstance(label, int) and not isinstance(label, bool):
+        return label
+    s = str(label).strip()
+    if s.startswith(SWITCHING):  # mid-switch: what was served before it (None when that had no step)
+        return version_step(s[len(SWITCHING):].split(" -> ")[0])
+    if s.isdigit():
+        return int(s)
+    m = _STEP.search(s)
+    return int(m.group(1)) if m else None
+
+
 @dataclass(frozen=True)
 class PolicyVersion:
     version: int
     model: str | None = None
     checkpoint: str | None = None
     published_at: float | None = None
+    label: str | None = None  # the endpoint file's model_version (source "endpoint"); else str(version)
+    source: str = "trainer"  # "trainer" (version.json) or "endpoint" (vllm.sbatch's model_version)
+
+    @property
+    def name(self) -> str:
+        return self.label if self.label is not None else str(self.version)
 
 
 def version_path(run_dir: Path | str) -> Path:
@@ -69,11 +107,48 @@ def publish_version(run_dir: Path | str, version: int | None = None, *, model: s
     return pv
 
 
-class VersionReader:
-    """``current()`` of a run's version file, re-read only when the file changed."""
+def endpoint_version(endpoint_file: Path | str | None = None, endpoint_dir: Path | str | None = None) -> PolicyVersion | None:
+    """The server-owned version: the endpoint file's ``model_version`` with a step (a directory of
+    replicas: the one with the highest step); None without a file or a step."""
+    from et_hpc.agent.endpoint import read_endpoint_file
 
-    def __init__(self, run_dir: Path | str):
+    paths: list[Path] = []
+    if endpoint_file:
+        paths.append(Path(endpoint_file).expanduser())
+    if endpoint_dir:
+        try:
+            paths += sorted(p for p in Path(endpoint_dir).expanduser().glob("*.json") if not p.name.startswith("."))
+        except OSError:
+            pass
+    best: PolicyVersion | None = None
+    for p in paths:
+        try:
+            rec = read_endpoint_file(p)
+        except (OSError, UserError, ValueError):
+            continue
+        label = (rec or {}).get("model_version")
+        step = version_step(label)
+        if step is None:
+            continue
+        try:
+            at = os.stat(p).st_mtime
+        except OSError:
+            at = None
+        if best is None or step > best.version:
+            best = PolicyVersion(version=step, model=(rec or {}).get("model"), checkpoint=str(label).split("@")[0],
+                                 published_at=at, label=str(label), source="endpoint")
+    return best
+
+
+class VersionReader:
+    """``current()``: the run's trainer-owned version (``version.json``, re-read only when the file
+    changed), else the server-owned one of ``endpoint_file``/``endpoint_dir`` when given."""
+
+    def __init__(self, run_dir: Path | str, *, endpoint_file: Path | str | None = None,
+                 endpoint_dir: Path | str | None = None):
         self.path = version_path(run_dir)
+        self.endpoint_file = endpoint_file
+        self.endpoint_dir = endpoint_dir
         self._key: Any = None
         self._value: PolicyVersion | None = None
 
@@ -82,6 +157,8 @@ class VersionReader:
             st = os.stat(self.path)
         except FileNotFoundError:
             self._key, self._value = None, None
+            if self.endpoint_file or self.endpoint_dir:
+                return endpoint_version(self.endpoint_file, self.endpoint_dir)
             return None
         key = (st.st_ino, st.st_size, st.st_mtime_ns)
         if key != self._key:

@@ -13,11 +13,17 @@ interrupts a unit when it must not finish:
 - its lease is gone (expired while this worker was cut off): the records are discarded;
 - the run is stopping (stop file, SIGTERM, Slurm checkpoint): the unit is given back;
 - ``on_version_change: abandon`` and the version moved more than ``max_staleness`` past the one
-  the unit started under: the unit is given back and restarts under the new version.
+  the unit started under: the unit is given back and restarts under the new version. Versions
+  are monotone ids from either source (``et_hpc.rollouts.versions``): the trainer's
+  ``version.json``, else the step in the endpoint file's ``model_version`` (``policy.endpoint_file``
+  or ``policy.endpoint_dir``, as ``slurm/vllm.sbatch --checkpoint-dir`` publishes it).
 
-With ``finish`` (default), a unit in flight during a switch finishes and its records say so
-(``policy_version`` = the start version, ``policy_versions`` = every version seen, in order,
-``crossed_version``). Only whole groups are ever committed; an interrupted unit's episodes are
+With ``finish`` (default), a unit in flight during a switch finishes and its records say so. With
+trainer-owned versions each episode says it for itself: ``policy_version`` = the unit's start
+version (the group's), ``policy_versions`` = it plus every version published while that episode
+ran, ``crossed_version``; the trainer's first publish during an episode that started unversioned
+counts (``unversioned`` -> ``1``). Server-owned versions are the policy's per-turn record, kept.
+Only whole groups are ever committed; an interrupted unit's episodes are
 dropped and the unit is done again from its start.
 
 On Slurm the worker is a submitit array task (``__call__``). SIGTERM (scancel) makes it give
@@ -48,6 +54,8 @@ from et_hpc.runs.store import WRITE_ATTEMPTS, WRITE_RETRY_S
 
 log = logging.getLogger(__name__)
 
+UNVERSIONED = "unversioned"  # policy_versions' name for "before the trainer's first publish"
+
 
 @dataclass
 class _InFlight:
@@ -56,6 +64,8 @@ class _InFlight:
     stop: threading.Event = field(default_factory=threading.Event)
     why: str | None = None  # "lost" | "stopping" | "abandoned"
     seen_versions: list[int] = field(default_factory=list)
+    # every trainer-owned version seen while the unit ran, with its publish time (crossing is per episode)
+    published: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -121,7 +131,8 @@ class Worker(Checkpointable):
         opts = self.cfg.continuous
         self._stop, self._done = stop, threading.Event()
         self.queue = WorkQueue(self.run_dir, lease_s=opts.lease_s).init()
-        self.versions = VersionReader(self.run_dir)
+        pol = self.cfg.policy
+        self.versions = VersionReader(self.run_dir, endpoint_file=pol.endpoint_file, endpoint_dir=pol.endpoint_dir)
         self.runner = resolve_runner(self.cfg.unit_runner)
         self.warming = Warming(self.runner, self.cfg, stop)
         self.wid = new_worker_id()
@@ -157,6 +168,7 @@ class Worker(Checkpointable):
                 stop.set()
                 break
             version = self.versions.current()  # read before the claim: the unit starts under it
+            claimed_at = time.time()
             lease = self.queue.claim(self.wid)
             if lease is None:
                 stop.wait(idle * (0.5 + random.random()))
@@ -164,7 +176,8 @@ class Worker(Checkpointable):
             with self.lock:
                 self.stats.claimed += 1
                 fl = _InFlight(lease=lease, start_version=version,
-                               seen_versions=[version.version] if version else [])
+                               seen_versions=[version.version] if version else [],
+                               published=[(version.version, claimed_at)] if version else [])
                 self.inflight[lease.unit.uid] = fl
             try:
                 self._run_unit(fl, stop)
@@ -177,7 +190,7 @@ class Worker(Checkpointable):
 
     def _unit_cfg(self, fl: _InFlight) -> RunConfig:
         v = fl.start_version
-        if v is not None and v.model:
+        if v is not None and v.model and v.source == "trainer":
             return self.cfg.model_copy(update={"policy": self.cfg.policy.model_copy(update={"model": v.model})})
         return self.cfg
 
@@ -264,13 +277,28 @@ class Worker(Checkpointable):
             log.info("unit %s given back (%s)", fl.lease.unit.uid, why or "stopping")
 
     def _tag(self, rec: EpisodeRecord, unit: Any, fl: _InFlight) -> EpisodeRecord:
+        """The unit's ``group_id``; with trainer-owned versions also the episode's own versions:
+        ``policy_version`` = the unit's start version (the group's), ``policy_versions`` = it plus
+        every version published while *this* episode ran (its start to its end), and
+        ``crossed_version`` from those. The first publish during an episode that started before any
+        version counts as a crossing (``unversioned`` -> 1). Server-owned versions (the endpoint
+        file's) are the policy's own per-turn record and are kept."""
         upd: dict[str, Any] = {"group_id": unit.group_id}
-        if fl.start_version is not None:  # the trainer owns versions: the group's start version
-            with self.lock:
-                seen = list(dict.fromkeys(fl.seen_versions))
-            upd["policy_version"] = str(fl.start_version.version)
-            upd["policy_versions"] = [str(v) for v in seen]
-            upd["crossed_version"] = len(seen) > 1
+        start = fl.start_version
+        if start is not None and start.source != "trainer":
+            return rec.model_copy(update=upd)
+        with self.lock:
+            published = [(v, t) for v, t in fl.published if start is None or v != start.version]
+        t0, t1 = rec.timings.start_s, rec.timings.stop_s
+        during = [str(v) for v, t in published if t0 is not None and t1 is not None and t0 <= t <= t1]
+        if start is None and not during:
+            return rec.model_copy(update=upd)
+        first = str(start.version) if start is not None else UNVERSIONED
+        seen = list(dict.fromkeys([first, *during]))
+        if start is not None:
+            upd["policy_version"] = first
+        upd["policy_versions"] = seen
+        upd["crossed_version"] = len(seen) > 1
         return rec.model_copy(update=upd)
 
     # ------------------------------------------------------------ heartbeat
@@ -292,7 +320,9 @@ class Worker(Checkpointable):
                     with self.lock:
                         if not fl.seen_versions or fl.seen_versions[-1] != version.version:
                             fl.seen_versions.append(version.version)
-                    start = fl.start_version.version if fl.start_version else 0
+                            fl.published.append((version.version, version.published_at or time.time()))
+                    with self.lock:  # a unit claimed before any version: the first one it saw
+                        start = fl.start_version.version if fl.start_version else fl.seen_versions[0]
                     if opts.on_version_change == "abandon" and version.version - start > opts.max_staleness:
                         self._interrupt(fl, "abandoned")
                         continue

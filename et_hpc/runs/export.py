@@ -1,11 +1,14 @@
 """Exports of a run into the formats trainers read: Atropos JSONL, SkyRL/verl parquet.
 
 What is exported: the ``ok`` episodes of the groups ``RunStore.select`` keeps (see
-``et_hpc.runs.store``: a group is one task under one run and one policy version). By default a group
+``et_hpc.runs.store``: a group is what was sampled together, its ``group_id``). By default a group
 with any member that ended in an error status (outside the agent's reach) is left out whole
 (``on_error="mask"``); ``on_error="keep-ok"`` keeps its ok members; ``drop_zero_variance`` leaves
 out groups whose scores are all equal. Error episodes are never exported: they carry no reward.
-Every export returns an ``ExportResult`` with the counts (the CLI prints them).
+A group with a kept member whose token ids are absent or drift from the server's tokenization
+(``EpisodeRecord.has_tokens`` false) is left out whole (``dropped_no_tokens``): no export ever
+holds an empty or re-rendered token list. Every export returns an ``ExportResult`` with the
+counts (the CLI prints them).
 
 **Atropos** (``export_atropos``): one ``ScoredDataGroup`` per line (``atroposlib.envs.base``, a
 TypedDict; the API server's own pydantic model is ``atroposlib.api.server.ScoredData``). Every key
@@ -14,9 +17,7 @@ atroposlib's type as-is (``validate_atropos_group``). Keys:
 
 - ``tokens`` / ``masks``: the whole episode as one sequence per sample, ``masks`` ``-100`` on
   prompt positions (system/user prompt, tool output, template tokens) and the token id on
-  completion positions, when every sample of the group recorded ``prompt_token_ids`` and
-  ``token_ids``. Otherwise both are lists of empty lists (one per sample, so ``len(tokens)``
-  still equals the group size) and the consumer tokenizes ``messages`` itself.
+  completion positions (every exported sample has exact token ids).
 - ``inference_logprobs``: when every sample has logprobs, aligned with ``tokens`` (``1.0`` on
   prompt positions, which Atropos trainers ignore); else ``None``.
 - ``scores``: the rewards from the final tests.
@@ -25,7 +26,8 @@ atroposlib's type as-is (``validate_atropos_group``). Keys:
 - ``group_overrides``: ``{"group_size": n}`` so a group shortened by ``keep-ok`` still passes
   Atropos' group-size check.
 - ``generation_params``: the sampling parameters of the group's first sample.
-- ``et_hpc``: not part of Atropos (consumers ignore it): the group key and the episode ids.
+- ``et_hpc``: not part of Atropos (consumers ignore it): the ``group_id``, task, policy
+  version, samples and episode ids.
 
 Atropos drops groups whose scores are all equal (``ensure_scores_are_not_same``); the Atropos
 export does the same by default (``drop_zero_variance=True``; the CLI's ``--keep-equal-scores``).
@@ -44,11 +46,16 @@ batch lists, so ``pandas.read_parquet(f)[cols].to_dict("list")`` is a ``Generato
                           ``TurnOutput.get_turn_rollout_logprobs``); null without logprobs
 ``rewards``               float64: the episode reward (``GeneratorOutput.rewards``' scalar form)
 ``trajectory_ids``        struct{instance_id, repetition_id} (``TrajectoryID``): the group
-                          (``task_id``, or ``task_id@policy_version``) and the sample
+                          (its ``group_id``; legacy rows ``task_id[@policy_version]``) and the
+                          sample
 ``stop_reasons``          string: why the agent stopped
 ========================  =================================================================
 
-The token columns are null for episodes without recorded token ids. The dataset-style columns
+``generator_output(path)`` reads a file back as a complete ``GeneratorOutput`` of SkyRL 0.4.0
+(``skyrl/train/generators/base.py`` of the ``skyrl`` 0.4.0 wheel): every key of the TypedDict,
+``None`` for those et-hpc has no data for, ``trajectory_ids`` as ``TrajectoryID`` objects
+(SkyRL's own class when ``skyrl`` is importable, else a dataclass with the same fields and
+``to_string``). The dataset-style columns
 stay: ``data_source`` ("endless", as upstream ``prepare_endless.py``), ``prompt``/``messages``
 (list<struct{role, content}>), ``env_class``, ``ability``, ``reward``, ``reward_spec``,
 ``reward_model``, ``extra_info`` (task_id, sample, group_id, episode_id, run_name, split, turns,
@@ -61,6 +68,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +78,7 @@ from pydantic import BaseModel
 
 from et_hpc.errors import UserError
 from et_hpc.record import EpisodeRecord
-from et_hpc.runs.store import Group, GroupCounts, RunStore
+from et_hpc.runs.store import GROUP_ID_SCHEMA, Group, GroupCounts, RunStore
 from et_hpc.util import atomic_open, atomic_write_bytes, progress_bar
 
 log = logging.getLogger(__name__)
@@ -153,16 +161,38 @@ class ExportResult(BaseModel):
         return (f"wrote {n} {what} ({self.episodes} ok episodes in {self.groups} groups, {self.with_tokens} "
                 f"{'groups' if self.format == 'atropos' else 'rows'} with tokens) to {self.path}; of {c.total} groups "
                 f"({c.complete} complete, {c.masked} with an error member, {c.zero_variance} zero-variance): "
-                f"dropped {c.dropped_masked} masked ({self.on_error}), {c.dropped_zero_variance} zero-variance{kept_err}")
+                f"dropped {c.dropped_masked} masked ({self.on_error}), {c.dropped_zero_variance} zero-variance, "
+                f"{c.dropped_no_tokens} without exact token ids{kept_err}")
 
 
 def selected_groups(run: RunStore, on_error: str = "mask", drop_zero_variance: bool = False,
-                    progress: bool = False) -> tuple[list[list[EpisodeRecord]], GroupCounts]:
-    """The selected groups as lists of ``EpisodeRecord`` (sample order), and the counts."""
+                    progress: bool = False, require_tokens: bool = True,
+                    ) -> tuple[list[list[EpisodeRecord]], GroupCounts]:
+    """The selected groups as lists of ``EpisodeRecord`` (sample order), and the counts.
+
+    With ``require_tokens`` (what the exports do) a group with a member without exact token ids
+    (absent, or drifting from the server's tokenization) is left out and counted in
+    ``counts.dropped_no_tokens``.
+    """
+    groups, counts = _selected(run, on_error, drop_zero_variance, progress, require_tokens)
+    return [recs for _, recs in groups], counts
+
+
+def _selected(run: RunStore, on_error: str, drop_zero_variance: bool, progress: bool,
+              require_tokens: bool) -> tuple[list[tuple[Group, list[EpisodeRecord]]], GroupCounts]:
     table, groups, counts = run.select(on_error, drop_zero_variance)
     rows = table.to_pylist()
     recs = [EpisodeRecord.from_row(r) for r in progress_bar(rows, desc="load", unit="ep", show=None if progress else False)]
-    return [[recs[i] for i in g.rows] for g in groups], counts
+    out = []
+    for g in groups:
+        members = [recs[i] for i in g.rows]
+        if require_tokens and not all(r.has_tokens for r in members):
+            counts.dropped_no_tokens += 1
+            counts.selected -= 1
+            counts.episodes -= len(members)
+            continue
+        out.append((g, members))
+    return out, counts
 
 
 def atropos_message(m: dict[str, Any]) -> dict[str, Any]:
@@ -181,25 +211,28 @@ def atropos_message(m: dict[str, Any]) -> dict[str, Any]:
 
 
 def atropos_group(records: list[EpisodeRecord]) -> dict[str, Any]:
-    """One Atropos ``ScoredDataGroup`` (a JSON-ready dict, every key present) from ok episodes."""
+    """One Atropos ``ScoredDataGroup`` (a JSON-ready dict, every key present) from ok episodes
+    with exact token ids (``ValueError`` otherwise: a group is never sent without its tokens)."""
     if not records or any(r.status != "ok" or r.reward is None for r in records):
         raise ValueError("an Atropos group holds ok episodes only")
+    missing = [r for r in records if not r.has_tokens]
+    if missing:
+        raise ValueError(f"{len(missing)} of {len(records)} episodes have no exact token ids "
+                         f"({missing[0].token_drift or missing[0].tokens_source or 'absent'})")
     n = len(records)
     group: dict[str, Any] = dict.fromkeys(ATROPOS_KEYS)
-    group["tokens"] = [[] for _ in range(n)]
-    group["masks"] = [[] for _ in range(n)]
-    if all(r.has_tokens for r in records):
-        seqs = [r.token_sequence() for r in records]
-        group["tokens"] = [s[0] for s in seqs]
-        group["masks"] = [s[1] for s in seqs]
-        if all(s[2] is not None for s in seqs):
-            group["inference_logprobs"] = [s[2] for s in seqs]
+    seqs = [r.token_sequence() for r in records]
+    group["tokens"] = [s[0] for s in seqs]
+    group["masks"] = [s[1] for s in seqs]
+    if all(s[2] is not None for s in seqs):
+        group["inference_logprobs"] = [s[2] for s in seqs]
     group["scores"] = [float(r.reward) for r in records]  # type: ignore[arg-type]
     group["messages"] = [[atropos_message(m) for m in r.messages] for r in records]
     group["group_overrides"] = {"group_size": n}
     group["generation_params"] = records[0].sampling_params or None
     r0 = records[0]
-    group["et_hpc"] = {"run_name": r0.run_name, "task_id": r0.task_id, "policy_version": r0.policy_version,
+    group["et_hpc"] = {"run_name": r0.run_name, "group_id": r0.group_id, "task_id": r0.task_id,
+                       "policy_version": r0.policy_version,
                        "samples": [r.sample for r in records], "episode_ids": [r.episode_id for r in records]}
     return group
 
@@ -222,6 +255,8 @@ def validate_atropos_group(group: dict[str, Any]) -> None:
     except ValidationError as e:
         raise ValueError(f"not an Atropos ScoredDataGroup: {e}") from None
     n = len(group["tokens"])
+    if any(not toks for toks in group["tokens"]):
+        raise ValueError("a sample has an empty token list")
     if not (len(group["masks"]) == len(group["scores"]) == n):
         raise ValueError(f"tokens/masks/scores lengths differ: {n}, {len(group['masks'])}, {len(group['scores'])}")
     size = (group.get("group_overrides") or {}).get("group_size", n)
@@ -293,12 +328,17 @@ def skyrl_tokens(r: EpisodeRecord) -> dict[str, Any]:
             "rollout_logprobs": rollout_lps}
 
 
-def instance_id(r: EpisodeRecord) -> str:
-    """SkyRL's ``TrajectoryID.instance_id`` of an episode: its group within the run."""
+def instance_id(r: EpisodeRecord, group: Group | None = None) -> str:
+    """SkyRL's ``TrajectoryID.instance_id`` of an episode: its group within the run (the
+    ``group_id``; a legacy group without one: ``task_id[@policy_version]``)."""
+    if group is not None and group.group_id:
+        return group.group_id
+    if group is None and r.schema_version >= GROUP_ID_SCHEMA:
+        return r.group_id
     return f"{r.task_id}@{r.policy_version}" if r.policy_version else r.task_id
 
 
-def skyrl_row(r: EpisodeRecord) -> dict[str, Any]:
+def skyrl_row(r: EpisodeRecord, group: Group | None = None) -> dict[str, Any]:
     msgs = [_msg(m) for m in r.messages]
     first_assistant = next((i for i, m in enumerate(msgs) if m["role"] == "assistant"), len(msgs))
     row = {
@@ -326,7 +366,7 @@ def skyrl_row(r: EpisodeRecord) -> dict[str, Any]:
             "policy_version": r.policy_version,
         },
         "rewards": r.reward,
-        "trajectory_ids": {"instance_id": instance_id(r), "repetition_id": r.sample},
+        "trajectory_ids": {"instance_id": instance_id(r, group), "repetition_id": r.sample},
         "stop_reasons": r.stop_reason,
     }
     row.update(skyrl_tokens(r))
@@ -337,9 +377,9 @@ def export_skyrl(run: RunStore, out: Path | str, *, on_error: str = "mask", drop
                  progress: bool = False) -> ExportResult:
     """Write the selected groups' ok episodes as SkyRL/verl parquet (atomically); returns the counts."""
     out = _check_out(out)
-    groups, counts = selected_groups(run, on_error, drop_zero_variance, progress)
-    records = [r for g in groups for r in g]
-    rows = [skyrl_row(r) for r in progress_bar(records, desc="skyrl", unit="ep", show=None if progress else False)]
+    groups, counts = _selected(run, on_error, drop_zero_variance, progress, True)
+    records = [(g, r) for g, recs in groups for r in recs]
+    rows = [skyrl_row(r, g) for g, r in progress_bar(records, desc="skyrl", unit="ep", show=None if progress else False)]
     table = pa.Table.from_pylist(rows, schema=SKYRL_SCHEMA)
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink, compression="zstd")
@@ -350,10 +390,52 @@ def export_skyrl(run: RunStore, out: Path | str, *, on_error: str = "mask", drop
                         counts=counts)
 
 
-def generator_output(path: Path | str) -> dict[str, list]:
-    """Read a SkyRL export back as a ``GeneratorOutput``-shaped dict (one list per field)."""
+# The keys of SkyRL 0.4.0's GeneratorOutput TypedDict (skyrl/train/generators/base.py in the
+# skyrl 0.4.0 wheel), in its order; all of them are required keys of the TypedDict.
+SKYRL_GENERATOR_OUTPUT_KEYS = (
+    "prompt_token_ids", "response_ids", "rewards", "loss_masks", "stop_reasons", "rollout_metrics",
+    "rollout_logprobs", "trajectory_ids", "trajectory_generation_times", "trajectory_time_splits",
+    "rollout_expert_indices", "rollout_sample_support", "is_last_step", "env_metrics", "pixel_values",
+    "image_grid_thw",
+)
+
+
+@dataclass
+class TrajectoryID:
+    """SkyRL's ``TrajectoryID`` (same fields and ``to_string``), used when ``skyrl`` is not installed."""
+
+    instance_id: str  # the group
+    repetition_id: int  # the member (sample)
+
+    def to_string(self) -> str:
+        return f"{self.instance_id}_{self.repetition_id}"
+
+
+def trajectory_id_class() -> type:
+    """SkyRL's own ``TrajectoryID`` when ``skyrl`` is importable, else the same-shaped dataclass."""
+    try:
+        from skyrl.train.generators.base import TrajectoryID as Skyrl  # type: ignore[import-not-found]
+    except Exception:  # not installed (it needs Python >= 3.12 and torch)
+        return TrajectoryID
+    return Skyrl
+
+
+def generator_output(path: Path | str) -> dict[str, Any]:
+    """Read a SkyRL export back as SkyRL's ``GeneratorOutput``: every key, ``trajectory_ids`` as
+    ``TrajectoryID`` objects, ``None`` for what et-hpc does not produce (metrics, timings, routed
+    experts, step-wise and vision fields). ``rollout_logprobs`` is ``None`` unless every row has them
+    (SkyRL takes one list for the whole batch or none)."""
     t = pq.read_table(path, columns=list(GENERATOR_OUTPUT_COLUMNS))
-    return {c: t.column(c).to_pylist() for c in GENERATOR_OUTPUT_COLUMNS}
+    cols = {c: t.column(c).to_pylist() for c in GENERATOR_OUTPUT_COLUMNS}
+    tid = trajectory_id_class()
+    out: dict[str, Any] = dict.fromkeys(SKYRL_GENERATOR_OUTPUT_KEYS)
+    out.update(prompt_token_ids=cols["prompt_token_ids"], response_ids=cols["response_ids"],
+               rewards=cols["rewards"], loss_masks=cols["loss_masks"], stop_reasons=cols["stop_reasons"],
+               trajectory_ids=[tid(instance_id=d["instance_id"], repetition_id=d["repetition_id"])
+                               for d in cols["trajectory_ids"]])
+    lps = cols["rollout_logprobs"]
+    out["rollout_logprobs"] = lps if all(x is not None for x in lps) else None
+    return out
 
 
 def _check_out(out: Path | str) -> Path:
@@ -366,7 +448,8 @@ def _check_out(out: Path | str) -> Path:
 
 
 __all__ = [
-    "ATROPOS_KEYS", "ExportResult", "GENERATOR_OUTPUT_COLUMNS", "Group", "SKYRL_SCHEMA", "atropos_group",
+    "ATROPOS_KEYS", "ExportResult", "GENERATOR_OUTPUT_COLUMNS", "Group", "SKYRL_GENERATOR_OUTPUT_KEYS", "SKYRL_SCHEMA",
+    "TrajectoryID", "atropos_group", "trajectory_id_class",
     "atropos_message", "export_atropos", "export_skyrl", "generator_output", "iter_atropos_groups",
     "selected_groups", "skyrl_row", "skyrl_tokens", "validate_atropos_group",
 ]

@@ -24,9 +24,13 @@ Duplicates are expected and handled by readers, not prevented by writers:
 ``RunStore.read()`` therefore returns one row per unit by default: an ``ok`` record beats an error
 record, and among equals the newest ``created_at`` wins (which also collapses exact duplicates).
 
-Groups (the one place they are defined; exports and ``store summary`` use it): a group is the
-samples of one task under one run and one policy version, key ``(run_name, task_id,
-policy_version)`` (``policy_version`` None when the server names none). GRPO-style trainers
+Groups (the one place they are defined; exports and ``store summary`` use it): a group is what
+was sampled together, key ``(run_name, group_id)``: a batch run's samples of one task
+(``group_id = task_id``), one unit of a continuous run (``<task_id>@e<epoch>``), one
+``collect_trajectories`` call of the Atropos environment (``<task_id>@s<first sample>``). Rows
+written before schema version 4 whose ``group_id`` is just their ``task_id`` keep the older rule,
+key ``(run_name, task_id, policy_version)`` (``policy_version`` None when the server names none):
+those writers did not tell groups apart (``legacy_group``). GRPO-style trainers
 normalise rewards within a group, so a member that failed for reasons outside the agent's reach
 (any non-``ok`` status) biases the rest. ``select_groups`` decides what a trainer gets:
 
@@ -108,8 +112,9 @@ def write_table_atomic(directory: Path, table: pa.Table, name: str | None = None
 
 OnError = Literal["mask", "keep-ok"]
 ON_ERROR: tuple[str, ...] = get_args(OnError)
-GROUP_COLS = ["run_name", "task_id", "policy_version"]
+GROUP_COLS = ["run_name", "group_id", "task_id", "policy_version", "schema_version"]
 _GROUP_READ_COLS = GROUP_COLS + ["sample", "status", "reward"]
+GROUP_ID_SCHEMA = 4  # rows written with this schema version or later are grouped by group_id
 
 
 class GroupCounts(BaseModel):
@@ -124,6 +129,7 @@ class GroupCounts(BaseModel):
     dropped_masked: int = 0  # groups left out because of an error member (on_error="mask")
     dropped_zero_variance: int = 0  # groups left out for equal scores (drop_zero_variance)
     dropped_error_episodes: int = 0  # error members of kept groups (on_error="keep-ok"): never exported
+    dropped_no_tokens: int = 0  # exports: groups left out because a member has no exact token ids (absent, drifted)
 
 
 class Group(BaseModel):
@@ -131,15 +137,16 @@ class Group(BaseModel):
 
     run_name: str
     task_id: str
-    policy_version: str | None
+    policy_version: str | None  # of the first member (members may differ: see crossed_version)
     rows: list[int]  # indices into the table the group was computed from, by sample
     samples: list[int]
     statuses: list[str]
     rewards: list[float | None]
+    group_id: str = ""  # the sampled group; "" for a legacy group (see legacy_group)
 
     @property
-    def key(self) -> tuple[str, str, str | None]:
-        return (self.run_name, self.task_id, self.policy_version)
+    def key(self) -> tuple[str, ...]:
+        return group_key(self.run_name, self.task_id, self.policy_version, self.group_id or None)
 
     @property
     def masked(self) -> bool:
@@ -152,13 +159,23 @@ class Group(BaseModel):
         return [float(w) for w, s in zip(self.rewards, self.statuses) if s == "ok" and w is not None]
 
 
-def group_key(run_name: str, task_id: str, policy_version: str | None) -> tuple[str, str, str | None]:
-    """The key of the group an episode belongs to (``policy_version`` None when unknown)."""
-    return (run_name, task_id, policy_version or None)
+def legacy_group(group_id: str | None, task_id: str, schema_version: int | None) -> bool:
+    """True for a row written before groups had their own id (schema < 4, ``group_id == task_id``)."""
+    return (schema_version or 1) < GROUP_ID_SCHEMA and (not group_id or group_id == task_id)
+
+
+def group_key(run_name: str, task_id: str, policy_version: str | None = None,
+              group_id: str | None = None) -> tuple[str, ...]:
+    """The key of the group an episode belongs to: ``(run_name, "g", group_id)``; without a
+    ``group_id`` (a legacy row) ``(run_name, "t", task_id, policy_version)``."""
+    if group_id:
+        return (run_name, "g", group_id)
+    return (run_name, "t", task_id, policy_version or None)
 
 
 def groups_of(table: pa.Table) -> list[Group]:
-    """Groups of a deduped table (needs ``run_name, task_id, policy_version, sample, status, reward``).
+    """Groups of a deduped table (needs ``run_name, group_id, task_id, policy_version,
+    schema_version, sample, status, reward``).
 
     Order: by first appearance of the key in the table; members in sample order.
     """
@@ -167,13 +184,17 @@ def groups_of(table: pa.Table) -> list[Group]:
         raise ValueError(f"groups_of needs columns {missing}")
     cols = {c: table.column(c).to_pylist() for c in _GROUP_READ_COLS}
     by_key: dict[tuple, list[int]] = {}
-    for i, key in enumerate(zip(cols["run_name"], cols["task_id"], cols["policy_version"])):
-        by_key.setdefault(group_key(*key), []).append(i)
+    for i, (run, gid, task, version, sv) in enumerate(zip(cols["run_name"], cols["group_id"], cols["task_id"],
+                                                         cols["policy_version"], cols["schema_version"])):
+        key = group_key(run, task, version, None if legacy_group(gid, task, sv) else gid)
+        by_key.setdefault(key, []).append(i)
     out = []
-    for (run_name, task_id, version), idx in by_key.items():
+    for key, idx in by_key.items():
         idx.sort(key=lambda i: cols["sample"][i])
+        first = idx[0]
         out.append(Group(
-            run_name=run_name, task_id=task_id, policy_version=version, rows=idx,
+            run_name=key[0], task_id=cols["task_id"][first], policy_version=cols["policy_version"][first] or None,
+            group_id=key[2] if key[1] == "g" else "", rows=idx,
             samples=[cols["sample"][i] for i in idx],
             statuses=[cols["status"][i] for i in idx],
             rewards=[cols["reward"][i] for i in idx],
@@ -244,7 +265,7 @@ class RunSummary(BaseModel):
     mean_reward: float | None  # over ok units
     mean_test_fraction: float | None  # mean passed/total over ok units with tests
     planned_units: int | None = None  # ``plan.units_total`` of run.json, when present
-    groups: GroupCounts | None = None  # (run, task, policy version) groups; see the module doc
+    groups: GroupCounts | None = None  # sampled groups (group_id); see the module doc
 
 
 class CompactResult(BaseModel):

@@ -6,6 +6,7 @@ switch flagged ``crossed_version``.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -96,3 +97,88 @@ def test_switch_mid_run_is_recorded(demo_image, tmp_path: Path) -> None:
 
     table = pq.read_table(sorted((tmp_path / "store" / "switch").glob("part-*.parquet")))
     assert sorted(table.column("crossed_version").to_pylist()) == [False, False, True]  # on disk too
+
+
+def test_version_ids_order_both_sources() -> None:
+    from et_hpc.rollouts.versions import version_step
+
+    assert version_step("3") == 3 and version_step(7) == 7
+    assert version_step("/ck/step-20@step-20") == 20 and version_step("/ck/step-9@step-9") == 9  # not by text
+    assert version_step("switching /ck/a@step-10 -> /ck/b@step-20") == 10  # mid-switch: the older step
+    assert version_step("switching /ck/a@files-ab12 -> /ck/b@step-20") is None  # the older one had none
+    assert version_step("/ck/b@files-0123abcd") is None and version_step("Qwen/Qwen3-8B") is None
+    assert version_step(None) is None
+
+
+def test_max_staleness_discards_by_checkpoint_step(tmp_path: Path) -> None:
+    """Groups stamped with vllm.sbatch's model_version: the stream orders them by step against the
+    endpoint file that vllm.sbatch --checkpoint-dir republishes on a switch."""
+    from et_hpc.record import EpisodeRecord, records_to_table
+    from et_hpc.rollouts import RolloutStream
+    from et_hpc.rollouts.queue import WorkQueue
+
+    shim = vllm_shim(tmp_path, {"hi": ["hello"]})
+    ckpts = tmp_path / "ckpts"
+    for step in (8, 9, 10, 11):
+        (ckpts / f"step-{step}").mkdir(parents=True)
+    (ckpts / "latest").write_text("step-10 10\n")
+    ep = tmp_path / "private" / "endpoint.json"
+    server = subprocess.Popen(["bash", str(REPO / "slurm" / "vllm.sbatch"), "--checkpoint-dir", str(ckpts), "policy",
+                               str(ep)], env=dict(os.environ, VLLM=str(shim), POLL_S="1", HEALTH_EVERY_S="1"),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run = tmp_path / "run"
+    try:
+        wait_for(ep.exists, server, "the endpoint file")
+        q = WorkQueue(run).init()
+        q.enqueue_epoch(["a", "b", "c", "d"], 2)
+        label = {s: f"{ckpts}/step-{s}@step-{s}" for s in (8, 9, 10, 11)}
+        for step in (8, 9, 10, 9):  # committed in this order; labels sort wrongly as text (9 > 10)
+            lease = q.claim("w")
+            recs = [EpisodeRecord(run_name="run", task_id=lease.unit.task_id, sample=i, group_id=lease.unit.group_id,
+                                  status="ok", reward=float(i), policy_version=label[step]) for i in range(2)]
+            q.commit(lease, records_to_table(recs))
+        with RolloutStream(run, "tr", endpoint_file=ep) as s:
+            assert s.current_version().version == 10 and s.current_version().label == label[10]
+            got = s.next_batch(2, timeout_s=1, max_staleness=1)
+            assert [g.version for g in got] == [9, 10] and s.counts["discarded_stale"] == 1  # step 8 < 10 - 1
+            (ckpts / ".latest").write_text("step-11 11\n")
+            (ckpts / ".latest").rename(ckpts / "latest")
+            wait_for(lambda: json.loads(ep.read_text())["model_version"] == label[11], server, "the switch")
+            assert s.current_version().version == 11
+            got = s.next_batch(2, timeout_s=1, max_staleness=1)
+            assert got == [] and s.counts["discarded_stale"] == 2  # step 9 < 11 - 1 now
+            assert s.telemetry["staleness"] == {"1": 1, "0": 1}
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.communicate(timeout=60)
+
+
+def test_trainer_versions_cross_per_episode_and_the_first_publish_counts() -> None:
+    import threading
+
+    from et_hpc.record import EpisodeRecord, Timings
+    from et_hpc.rollouts.queue import Lease, Unit
+    from et_hpc.rollouts.versions import PolicyVersion
+    from et_hpc.rollouts.worker import UNVERSIONED, Worker, _InFlight
+
+    w = Worker.__new__(Worker)
+    w.lock = threading.Lock()
+    unit = Unit(uid="e000000-000000", task_id="t", epoch=0, pos=0, samples=2)
+    lease = Lease(unit=unit, attempt="x", path=Path("/nonexistent"))
+
+    def rec(sample: int, t0: float, t1: float) -> EpisodeRecord:
+        return EpisodeRecord(run_name="r", task_id="t", sample=sample, status="ok", reward=1.0,
+                             timings=Timings(start_s=t0, stop_s=t1))
+
+    # version 2 published at t=150: the first episode (100-140) did not see it, the second (140-200) did
+    fl = _InFlight(lease=lease, start_version=PolicyVersion(version=1, published_at=50.0),
+                   published=[(1, 100.0), (2, 150.0)])
+    a, b = w._tag(rec(0, 100.0, 140.0), unit, fl), w._tag(rec(1, 140.0, 200.0), unit, fl)
+    assert (a.policy_version, a.policy_versions, a.crossed_version) == ("1", ["1"], False)
+    assert (b.policy_version, b.policy_versions, b.crossed_version) == ("1", ["1", "2"], True)
+    assert a.group_id == b.group_id == "t@e0"
+    # no version when the unit started; the trainer's first publish lands during the episode
+    fl = _InFlight(lease=lease, start_version=None, published=[(1, 120.0)])
+    c, d = w._tag(rec(0, 100.0, 140.0), unit, fl), w._tag(rec(1, 130.0, 160.0), unit, fl)
+    assert c.policy_versions == [UNVERSIONED, "1"] and c.crossed_version is True and c.policy_version is None
+    assert d.policy_versions is None and d.crossed_version is None  # started after it: nothing to cross

@@ -27,7 +27,7 @@ pytest.importorskip("atroposlib")
 
 DEMO = REPO / "defs" / "demo"
 SOLVED = "demo_hello_file"  # oracle-like answers: reward 1.0
-WRONG = "demo_csv_sum"  # a wrong total: reward 0.0
+WRONG = "demo_csv_sum"  # a wrong total: 1 of its 2 final tests passes (reward 0.5 as a fraction)
 SOLVE = "printf 'Hello, et-hpc!\\n' > /home/user/greeting.txt"
 SCRIPT = {
     "greeting.txt": [{"command": SOLVE}, {"command": "cat /home/user/greeting.txt"}, "Done."],
@@ -210,12 +210,31 @@ def test_serve_to_atropos_api_server_batch(demo_images, tokenizer_dir, model_ser
         _check_group_against_episodes(g, records, tokenizer)
         task = next(r.task_id for r in records if tuple(r.token_sequence()[0]) == tuple(g["tokens"][0]))
         by_task[task] = g["scores"]
-    assert by_task == {SOLVED: [1.0, 1.0], WRONG: [0.0, 0.0]}
+    assert by_task == {SOLVED: [1.0, 1.0], WRONG: [0.5, 0.5]}  # reward: fraction (1 of its 2 final tests passes)
     assert requests.get(api_server + "/status", timeout=10).json()["current_step"] >= 1
     log = log_path.read_text()
     # atropos logs an exception in an environment's own code with these lines
     assert "Error in collect_trajectories" not in log and "Error in handle_send_to_api" not in log, log[-4000:]
     assert "SIGTERM: stopping" in log
+
+
+def assert_export_is_what_was_sent(sent: list[dict], run_dir: Path) -> None:
+    """The store's Atropos export holds exactly the groups that were sent: same count, sizes, members."""
+    from et_hpc.runs.export import export_atropos
+    from et_hpc.runs.store import RunStore
+
+    out = run_dir.parent / f"{run_dir.name}-export.jsonl"
+    res = export_atropos(RunStore(run_dir), out, drop_zero_variance=False)
+    exported = [json.loads(line) for line in out.read_text().splitlines()]
+
+    def members(groups: list[dict]) -> list[tuple[str, tuple[str, ...], tuple[float, ...]]]:
+        return sorted((g["et_hpc"]["group_id"], tuple(g["et_hpc"]["episode_ids"]), tuple(g["scores"])) for g in groups)
+
+    assert res.groups == len(exported) == len(sent)
+    assert members(exported) == members(sent)
+    assert sorted(len(g["tokens"]) for g in exported) == sorted(len(g["tokens"]) for g in sent)
+    assert [g["tokens"] for g in sorted(exported, key=lambda g: g["et_hpc"]["group_id"])] == \
+        [g["tokens"] for g in sorted(sent, key=lambda g: g["et_hpc"]["group_id"])]
 
 
 @pytest.mark.apptainer
@@ -225,20 +244,134 @@ def test_process_writes_jsonl_groups(demo_images, tokenizer_dir, model_server, t
 
     store = tmp_path / "store"
     out = tmp_path / "groups.jsonl"
+    # the model server through its endpoint file (et-hpc's client, the file's model_version);
+    # --openai.base_url names a port nothing listens on, so only the file can have served it
+    ep_dir = tmp_path / "private"
+    ep_dir.mkdir(mode=0o700)
+    version = "/ckpts/step-3@step-3"
+    model_server.write_endpoint_file(ep_dir / "endpoint.json", model_version=version)
     cmd = ENV_MODULE + ["process"] + _env_flags(
         tokenizer_dir, model_server, store, "e2e-process", [SOLVED],
-        env__data_path_to_save_groups=str(out), env__total_steps=1)
+        env__data_path_to_save_groups=str(out), env__total_steps=3, env__ensure_scores_are_not_same="false",
+        env__endpoint_file=str(ep_dir / "endpoint.json"), openai__base_url="http://127.0.0.1:9/v1")
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env={**os.environ, **OFFLINE}, timeout=900)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     lines = out.read_text().splitlines()
-    assert len(lines) == 1
-    group = json.loads(lines[0])
+    assert len(lines) == 3
+    sent = [json.loads(line) for line in lines]
     records = _stored(store, "e2e-process")
-    assert len(records) == 2
-    _check_group_against_episodes(group, records, AutoTokenizer.from_pretrained(str(tokenizer_dir)))
-    assert group["scores"] == [1.0, 1.0]
+    assert len(records) == 6
+    assert {r.policy_version for r in records} == {version} and not any(r.crossed_version for r in records)
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    for group in sent:
+        _check_group_against_episodes(group, records, tok)
+        assert group["scores"] == [1.0, 1.0]
+    # three calls of one task: three groups of two in the store (not one of six), as sent
+    assert sorted(g["et_hpc"]["group_id"] for g in sent) == [f"{SOLVED}@s0", f"{SOLVED}@s2", f"{SOLVED}@s4"]
+    assert_export_is_what_was_sent(sent, store / "e2e-process")
+    group = sent[0]
     assert group["messages"] and group["messages"][0][1]["content"].startswith("Create the file")  # process mode
     assert (tmp_path / "groups.html").exists()  # atropos' own viewer
+    assert json.loads((store / "e2e-process" / "run.json").read_text())["reward"] == "fraction"
+
+
+class _CountingServer:
+    """The scripted server, counting the episodes it saw: first turns (no assistant message yet)."""
+
+    def __new__(cls, script: dict):
+        import threading
+
+        from et_hpc.scripted_server import ScriptedServer
+
+        class Counting(ScriptedServer):
+            first_turns = 0
+            _lock = threading.Lock()
+
+            def _chat(self, h, req):
+                if not any(m.get("role") == "assistant" for m in req.get("messages") or []):
+                    with self._lock:
+                        type(self).first_turns += 1
+                return super()._chat(h, req)
+
+        return Counting(script)
+
+
+def _register_trainer(api_server: str, tmp_path: Path) -> None:
+    import httpx as requests  # declared (the policy's /tokenize client); same calls as requests
+
+    reg = requests.post(api_server + "/register", json={
+        "wandb_group": "et-hpc-test", "wandb_project": "et-hpc-test", "batch_size": 4, "max_token_len": 65536,
+        "checkpoint_dir": str(tmp_path / "ckpt"), "save_checkpoint_interval": -1, "starting_step": 0,
+        "num_steps": 10}, timeout=10)
+    reg.raise_for_status()
+    assert _get(api_server + "/batch")["batch"] is None
+
+
+@pytest.mark.apptainer
+@pytest.mark.slow
+def test_worker_timeout_cancels_lose_no_episode(demo_images, tokenizer_dir, api_server, tmp_path):
+    """atropos cancels every group (worker_timeout 2 s, episodes take longer): every episode the
+    environment started is stored all the same; SIGTERM then interrupts the running ones, which are
+    stored as infra_error with one log line each (no traceback)."""
+    slow = {"greeting.txt": [{"command": "sleep 3; " + SOLVE}, "Done."]}
+    srv = _CountingServer(slow).start()
+    try:
+        _register_trainer(api_server, tmp_path)
+        store = tmp_path / "store"
+        log_path = tmp_path / "serve.log"
+        cmd = ENV_MODULE + ["serve"] + _env_flags(
+            tokenizer_dir, srv, store, "cancelled", [SOLVED], env__rollout_server_url=api_server,
+            env__worker_timeout=2, env__max_num_workers=2, env__max_batches_offpolicy=1, env__total_steps=10)
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
+                                    env={**os.environ, **OFFLINE}, start_new_session=True)
+            try:
+                deadline = time.monotonic() + 300
+                # run until atropos has timed out workers and at least two groups have been stored
+                while not (log_path.read_text().count("has timed out") >= 2 and len(_shards(store / "cancelled")) >= 2):
+                    assert proc.poll() is None, log_path.read_text()[-4000:]
+                    assert time.monotonic() < deadline, log_path.read_text()[-4000:]
+                    time.sleep(1)
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    rc = proc.wait(timeout=300)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                    raise
+    finally:
+        srv.stop()
+    text = log_path.read_text()
+    assert rc == 0, text[-4000:]
+    records = _stored(store, "cancelled")
+    started = [r for r in records if r.error != "interrupted by the run before it started"]
+    import re
+
+    m = re.search(r"episodes started (\d+), stored (\d+) \((\d+) interrupted\), groups cancelled (\d+)", text)
+    assert m, text[-4000:]
+    n_started, n_stored, n_interrupted, n_cancelled = map(int, m.groups())
+    print(f"model server saw {srv.first_turns} episodes; env started {n_started}, stored {n_stored} "
+          f"({n_interrupted} interrupted), {n_cancelled} groups cancelled; store holds {len(records)} records")
+    assert n_stored == len(records) and n_started == len(started)
+    assert srv.first_turns >= 4 and srv.first_turns <= len(started)  # every episode the server saw is stored
+    cancelled = [r for r in records if "collect cancelled: not sent" in r.events]
+    assert n_cancelled >= 2 and len(cancelled) >= 4
+    assert all(r.status == "ok" and r.reward == 1.0 for r in cancelled if r.error is None)
+    # groups are whole: every group_id has group_size members
+    from collections import Counter
+
+    assert set(Counter(r.group_id for r in records).values()) == {2}
+    assert not [r for r in records if r.turns == 0 and r.error != "interrupted by the run before it started"
+                and r.status == "ok"]
+    interrupted = [r for r in records if r.status != "ok"]
+    assert all(r.status == "infra_error" and r.reward is None for r in interrupted)
+    assert text.count("interrupted: ") == len(interrupted) == n_interrupted
+    assert "Traceback" not in text, text[-4000:]
+
+
+def _shards(run_dir: Path) -> list[Path]:
+    return sorted(run_dir.glob("part-*.parquet"))
 
 
 def _offline_env(tokenizer_dir: Path, tmp_path: Path, **cfg):
@@ -287,3 +420,29 @@ def test_group_with_one_infra_error_is_not_sent(tokenizer_dir, tmp_path, monkeyp
         assert keep.group_from_records([_rec(0, None, "timeout")]) is None  # nothing ok: nothing to keep
     finally:
         keep.close()
+
+
+def test_env_settings_epochs_rewards_and_runs(tokenizer_dir, tmp_path, monkeypatch):
+    for k, v in OFFLINE.items():
+        monkeypatch.setenv(k, v)
+    env = _offline_env(tokenizer_dir, tmp_path, endpoint_dir=str(tmp_path / "eps"))
+    try:
+        env.tasks = [f"t{i}" for i in range(8)]
+        orders = [env.epoch_order(e) for e in range(4)]
+        assert all(sorted(o) == list(range(8)) for o in orders)  # each epoch serves every task once
+        assert len({tuple(o) for o in orders}) == 4  # a fresh permutation each epoch
+        pol = env.run_config().policy
+        assert pol.endpoint_dir == tmp_path / "eps" and pol.base_url is None and pol.endpoint_file is None
+        assert env.eval_run_name == "atropos-endless-eval"
+        assert env.run_config(env.eval_run_name).run_name() == "atropos-endless-eval"
+        four = _rec(0, 0.0).model_copy(update={"passed": 3, "total": 4})
+        assert env.score(four).reward == 0.75  # the seed's rule: passed / total
+        assert env.score(_rec(1, None, "infra_error")).reward is None
+    finally:
+        env.close()
+    binary = _offline_env(tokenizer_dir, tmp_path, reward="binary")
+    try:
+        assert binary.score(_rec(0, 0.0).model_copy(update={"passed": 3, "total": 4})).reward == 0.0
+        assert binary.run_config().policy.base_url == "http://127.0.0.1:9/v1"
+    finally:
+        binary.close()

@@ -212,3 +212,75 @@ def test_versions_only_go_up_and_the_reader_sees_changes(tmp_path: Path) -> None
     with pytest.raises(UserError, match="only go up"):
         publish_version(tmp_path, 1)
     assert Counter(p.name for p in tmp_path.iterdir()) == Counter({"version.json": 1})
+
+
+def test_scored_data_never_holds_absent_or_drifted_tokens(tmp_path: Path) -> None:
+    from et_hpc.rollouts.stream import RolloutGroup
+
+    def rec(sample: int, drift: str | None = None, tokens: bool = True) -> EpisodeRecord:
+        kw = dict(prompt_token_ids=[[1, 2], [3]], token_ids=[[4 + sample], [5]], tokens_source="server-exact",
+                  token_drift=drift) if tokens else {}
+        return EpisodeRecord(run_name="r", task_id="t", sample=sample, group_id="t@e0", status="ok",
+                             reward=float(sample), **kw)
+
+    good = RolloutGroup(seq=0, group_id="t@e0", task_id="t", policy_version=None, records=[rec(0), rec(1)],
+                        committed_at=0.0)
+    d = good.scored_data()  # positive control: a group with exact tokens is all there
+    assert d["tokens"] == [[1, 2, 4, 3, 5], [1, 2, 5, 3, 5]] and d["dropped_no_tokens"] == 0 and d["group_id"] == "t@e0"
+    for bad in ([rec(0), rec(1, drift="turn 1 position 0")], [rec(0), rec(1, tokens=False)]):
+        d = RolloutGroup(seq=1, group_id="t@e1", task_id="t", policy_version=None, records=bad,
+                         committed_at=0.0).scored_data()
+        assert d["tokens"] == [] and d["scores"] == [] and d["dropped_no_tokens"] == 1
+
+
+def test_abandon_follows_the_servers_checkpoint_step(tmp_path: Path) -> None:
+    """on_version_change: abandon with vLLM owning the switch: the worker reads the step of the
+    endpoint file's model_version; a unit is requeued once the served step moved past max_staleness,
+    and restarts under the new step (a real worker, queue and unit runner; no model is called)."""
+    import threading
+
+    from et_hpc.agent.endpoint import endpoint_record, write_endpoint_file
+    from et_hpc.agent.policies import PolicyConfig
+    from et_hpc.rollouts.worker import Worker
+    from et_hpc.runner.config import ContinuousConfig, RunConfig
+    from helpers.units import make_tasks
+
+    tasks = make_tasks(tmp_path / "t", 1, sleep_s=30)  # long enough to be abandoned
+    log_dir = tmp_path / "t" / "log"
+    ep_dir = tmp_path / "private"
+    ep_dir.mkdir(mode=0o700)
+    ep = ep_dir / "endpoint.json"
+
+    def serve(step: int) -> None:
+        write_endpoint_file(ep, endpoint_record("127.0.0.1", 9, "policy", model_version=f"/ck/step-{step}@step-{step}"))
+
+    serve(10)
+    cfg = RunConfig(name="ab", store=tmp_path / "store", samples=1, unit_runner="helpers.units:work_runner",
+                    policy=PolicyConfig(kind="openai", endpoint_file=ep),
+                    continuous=ContinuousConfig(on_version_change="abandon", max_staleness=1, heartbeat_s=0.2,
+                                                poll_s=0.2, lease_s=30))
+    run_dir = cfg.run_dir()
+    q = WorkQueue(run_dir).init()
+    q.enqueue_epoch([tasks[0].id], 1)
+    w = Worker(cfg, run_dir, {t.id: t for t in tasks}, {t.id: None for t in tasks}, concurrency=1)
+    stop = threading.Event()
+    th = threading.Thread(target=w.run, args=(stop,), daemon=True)
+    th.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not (log_dir / "starts.log").exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        serve(11)  # one step behind: within max_staleness, the unit keeps running
+        time.sleep(1.5)
+        assert w.stats.abandoned == 0
+        (log_dir / "fast").touch()  # the next start of the unit finishes at once
+        serve(12)  # two steps past its start (10): abandoned, requeued, redone under step 12
+        while q.published() < 1:
+            assert time.monotonic() < deadline, w.stats.as_dict()
+            time.sleep(0.1)
+    finally:
+        stop.set()
+        th.join(30)
+    assert w.stats.abandoned == 1 and w.stats.committed == 1
+    assert len((log_dir / "starts.log").read_text().splitlines()) == 2

@@ -1,4 +1,5 @@
-"""Groups in the store: key (run, task, policy version), masking, zero variance, summary counts."""
+"""Groups in the store: key (run, group_id), legacy rows by (run, task, policy version), masking,
+zero variance, summary counts."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from et_hpc.runs.store import RunStore, count_groups, group_key, groups_of, sele
 
 
 def rec(task: str, sample: int, reward: float | None, status: str = "ok", version: str | None = None,
-        run: str = "r") -> EpisodeRecord:
-    return EpisodeRecord(run_name=run, task_id=task, sample=sample, status=status,
+        run: str = "r", group: str = "") -> EpisodeRecord:
+    return EpisodeRecord(run_name=run, task_id=task, sample=sample, status=status, group_id=group,
                          reward=reward if status == "ok" else None, policy_version=version)
 
 
@@ -28,15 +29,40 @@ def rs(tmp_path) -> RunStore:
     return r
 
 
-def test_group_key_uses_the_policy_version(tmp_path):
-    assert group_key("r", "t", None) == group_key("r", "t", "") == ("r", "t", None)
+def test_legacy_rows_group_by_task_and_policy_version(tmp_path):
+    # rows written before schema 4 with group_id == task_id keep the older rule
+    assert group_key("r", "t", None) == group_key("r", "t", "") == ("r", "t", "t", None)
     r = RunStore(tmp_path / "v")
-    r.write([rec("t", 0, 1.0, version="v1"), rec("t", 1, 0.0, version="v1"), rec("t", 2, 1.0, version="v2"),
-             rec("u", 0, 1.0)])
+    old = [rec("t", 0, 1.0, version="v1"), rec("t", 1, 0.0, version="v1"), rec("t", 2, 1.0, version="v2"),
+           rec("u", 0, 1.0)]
+    r.write([x.model_copy(update={"schema_version": 3}) for x in old])
     groups = groups_of(r.read())
-    assert sorted(g.key for g in groups) == [("r", "t", "v1"), ("r", "t", "v2"), ("r", "u", None)]
+    assert sorted(g.key for g in groups) == [("r", "t", "t", "v1"), ("r", "t", "t", "v2"), ("r", "t", "u", None)]
     v1 = next(g for g in groups if g.policy_version == "v1")
     assert v1.samples == [0, 1] and v1.rewards == [1.0, 0.0]
+    # the same rows written now: one group per group_id, whatever versions its members saw
+    r2 = RunStore(tmp_path / "v4")
+    r2.write(old)
+    assert sorted((g.key, g.samples) for g in groups_of(r2.read())) == [
+        (("r", "g", "t"), [0, 1, 2]), (("r", "g", "u"), [0])]
+
+
+def test_groups_are_the_sampled_groups(tmp_path):
+    # two collect calls of one task (group ids t@s0, t@s2) and two epochs of a continuous unit
+    r = RunStore(tmp_path / "g")
+    r.write([rec("t", 0, 1.0, group="t@s0"), rec("t", 1, 0.0, group="t@s0")])
+    r.write([rec("t", 2, 1.0, group="t@s2"), rec("t", 3, 1.0, group="t@s2", status="infra_error")])
+    r.write([rec("u", s, float(s), group=f"u@e{s // 2}") for s in range(4)])
+    groups = groups_of(r.read())
+    assert [(g.group_id, g.samples) for g in groups] == [("t@s0", [0, 1]), ("t@s2", [2, 3]), ("u@e0", [0, 1]),
+                                                         ("u@e1", [2, 3])]
+    c = count_groups(groups)
+    assert (c.total, c.complete, c.masked, c.zero_variance) == (4, 3, 1, 0)
+    _, kept, c = r.select()
+    assert [g.group_id for g in kept] == ["t@s0", "u@e0", "u@e1"] and c.dropped_masked == 1
+    # a legacy shard in the same run keeps its own rule beside them
+    r.write([rec("t", 9, 1.0).model_copy(update={"schema_version": 2})])
+    assert [g.key for g in groups_of(r.read())][-1] == ("r", "t", "t", None)
 
 
 def test_dedupe_before_grouping_an_ok_retry_unmasks_the_group(rs):
