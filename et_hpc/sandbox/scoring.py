@@ -270,12 +270,27 @@ def facts_of(res: dict) -> Facts:
     return Facts("ran", timed_out=bool(res.get("timed_out")), report=report)
 
 
+ENDING_GRACE_S = 2.0  # apptainer's init exits about 0.1 s after SIGTERM, killing the rest first
+
+
+def _health(sandbox: Sandbox, facts: Facts) -> str:
+    """``Sandbox.health()``; when the driver or the entry failed while init still runs, init may be
+    ending (a SIGTERM to it kills the instance's processes before init exits): it gets a moment."""
+    health = sandbox.health()
+    if health == "alive" and facts.outcome in ("disturbed", "infra"):
+        deadline = time.monotonic() + ENDING_GRACE_S
+        while health == "alive" and time.monotonic() < deadline:
+            time.sleep(0.05)
+            health = sandbox.health()
+    return health
+
+
 def _decide(sandbox: Sandbox | None, facts: Facts, res: dict, t0: float, *,
             timeout_s: float | None = None) -> ScoreResult:
     """The result the blame table gives for ``facts``; the instance's health is read (from the
     host) whenever the tests did not run to a report."""
     if sandbox is not None and not (facts.outcome == "ran" and facts.report == "parsed" and not facts.timed_out):
-        facts = replace(facts, instance=sandbox.health())
+        facts = replace(facts, instance=_health(sandbox, facts))
     row = blame(facts)
     tail = res.get("out") or ""
     notes = list(res.get("notes") or [])
