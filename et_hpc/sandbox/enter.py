@@ -7,11 +7,18 @@ on stdout, then exits 0. The JSON has ``kind``:
 
 - ``"ran"``: the tests ran; ``rc``/``signal`` of pytest, ``timed_out``, ``junit`` (text or None),
   ``out`` (output tail), ``killed``, ``cwd``, ``notes`` (what scoring saw or changed);
-- ``"agent"``: the state the agent left stops the tests (``error`` says how); the agent's failure;
-- ``"infra"``: something outside the agent's reach failed (``error``); no reward.
+- ``"agent"``: the state the agent left stops the tests (``error`` says how, ``stage`` is
+  ``survivors`` or ``view``);
+- ``"disturbed"``: the driver died, failed or hung after the tests started;
+- ``"interp"``: the tests' interpreter did not start (``control``: see step 7);
+- ``"infra"``: something outside the agent's reach failed (``error``).
+
+``et_hpc.sandbox.scoring.blame`` decides status and reward from these (one table).
 
 What it does, in order (no file of the instance's writable layer is executed or loaded as code
-before the pristine interpreter runs the tests):
+before the pristine interpreter runs the tests, and none is read to decide how it starts). The
+host has already stopped and killed every process of the instance but init
+(``et_hpc.sandbox.sweep``), before this helper starts and before the agent's shells are closed:
 
 1. opens ``/proc/PID/{stat,ns/*}`` of the instance's init (PID and start time checked against the
    ones recorded at start), then ``setns`` into its user namespace first (we own it, so we get
@@ -20,21 +27,24 @@ before the pristine interpreter runs the tests):
    inode as ``/proc/1/root``, and the pristine tree is there). ``sys.path`` is emptied so that
    nothing is ever imported from the container's files;
 2. ``unshare(CLONE_NEWNS)`` and makes ``/`` rprivate: a private copy of the instance's mounts;
-3. forks: the child is in the instance's pid namespace. With capabilities still held it kills
-   every process but init (``kill(-1, SIGKILL)`` until ``/proc`` shows none, fork bombs included)
-   and marks itself non-dumpable, so nothing the tests start can ptrace or read it;
-4. mounts a fresh 64 MiB tmpfs (mode 0700) on a directory of the pristine read-only tree
+3. forks: the child is in the instance's pid namespace and marks itself non-dumpable. Any
+   process other than init found there now outlived the host's sweep: it is killed and the
+   episode is the agent's 0 (``"agent"``, stage ``survivors``); no tests run;
+4. builds the tests' root (``runtime_view``) and ``pivot_root``s into it: a tmpfs holding bind
+   mounts of every entry of the agent's ``/``, ``/usr`` and ``/etc`` (a symlink is copied, anything
+   else is bound; entries are never opened or read), except that ``/lib*``, ``/usr/lib*`` (the
+   loader's default directories, gconv, locales) and ``/etc``'s ``ld.so.preload``,
+   ``ld.so.cache``, ``ld.so.conf*`` and ``nsswitch.conf`` are the pristine tree's, whatever the
+   agent left there. The agent's own tree is untouched evidence. An entry that cannot be listed
+   or bound is the state's failure (``"agent"``, stage ``view``);
+5. mounts a fresh 64 MiB tmpfs (mode 0700) on a directory of the pristine read-only tree
    (``/.et-pristine/tmp``) and writes the test file, an empty pytest config there, with a ``tmp``
    directory in it that is the tests' ``TMPDIR`` (pytest's capture files, ``tmp_path``): scoring
    needs no writable place of the agent's, so an agent that fills every disk it can reach still
-   gets its tests run;
-5. neutralises what the loader and libc read from the writable root: ``/etc/ld.so.preload``
-   (a regular file in a real ``/etc`` gets an empty file bound over it; a symlink, a non-file, or
-   an ``/etc`` that is not a directory is refused as the agent's failure, because binding over it
-   would hide an agent-chosen file from the tests) and ``/etc/nsswitch.conf`` (if it names any
-   module other than glibc's built-in ``files``/``dns``, a files-only copy is bound over it, same
-   rule for symlinks). Locales come from the pristine tree (``LOCPATH``);
-6. starts the pristine loader ``/.et-pristine/.../ld-linux*.so`` with ``--inhibit-cache
+   gets its tests run. Locales come from the pristine tree (``LOCPATH``);
+6. tells the helper the tests start (from here on, programs the tests run can signal, stop or
+   prlimit the driver: whatever then ends or breaks it is ``"disturbed"``, the state's doing)
+   and starts the pristine loader ``/.et-pristine/.../ld-linux*.so`` with ``--inhibit-cache
    --library-path <pristine lib dirs>`` on ``/.et-pristine/usr/bin/python3 -I -S -B``, pytest with
    ``-p no:cacheprovider --noconftest -c <empty ini> --rootdir <tmpfs>`` and ``-p no:`` for the
    builtin plugins that only act on options scoring never passes (``UNUSED_PLUGINS``), autoload of
@@ -48,7 +58,10 @@ before the pristine interpreter runs the tests):
    without the interpreter's teardown once its output is flushed;
 7. waits with the verifier timeout, kills what is left, reads the JUnit report from the tmpfs (a
    regular file only: never blocking on a FIFO) and sends the result to the host process over a
-   pipe only the driver holds.
+   pipe only the driver holds. If the interpreter did not start (exit 127 from the loader, or
+   pytest missing), the same interpreter is started once more chrooted into the pristine tree
+   alone (``_pristine_control``): ``"interp"`` with ``control`` True means the state the agent
+   left stopped it, False that the image itself is broken.
 
 Warm-up mode (``"mode": "warm"`` in the config; ``et_hpc.sandbox.scoring.start_warmup``, once the
 agent's first shell started): step 1, then the pristine python of step 6 without capabilities, niced, output to
@@ -282,7 +295,7 @@ def runtime_view(pristine: str, avoid: str, notes: list[str]) -> None:
     if view is None:
         raise Infra(f"no directory to build the tests' root on in {pristine}")
     try:
-        _mount("et-root", view, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
+        _mount("et-root", view, "tmpfs", MS_NOSUID | MS_NODEV, "size=16m,mode=0755")
         # the pristine tree first, while the view is empty; the copy of the view itself it
         # brings along (the view is mounted in it) is dropped
         os.makedirs(view + pristine, 0o755)

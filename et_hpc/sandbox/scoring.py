@@ -1,24 +1,24 @@
 """Scoring: run a task's pytest file in the episode's instance, entered through nothing the agent wrote.
 
-``score(sandbox, final_tests)`` starts ``et_hpc.sandbox.enter`` on the host: our own Python joins
-the instance's namespaces (user first: we own it), takes a private copy of its mounts, kills every
-process left in it, writes the test file to a fresh tmpfs on the pristine read-only image tree
-(``/.et-pristine``, the SIF bound at start) and runs pytest with that tree's own dynamic loader and
-Python (``-I -S -B``, no conftest, no plugin autoload, an empty ini, a clean environment, cwd
-``/home/user`` when the agent's uid can use it, else ``/``), under scoring rlimits and without
-capabilities. Nothing of the instance's writable layer is run before the tests: not apptainer's
-``/.singularity.d`` actions and env scripts, not ``/bin/sh``, not rc files, not the writable
-``python3``, pytest, libc, ``ld.so.preload`` or NSS modules (see that module's doc for each step).
-There is no fallback to the instance's own ``python3``.
+``score(sandbox, final_tests)`` first ends the agent from the host (``Sandbox.end_agent``: every
+process of the instance but init stopped and killed through pidfds, nested PID namespaces
+included, and only then its shells closed). Then it starts ``et_hpc.sandbox.enter`` on the host:
+our own Python joins the instance's namespaces (user first: we own it), takes a private copy of
+its mounts, builds the tests' root (the agent's state, with the image's own loader and libc
+runtime files: default library dirs, ``ld.so.preload``, ``ld.so.cache``, ``nsswitch.conf``),
+writes the test file to a fresh tmpfs on the pristine read-only image tree (``/.et-pristine``,
+the SIF bound at start) and runs pytest with that tree's own dynamic loader and Python (``-I -S
+-B``, no conftest, no plugin autoload, an empty ini, a clean environment, cwd ``/home/user`` when
+the agent's uid can use it, else ``/``), under scoring rlimits and without capabilities. Nothing
+of the instance's writable layer is run before the tests, and nothing of it is read to decide how
+they start (see that module's doc for each step). There is no fallback to the instance's own
+``python3``.
 
-Who is to blame decides the result (SECURITY.md has the table):
-
-- the tests ran and pytest wrote its report: ``ok``, reward 1.0 iff every test passed (at least one);
-- the state the agent left stops the tests (they exceed the verifier timeout, pytest dies without
-  a report, a symlinked ``/etc/ld.so.preload``, the instance ended from inside): ``ok``, reward
-  0.0, ``note`` says what happened;
-- anything outside the agent's reach (apptainer or /proc failing on the host, the pristine tree
-  or its pytest missing, our bugs): ``error``, reward ``None``.
+Who is to blame decides the result: one table, ``BLAME`` (SECURITY.md shows it), read by
+``blame(Facts)``. Whatever state the agent can leave gives ``ok`` (reward 1.0 iff every test
+passed, at least one; else 0.0 with ``note`` saying what happened); only what is outside the
+agent's reach (apptainer or /proc failing on the host, the pristine tree or its pytest missing,
+our bugs) is ``error``, reward ``None``.
 
 ``interpreter`` names what ran the tests: ``"pristine"`` or ``"none"`` (nothing ran).
 """
