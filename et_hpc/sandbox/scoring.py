@@ -298,7 +298,13 @@ def _decide(sandbox: Sandbox | None, facts: Facts, res: dict, t0: float, *,
     if row.name == "tests":
         return _verdict(res, t0, notes, tail, interp)
     how = f"signal {res['signal']}" if res.get("signal") else f"exit {res.get('rc')}"
-    note = row.note.format(error=res.get("error") or "", instance=facts.instance, how=how,
+    error = res.get("error") or ""
+    if row.name == "bad_report":
+        try:
+            parse_junit(res.get("junit") or "")
+        except ET.ParseError as e:
+            error = str(e)
+    note = row.note.format(error=error, instance=facts.instance, how=how,
                            timeout=f" ({timeout_s:g} s)" if timeout_s is not None else "")
     if row.status == "error":
         return _error(note, tail, t0, interp)

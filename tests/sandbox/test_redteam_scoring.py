@@ -362,3 +362,18 @@ def test_init_ending_after_the_last_turn(when: str, image: Path, tmp_path: Path)
         res = scoring.score(sb, t, timeout_s=30)
         assert sb.health() == "gone"  # the instance really ended
         assert res.status == "ok" and res.reward == 0.0 and res.note == scoring.GONE_NOTE, res
+
+
+def test_a_process_found_at_entry_is_the_agents_zero(task_sif: Path, tmp_path: Path, final_test: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The entry's own check, behind the host's sweep: with the sweep made to do nothing (as if a
+    process escaped it), what the driver finds in the instance ends the episode as the agent's 0."""
+    with Sandbox(task_sif, run_prefix="t-rts", scratch=tmp_path) as sb:
+        _run(sb, "setsid sleep 1000 >/dev/null 2>&1 < /dev/null & echo 42 > /home/user/answer.txt")
+        monkeypatch.setattr(sweep, "sweep", lambda *a, **k: sweep.SweepResult())
+        res = scoring.score(sb, final_test, timeout_s=30)
+        assert res.status == "ok" and res.reward == 0.0, res  # a pass otherwise: the answer is right
+        assert "outlived the sweep" in (res.note or ""), res.note
+        monkeypatch.undo()
+        res = scoring.score(sb, final_test, timeout_s=30)  # the control: nothing left now, it passes
+        assert res.status == "ok" and res.reward == 1.0, (res.note, res.output_tail[-500:])
