@@ -30,17 +30,17 @@ sys.path.insert(0, str(ROOT / "tests"))
 STAGES = [
     ("shells_closed_first", "close the agent's shells (the code before: first)"),
     ("instance_found", "prepare (no-op) + init pid (cached)"),
+    ("swept", "stop and kill the agent's processes from the host, then close its shells"),
     ("config", "scoring config, helper argv"),
     ("helper_spawned", "fork+exec of the host helper"),
-    ("shells_closed", "close the agent's shells (while the helper starts)"),
     ("helper_start", "host python start-up"),
     ("imported", "helper imports (ctypes, json, subprocess)"),
     ("config_read", "config over stdin"),
     ("entered", "setns user/mnt/pid/net/ipc, root checks"),
     ("private_mounts", "unshare(CLONE_NEWNS), / rprivate"),
-    ("killed", "fork into the pid ns, kill sweep"),
+    ("killed", "fork into the pid ns, check nothing outlived the sweep"),
+    ("view", "the tests' root: the agent's state, the image's runtime files"),
     ("tmpfs", "tmpfs on the pristine tree, test file, ini"),
-    ("neutralised", "ld.so.preload / nsswitch checks"),
     ("pytest_spawned", "fork, rlimits, caps dropped, exec of the pristine loader"),
     ("py_start", "pristine python start-up (loader, -I -S)"),
     ("py_pytest_imported", "site dirs, import pytest"),
@@ -66,10 +66,6 @@ def stage_table(runs: list[dict[str, float]], total: list[float]) -> str:
         if not have:
             continue
         delta = [v - prev[i] for i, v in have]
-        if key == "shells_closed":  # concurrent with the helper's start-up: not a step of its own
-            lines.append(f"| `{key}` | {what} | ({statistics.median(delta) * 1000:.1f}) | "
-                         f"{statistics.median(v for _, v in have) * 1000:.1f} |")
-            continue
         for i, v in have:
             prev[i] = v
         lines.append(f"| `{key}` | {what} | {statistics.median(delta) * 1000:.1f} | "

@@ -7,11 +7,18 @@ on stdout, then exits 0. The JSON has ``kind``:
 
 - ``"ran"``: the tests ran; ``rc``/``signal`` of pytest, ``timed_out``, ``junit`` (text or None),
   ``out`` (output tail), ``killed``, ``cwd``, ``notes`` (what scoring saw or changed);
-- ``"agent"``: the state the agent left stops the tests (``error`` says how); the agent's failure;
-- ``"infra"``: something outside the agent's reach failed (``error``); no reward.
+- ``"agent"``: the state the agent left stops the tests (``error`` says how, ``stage`` is
+  ``survivors`` or ``view``);
+- ``"disturbed"``: the driver died, failed or hung after the tests started;
+- ``"interp"``: the tests' interpreter did not start (``control``: see step 7);
+- ``"infra"``: something outside the agent's reach failed (``error``).
+
+``et_hpc.sandbox.scoring.blame`` decides status and reward from these (one table).
 
 What it does, in order (no file of the instance's writable layer is executed or loaded as code
-before the pristine interpreter runs the tests):
+before the pristine interpreter runs the tests, and none is read to decide how it starts). The
+host has already stopped and killed every process of the instance but init
+(``et_hpc.sandbox.sweep``), before this helper starts and before the agent's shells are closed:
 
 1. opens ``/proc/PID/{stat,ns/*}`` of the instance's init (PID and start time checked against the
    ones recorded at start), then ``setns`` into its user namespace first (we own it, so we get
@@ -20,21 +27,24 @@ before the pristine interpreter runs the tests):
    inode as ``/proc/1/root``, and the pristine tree is there). ``sys.path`` is emptied so that
    nothing is ever imported from the container's files;
 2. ``unshare(CLONE_NEWNS)`` and makes ``/`` rprivate: a private copy of the instance's mounts;
-3. forks: the child is in the instance's pid namespace. With capabilities still held it kills
-   every process but init (``kill(-1, SIGKILL)`` until ``/proc`` shows none, fork bombs included)
-   and marks itself non-dumpable, so nothing the tests start can ptrace or read it;
-4. mounts a fresh 64 MiB tmpfs (mode 0700) on a directory of the pristine read-only tree
+3. forks: the child is in the instance's pid namespace and marks itself non-dumpable. Any
+   process other than init found there now outlived the host's sweep: it is killed and the
+   episode is the agent's 0 (``"agent"``, stage ``survivors``); no tests run;
+4. builds the tests' root (``runtime_view``) and ``pivot_root``s into it: a tmpfs holding bind
+   mounts of every entry of the agent's ``/``, ``/usr`` and ``/etc`` (a symlink is copied, anything
+   else is bound; entries are never opened or read), except that ``/lib*``, ``/usr/lib*`` (the
+   loader's default directories, gconv, locales) and ``/etc``'s ``ld.so.preload``,
+   ``ld.so.cache``, ``ld.so.conf*`` and ``nsswitch.conf`` are the pristine tree's, whatever the
+   agent left there. The agent's own tree is untouched evidence. An entry that cannot be listed
+   or bound is the state's failure (``"agent"``, stage ``view``);
+5. mounts a fresh 64 MiB tmpfs (mode 0700) on a directory of the pristine read-only tree
    (``/.et-pristine/tmp``) and writes the test file, an empty pytest config there, with a ``tmp``
    directory in it that is the tests' ``TMPDIR`` (pytest's capture files, ``tmp_path``): scoring
    needs no writable place of the agent's, so an agent that fills every disk it can reach still
-   gets its tests run;
-5. neutralises what the loader and libc read from the writable root: ``/etc/ld.so.preload``
-   (a regular file in a real ``/etc`` gets an empty file bound over it; a symlink, a non-file, or
-   an ``/etc`` that is not a directory is refused as the agent's failure, because binding over it
-   would hide an agent-chosen file from the tests) and ``/etc/nsswitch.conf`` (if it names any
-   module other than glibc's built-in ``files``/``dns``, a files-only copy is bound over it, same
-   rule for symlinks). Locales come from the pristine tree (``LOCPATH``);
-6. starts the pristine loader ``/.et-pristine/.../ld-linux*.so`` with ``--inhibit-cache
+   gets its tests run. Locales come from the pristine tree (``LOCPATH``);
+6. tells the helper the tests start (from here on, programs the tests run can signal, stop or
+   prlimit the driver: whatever then ends or breaks it is ``"disturbed"``, the state's doing)
+   and starts the pristine loader ``/.et-pristine/.../ld-linux*.so`` with ``--inhibit-cache
    --library-path <pristine lib dirs>`` on ``/.et-pristine/usr/bin/python3 -I -S -B``, pytest with
    ``-p no:cacheprovider --noconftest -c <empty ini> --rootdir <tmpfs>`` and ``-p no:`` for the
    builtin plugins that only act on options scoring never passes (``UNUSED_PLUGINS``), autoload of
@@ -48,7 +58,10 @@ before the pristine interpreter runs the tests):
    without the interpreter's teardown once its output is flushed;
 7. waits with the verifier timeout, kills what is left, reads the JUnit report from the tmpfs (a
    regular file only: never blocking on a FIFO) and sends the result to the host process over a
-   pipe only the driver holds.
+   pipe only the driver holds. If the interpreter did not start (exit 127 from the loader, or
+   pytest missing), the same interpreter is started once more chrooted into the pristine tree
+   alone (``_pristine_control``): ``"interp"`` with ``control`` True means the state the agent
+   left stopped it, False that the image itself is broken.
 
 Warm-up mode (``"mode": "warm"`` in the config; ``et_hpc.sandbox.scoring.start_warmup``, once the
 agent's first shell started): step 1, then the pristine python of step 6 without capabilities, niced, output to
@@ -85,9 +98,6 @@ MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 4096, 16384, 1 << 18
 PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT = 4, 24, 38, 47
 PR_CAP_AMBIENT_CLEAR_ALL = 4
 PR_SET_PDEATHSIG = 1
-NSS_BUILTIN = {"files", "dns"}  # built into glibc >= 2.34 (no dlopen)
-NSS_SAFE = ("passwd: files\ngroup: files\nshadow: files\ngshadow: files\nhosts: files dns\n"
-            "networks: files\nprotocols: files\nservices: files\nethers: files\nrpc: files\n")
 WORK_DIRS = ("tmp", "mnt", "media", "srv", "opt", "run")  # in the pristine tree, first that exists
 # Builtin pytest plugins that only act on command-line options scoring never passes (--pastebin,
 # --setup-only/--setup-plan/--setup-show, --stepwise) or on the ini's ``pythonpath`` (the ini is
@@ -167,87 +177,161 @@ def kill_all(me: int, rounds: int = 500) -> tuple[bool, int]:
 
 
 def _read_small(path: str, limit: int = 65536) -> str | None:
-    """A regular file's text (never blocks on a FIFO), or None if it is absent."""
+    """A regular file of ours (the report, stage times: on scoring's own tmpfs) as text, or None
+    if it is absent or not a regular file (never blocks on a FIFO a test's program left there)."""
+    import stat as _st
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
-    except FileNotFoundError:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_NOFOLLOW)
+    except OSError:
         return None
-    except OSError as e:
-        raise Refused(f"{path} cannot be read ({e.strerror})") from None
     try:
-        import stat as _st  # builtin-free: stat is pure Python but already imported by os
         if not _st.S_ISREG(os.fstat(fd).st_mode):
-            raise Refused(f"{path} is not a regular file")
+            return None
         return os.read(fd, limit).decode("utf-8", "replace")
+    except OSError:
+        return None
     finally:
         os.close(fd)
 
 
-def _bind_over(path: str, content: str, work: str, notes: list[str], why: str) -> None:
-    """Bind a file of ours over ``path`` (a regular file directly in a real /etc only)."""
+# -- the tests' root: the agent's state, with the runtime the loader and libc read from the image --
+
+MNT_DETACH = 2
+LIB_NAMES = ("lib", "lib32", "lib64", "libx32")  # at / and in /usr: the loader's default dirs
+ETC_RUNTIME = ("ld.so.preload", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "nsswitch.conf")
+SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
+VIEW_DIRS = ("mnt", "media", "srv", "opt", "run", "tmp")  # in the pristine tree, first free one
+
+
+def _agent_state(what: str, e: OSError) -> Refused:
+    return Refused(f"the state left cannot be mapped for the tests: {what} ({e.strerror or e})")
+
+
+def _place(src: str, st: os.stat_result, dst: str) -> None:
+    """``dst`` (in the view) shows ``src``: the same symlink, or a bind mount of the object itself
+    (a directory recursively, with what is mounted below it)."""
     import stat as _st
-    try:
-        st, lst = os.lstat("/etc"), os.lstat(path)
-    except OSError as e:
-        raise Refused(f"{path} {why} and cannot be neutralised ({e.strerror})") from None
-    if not _st.S_ISDIR(st.st_mode):
-        raise Refused(f"/etc is not a directory, so {path} cannot be neutralised")
-    if not _st.S_ISREG(lst.st_mode):
-        raise Refused(f"{path} is a symlink or not a regular file and {why}")
-    repl = os.path.join(work, "repl-" + os.path.basename(path))
-    with open(repl, "w") as f:
-        f.write(content)
-    _mount(repl, path, None, MS_BIND)
-    notes.append(f"{path} {why}: scoring used its own copy")
-
-
-def _nss_module_ok(tok: str, libdirs: list[str]) -> bool:
-    """glibc's built-ins, or a module the pristine library dirs hold (found there first)."""
-    if tok in NSS_BUILTIN:
-        return True
-    if "/" in tok or tok.startswith("."):
-        return False
-    return any(os.path.isfile(f"{d}/libnss_{tok}.so.2") for d in libdirs)
-
-
-def neutralise(work: str, notes: list[str], libdirs: list[str], pristine: str) -> None:
-    """Step 5 of the module doc."""
-    pre = "/etc/ld.so.preload"
-    try:
-        exists = os.path.lexists(pre)
-        text = _read_small(pre) if exists else None
-    except Refused:
-        raise Refused(f"{pre} exists but is not a readable regular file") from None
-    if exists and (text is None or text.strip() or os.path.islink(pre)):
-        _bind_over(pre, "", work, notes, "preloads libraries")
-    nss = "/etc/nsswitch.conf"
-    try:
-        text = _read_small(nss) if os.path.lexists(nss) else None
-    except Refused:
-        text, bad = None, True
+    if _st.S_ISLNK(st.st_mode):
+        os.symlink(os.readlink(src), dst)
+        return
+    if _st.S_ISDIR(st.st_mode):
+        os.mkdir(dst, 0o755)
+        _mount(src, dst, None, MS_BIND | MS_REC)
     else:
-        bad = False
-    if text is not None:
-        for line in text.splitlines():
-            line = line.split("#", 1)[0]
-            if ":" not in line:
-                continue
-            for tok in line.split(":", 1)[1].split():
-                if tok.startswith("[") or tok.endswith("]") or "=" in tok:
-                    continue
-                if not _nss_module_ok(tok, libdirs):
-                    bad = True
-    elif os.path.lexists(nss):
-        bad = True
-    if bad:
-        quiet: list[str] = []
-        _bind_over(nss, NSS_SAFE, work, quiet, "names NSS modules outside the pristine image")
+        os.close(os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        _mount(src, dst, None, MS_BIND)
+
+
+def _mirror(src_dir: str, dst: str, skip: tuple[str, ...], owner: str) -> int:
+    """Every entry of the directory the path ``src_dir`` leads to, placed in ``dst`` (see
+    ``_place``), except the names in ``skip``. ``owner`` names whose state it is (for the error);
+    anything that cannot be read or placed is the state's failure (Refused). Entries are never
+    opened or read: only their type decides how they are shown (a symlink is copied, anything
+    else is bound), so every path shows the tests what it showed the agent."""
+    try:
+        names = os.listdir(src_dir)
+    except OSError as e:
+        raise _agent_state(f"{owner}{src_dir} cannot be listed", e) from None
+    n = 0
+    for name in names:
+        if name in skip:
+            continue
+        src = os.path.join(src_dir, name)
         try:
-            same = text is not None and text == _read_small(pristine + nss)
-        except Refused:
-            same = False
-        if not same:  # the image's own file (Debian's names db and nis) is not worth a note
-            notes.extend(quiet)
+            _place(src, os.lstat(src), os.path.join(dst, name))
+        except OSError as e:
+            raise _agent_state(f"{owner}{src} cannot be shown to the tests", e) from None
+        n += 1
+    return n
+
+
+def _pristine_entries(pristine: str, rel: str, names: tuple[str, ...], dst: str) -> None:
+    """The pristine tree's own ``rel/name`` for each name it has, placed in ``dst`` (Infra on error)."""
+    for name in names:
+        src = f"{pristine}{rel}/{name}"
+        try:
+            st = os.lstat(src)
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            raise Infra(f"the pristine tree cannot be read: {src}: {e.strerror}") from None
+        try:
+            _place(src, st, os.path.join(dst, name))
+        except OSError as e:
+            raise Infra(f"could not place the pristine {src} in the tests' root: {e}") from None
+
+
+def _dir_like(src: str, dst: str) -> None:
+    """A fresh directory in the view with the mode and owner of the agent's directory ``src``
+    (a directory the agent's path leads to; 0755 and ours if it leads to none)."""
+    os.mkdir(dst, 0o755)
+    try:
+        st = os.stat(src)
+    except OSError:
+        return
+    import stat as _st
+    if _st.S_ISDIR(st.st_mode):
+        os.chmod(dst, _st.S_IMODE(st.st_mode))
+        try:
+            os.chown(dst, st.st_uid, st.st_gid)
+        except OSError:
+            pass  # an owner not mapped in the instance's user namespace: ours it stays
+
+
+def runtime_view(pristine: str, avoid: str, notes: list[str]) -> None:
+    """Step 5 of the module doc: make ``/`` (of scoring's private mount namespace) a new root that
+    shows the agent's final state everywhere, except that what the dynamic loader and libc read
+    from the root is the pristine image's, unconditionally: ``/lib*``, ``/usr/lib*`` (the default
+    library dirs with gconv and locales) and ``/etc``'s ``ld.so.preload``, ``ld.so.cache``,
+    ``ld.so.conf*`` and ``nsswitch.conf`` (absent when the image has none). Nothing of the agent's
+    is read to decide this; its state itself is untouched (the new root is only bind mounts of it).
+    """
+    view = None
+    for d in VIEW_DIRS:
+        cand = f"{pristine}/{d}"
+        if d != avoid and os.path.isdir(cand) and not os.path.islink(cand):
+            view = cand
+            break
+    if view is None:
+        raise Infra(f"no directory to build the tests' root on in {pristine}")
+    try:
+        _mount("et-root", view, "tmpfs", MS_NOSUID | MS_NODEV, "size=16m,mode=0755")
+        # the pristine tree first, while the view is empty; the copy of the view itself it
+        # brings along (the view is mounted in it) is dropped
+        os.makedirs(view + pristine, 0o755)
+        _mount(pristine, view + pristine, None, MS_BIND | MS_REC)
+        _check(_libc.umount2((view + view).encode(), MNT_DETACH), "umount the view's copy")
+    except OSError as e:
+        raise Infra(f"could not build the tests' root: {e}") from None
+    skip_top = (*LIB_NAMES, "usr", "etc", pristine.strip("/"))
+    n = _mirror("/", view, skip_top, "")
+    try:
+        _dir_like("/usr", view + "/usr")
+        _dir_like("/etc", view + "/etc")
+    except OSError as e:
+        raise Infra(f"could not build the tests' root: {e}") from None
+    import stat as _st
+    for d, skip in (("/usr", LIB_NAMES), ("/etc", ETC_RUNTIME)):
+        try:
+            is_dir = _st.S_ISDIR(os.stat(d).st_mode)
+        except OSError:
+            is_dir = False
+        if is_dir:
+            n += _mirror(d, view + d, skip, "")
+        else:
+            notes.append(f"{d} is not a directory: the tests saw only the image's runtime files there")
+    _pristine_entries(pristine, "", LIB_NAMES, view)
+    _pristine_entries(pristine, "/usr", LIB_NAMES, view + "/usr")
+    _pristine_entries(pristine, "/etc", ETC_RUNTIME, view + "/etc")
+    nr = SYS_PIVOT_ROOT.get(os.uname().machine, 155)
+    try:
+        os.chdir(view)
+        _check(_libc.syscall(nr, b".", b"."), "pivot_root")
+        _check(_libc.umount2(b".", MNT_DETACH), "umount the old root")
+        os.chdir("/")
+    except OSError as e:
+        raise Infra(f"could not switch to the tests' root: {e}") from None
+    STAGES["view_entries"] = float(n)
 
 
 def _usable_dir(path: str) -> str | None:
@@ -457,14 +541,51 @@ def _python_version(pristine: str) -> str | None:
     return names[-1] if names else None
 
 
+# Run by the pristine python chrooted into the pristine tree itself (no state of the agent's at
+# all), when the tests' interpreter did not start: tells a broken image from a broken state.
+CONTROL = r"""
+import site, sys
+for d in %(sitedirs)r:
+    site.addsitedir(d)
+import pytest
+"""
+
+
+def _pristine_control(cfg: dict, ver: str, devnull: int) -> bool:
+    """Whether the pristine loader, Python and pytest start in a root that is the pristine tree
+    alone (chroot), with the same rlimits and no capabilities: True means the failure seen in the
+    tests' root came from the state the agent left."""
+    pristine = cfg["pristine"]
+    n = len(pristine)
+    argv = [cfg["loader"][n:], "--inhibit-cache", "--library-path", ":".join(d[n:] for d in cfg["libdirs"]),
+            "/usr/bin/python3", "-I", "-S", "-B", "-c", CONTROL % {"sitedirs": _sitedirs("", ver)}]
+    env = {"PATH": cfg["path"], "HOME": "/", "LANG": "C.UTF-8", "LOCPATH": "/usr/lib/locale"}
+
+    def child() -> None:
+        os.chroot(pristine)
+        os.chdir("/")
+        _limits(cfg)
+        drop_privileges()
+
+    try:
+        p = subprocess.Popen(argv, env=env, stdin=devnull, stdout=devnull, stderr=devnull, close_fds=True,
+                             start_new_session=True, preexec_fn=child, cwd="/")
+        return p.wait(timeout=60) == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
 def _run_pytest(cfg: dict, send, devnull: int) -> dict:
     """Steps 3-7, in the instance's pid namespace with capabilities."""
     me = os.getpid()
     _libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
-    ok, killed = kill_all(me)
+    left = _others(me)
+    if left:  # the host's sweep ended every process of the instance before we entered
+        ok, _ = kill_all(me)
+        _mark("killed")
+        raise Refused(f"{len(left)} process(es) of the instance outlived the sweep from the host "
+                      f"({'killed' if ok else 'not all could be killed'})", "survivors")
     _mark("killed")
-    if not ok:
-        raise Infra("processes left in the instance could not be killed")
     pristine = cfg["pristine"]
     loader, python = cfg["loader"], pristine + "/usr/bin/python3"
     for p in (loader, python):
@@ -473,14 +594,18 @@ def _run_pytest(cfg: dict, send, devnull: int) -> dict:
     ver = _python_version(pristine)
     if ver is None:
         raise Infra(f"the image's pristine tree has no python3 standard library under {pristine}/usr/lib")
-    work = None
+    work_dir = None
     for d in WORK_DIRS:
         cand = f"{pristine}/{d}"
         if os.path.isdir(cand) and not os.path.islink(cand):
-            work = cand
+            work_dir = d
             break
-    if work is None:
+    if work_dir is None:
         raise Infra(f"no directory to mount the scoring tmpfs on in {pristine}")
+    notes: list[str] = []
+    runtime_view(pristine, work_dir, notes)
+    _mark("view")
+    work = f"{pristine}/{work_dir}"
     _mount("et-score", work, "tmpfs", MS_NOSUID | MS_NODEV, "size=64m,mode=0700")
     path = os.path.join(work, cfg["name"])
     tmpdir = os.path.join(work, "tmp")  # the tests' TMPDIR: never a place the agent could fill
@@ -493,9 +618,6 @@ def _run_pytest(cfg: dict, send, devnull: int) -> dict:
     junit = os.path.join(work, "junit.xml")
     stages = os.path.join(work, "stages.json")
     _mark("tmpfs")
-    notes: list[str] = []
-    neutralise(work, notes, cfg["libdirs"], pristine)
-    _mark("neutralised")
     home = cfg["home"]
     why = _usable_dir(home)
     cwd = home if why is None else "/"
@@ -518,23 +640,25 @@ def _run_pytest(cfg: dict, send, devnull: int) -> dict:
         except OSError:
             os.chdir("/")
 
+    # From here on code of the agent's may run (programs the tests start) and reach this driver:
+    # whatever ends or breaks it is the state's doing (see main)
+    send({"stage": "pytest_started"})
     try:
         p = subprocess.Popen(argv, env=env, stdin=devnull, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              close_fds=True, start_new_session=True, preexec_fn=child, cwd="/")
     except OSError as e:
         raise Infra(f"the pristine interpreter could not be started: {e}") from None
     _mark("pytest_spawned")
-    send({"stage": "pytest_started"})
     tail, limit = b"", int(cfg["tail"])
     deadline = time.monotonic() + float(cfg["timeout"])
     timed_out = False
     fd = p.stdout.fileno()
     while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
+        left_s = deadline - time.monotonic()
+        if left_s <= 0:
             timed_out = True
             break
-        r, _, _ = select.select([fd], [], [], min(left, 1.0))
+        r, _, _ = select.select([fd], [], [], min(left_s, 1.0))
         if r:
             chunk = os.read(fd, 65536)
             if not chunk:
@@ -545,21 +669,23 @@ def _run_pytest(cfg: dict, send, devnull: int) -> dict:
         kill_all(me)
     rc = p.wait()
     # Output written after EOF was seen is not waited for; a last sweep for what the tests started.
-    _, more = kill_all(me)
-    killed_after = more
-    try:  # a regular file only: a FIFO a test's program left there must not block the driver
-        report = _read_small(junit, 8 << 20)
-    except Refused:
-        report = None
+    _, killed_after = kill_all(me)
+    report = _read_small(junit, 8 << 20)  # a regular file only: never blocking on a FIFO
     _read_stages(stages)
     _mark("report_read")
     out = tail.decode("utf-8", "replace")
+    interp = None
     if rc == 97 and "ET-NO-PYTEST" in out:
-        raise Infra("pytest is not installed in the image's pristine python: " + out.strip()[-300:], "tests")
-    if rc == 127 and report is None and "error while loading shared libraries" in out:
-        raise Infra("the pristine interpreter could not start: " + out.strip()[-300:])
+        interp = "pytest could not be imported"
+    elif rc == 127 and report is None and "error while loading shared libraries" in out:
+        interp = "the pristine interpreter could not start"
+    if interp is not None:
+        control = _pristine_control(cfg, ver, devnull)
+        _mark("control")
+        return {"kind": "interp", "control": control, "error": interp + ": " + out.strip()[-300:],
+                "out": out, "notes": notes, "stages": STAGES}
     return {"kind": "ran", "rc": rc if rc >= 0 else None, "signal": -rc if rc < 0 else None,
-            "timed_out": timed_out, "junit": report, "out": out, "killed": killed,
+            "timed_out": timed_out, "junit": report, "out": out, "killed": 0,
             "killed_after": killed_after, "cwd": cwd, "notes": notes, "stages": STAGES}
 
 
@@ -568,7 +694,7 @@ def _read_stages(path: str) -> None:
     try:
         got = json.loads(_read_small(path, 4096) or "{}")
         STAGES.update({"py_" + str(k): float(v) for k, v in dict(got).items()})
-    except (Refused, ValueError, TypeError):
+    except (ValueError, TypeError):
         pass
 
 
@@ -656,12 +782,12 @@ def main() -> None:
         try:
             send(_run_pytest(cfg, send, devnull))
         except Refused as e:
-            send({"kind": "agent", "error": str(e)})
+            send({"kind": "agent", "error": str(e.args[0]), "stage": e.args[1] if len(e.args) > 1 else "view"})
         except Infra as e:
             send({"kind": "infra", "error": str(e.args[0]),
                   "stage": e.args[1] if len(e.args) > 1 else "prepare"})
-        except BaseException as e:  # noqa: BLE001 - our bug: reported, never a reward
-            send({"kind": "infra", "error": f"scoring driver failed: {type(e).__name__}: {e}"})
+        except BaseException as e:  # noqa: BLE001 - our bug, or (once the tests started) theirs
+            send({"kind": "failed", "error": f"scoring driver failed: {type(e).__name__}: {e}"})
         os._exit(0)
     os.close(w)
     buf = b""
@@ -671,6 +797,8 @@ def main() -> None:
         if left <= 0:
             os.kill(cpid, signal.SIGKILL)
             os.waitpid(cpid, 0)
+            if b'"pytest_started"' in buf:  # stopped by a program the tests ran (SIGSTOP), say
+                emit({"kind": "disturbed", "stage": "tests", "error": "the scoring driver did not finish"})
             emit({"kind": "infra", "error": "the scoring driver did not finish"})
         rr, _, _ = select.select([r], [], [], min(left, 1.0))
         if rr:
@@ -686,18 +814,19 @@ def main() -> None:
         except ValueError:
             pass
     final = [m for m in msgs if "kind" in m]
+    started = any(m.get("stage") == "pytest_started" for m in msgs)
     if final:
         _mark("driver_done")
-        final[-1]["stages"] = {**final[-1].get("stages", {}), **STAGES}
-        emit(final[-1])
+        res = final[-1]
+        if res["kind"] == "failed":  # an exception in the driver: who could have caused it
+            res = {**res, "kind": "disturbed" if started else "infra"}
+        res["stages"] = {**res.get("stages", {}), **STAGES}
+        emit(res)
     how = (f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status)
            else f"exit {os.WEXITSTATUS(status)}")
-    if any(m.get("stage") == "pytest_started" for m in msgs):
-        # only a process started by the tests (agent code they ran) can have killed it
-        emit({"kind": "agent", "stage": "tests",
-              "error": f"the scoring driver was killed while the tests ran ({how})"})
-    emit({"kind": "infra", "error": f"the scoring driver died before the tests ran ({how})"})
-
+    # once the tests started, programs they run (the agent's) can kill it or lower its rlimits
+    emit({"kind": "disturbed" if started else "infra", "stage": "tests" if started else "prepare",
+          "error": f"the scoring driver ended ({how}) {'while the tests ran' if started else 'before the tests ran'}"})
 
 if __name__ == "__main__":
     try:

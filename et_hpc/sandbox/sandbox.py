@@ -326,6 +326,21 @@ class Sandbox:
             self._warmer.wait()
             self._warmer = None
 
+    def end_agent(self):
+        """End everything of the agent's before scoring, in this order: the scoring warm-up (ours),
+        then every process of the instance but init, stopped and killed from the host
+        (``et_hpc.sandbox.sweep``), and only then the agent's shells, so that nothing armed on a
+        shell's exit is still alive to act. Returns the ``SweepResult``."""
+        from et_hpc.sandbox.sweep import SweepResult, sweep
+
+        self.stop_warmup()
+        if self._init is None or self._stopped:
+            res = SweepResult()
+        else:
+            res = sweep(*self._init)
+        self.close_shells()
+        return res
+
     def close_shells(self) -> None:
         for sh in self._shells:
             try:

@@ -1,24 +1,24 @@
 """Scoring: run a task's pytest file in the episode's instance, entered through nothing the agent wrote.
 
-``score(sandbox, final_tests)`` starts ``et_hpc.sandbox.enter`` on the host: our own Python joins
-the instance's namespaces (user first: we own it), takes a private copy of its mounts, kills every
-process left in it, writes the test file to a fresh tmpfs on the pristine read-only image tree
-(``/.et-pristine``, the SIF bound at start) and runs pytest with that tree's own dynamic loader and
-Python (``-I -S -B``, no conftest, no plugin autoload, an empty ini, a clean environment, cwd
-``/home/user`` when the agent's uid can use it, else ``/``), under scoring rlimits and without
-capabilities. Nothing of the instance's writable layer is run before the tests: not apptainer's
-``/.singularity.d`` actions and env scripts, not ``/bin/sh``, not rc files, not the writable
-``python3``, pytest, libc, ``ld.so.preload`` or NSS modules (see that module's doc for each step).
-There is no fallback to the instance's own ``python3``.
+``score(sandbox, final_tests)`` first ends the agent from the host (``Sandbox.end_agent``: every
+process of the instance but init stopped and killed through pidfds, nested PID namespaces
+included, and only then its shells closed). Then it starts ``et_hpc.sandbox.enter`` on the host:
+our own Python joins the instance's namespaces (user first: we own it), takes a private copy of
+its mounts, builds the tests' root (the agent's state, with the image's own loader and libc
+runtime files: default library dirs, ``ld.so.preload``, ``ld.so.cache``, ``nsswitch.conf``),
+writes the test file to a fresh tmpfs on the pristine read-only image tree (``/.et-pristine``,
+the SIF bound at start) and runs pytest with that tree's own dynamic loader and Python (``-I -S
+-B``, no conftest, no plugin autoload, an empty ini, a clean environment, cwd ``/home/user`` when
+the agent's uid can use it, else ``/``), under scoring rlimits and without capabilities. Nothing
+of the instance's writable layer is run before the tests, and nothing of it is read to decide how
+they start (see that module's doc for each step). There is no fallback to the instance's own
+``python3``.
 
-Who is to blame decides the result (SECURITY.md has the table):
-
-- the tests ran and pytest wrote its report: ``ok``, reward 1.0 iff every test passed (at least one);
-- the state the agent left stops the tests (they exceed the verifier timeout, pytest dies without
-  a report, a symlinked ``/etc/ld.so.preload``, the instance ended from inside): ``ok``, reward
-  0.0, ``note`` says what happened;
-- anything outside the agent's reach (apptainer or /proc failing on the host, the pristine tree
-  or its pytest missing, our bugs): ``error``, reward ``None``.
+Who is to blame decides the result: one table, ``BLAME`` (SECURITY.md shows it), read by
+``blame(Facts)``. Whatever state the agent can leave gives ``ok`` (reward 1.0 iff every test
+passed, at least one; else 0.0 with ``note`` saying what happened); only what is outside the
+agent's reach (apptainer or /proc failing on the host, the pristine tree or its pytest missing,
+our bugs) is ``error``, reward ``None``.
 
 ``interpreter`` names what ran the tests: ``"pristine"`` or ``"none"`` (nothing ran).
 """
@@ -33,6 +33,8 @@ import secrets
 import subprocess
 import time
 import xml.etree.ElementTree as ET
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -55,8 +57,8 @@ _LOADERS = {
 }
 # Scoring rlimits when the sandbox does not set its own (``vmem_mb``, ``nproc``, ``fsize_mb``).
 DEFAULT_LIMITS = {"vmem_mb": 8192, "nproc": 512, "fsize_mb": 4096}
-GONE_NOTE = ("the instance ended before scoring (its init exited while the sandbox was live; "
-             "an agent can do this from inside, e.g. kill -TERM 1)")
+GONE_NOTE = ("the instance ended after the agent's last turn (its init exited while the sandbox was "
+             "live; an agent can do this from inside, e.g. kill -TERM 1)")
 
 
 class TestOutcome(TestResult):
@@ -110,7 +112,7 @@ def run_tests(
 ) -> ScoreResult:
     """Run one pytest file in the instance (see the module doc) and turn it into a ScoreResult.
 
-    ``kill_first`` is kept for callers; the entry always kills what is left in the instance.
+    ``kill_first`` is kept for callers; every process of the agent's is always ended first.
     """
     t0 = time.monotonic()
     tests = Path(tests)
@@ -128,11 +130,17 @@ def run_tests(
         pid, start = sandbox.init_process()
     except InfraError as e:
         sandbox.close_shells()
-        return _gone_or_error(sandbox, f"could not reach the instance: {e}", t0)
+        return _decide(sandbox, Facts("infra"), {"error": f"could not reach the instance: {e}"}, t0)
     host["instance_found"] = time.monotonic()
-    # Ended if it still runs (waiting for it would read the same files twice when the agent was
-    # quick); whatever it read stays in the page cache
-    sandbox.stop_warmup()
+    # Nothing of ours enters the instance before every process of the agent's is stopped and
+    # killed from the host, and only then are its shells closed (Sandbox.end_agent)
+    swept = sandbox.end_agent()
+    host["swept"] = time.monotonic()
+    if swept.init_gone:
+        return _decide(sandbox, Facts("infra"), {"error": "the instance's init ended before scoring"}, t0)
+    if swept.left:
+        return _decide(sandbox, Facts("swept_left"), {"error": f"{swept.left} process(es) of the instance "
+                                                      "could not be killed from the host"}, t0)
     marker = "ET-SCORE-" + secrets.token_hex(12) + ":"
     loader, libdirs = pristine_layout()
     cfg = {
@@ -150,16 +158,11 @@ def run_tests(
                                 start_new_session=True, close_fds=True, env={})
     except OSError as e:
         os.close(cfg_w)
-        sandbox.close_shells()
         return _error(f"could not start the scoring helper: {e}", "", t0)
     finally:
         os.close(cfg_r)
     host["helper_spawned"] = time.monotonic()
     _feed(cfg_w, json.dumps(cfg).encode())
-    # The shells are closed while the helper starts up: its kill sweep, after it entered the
-    # instance, ends whatever they left either way.
-    sandbox.close_shells()
-    host["shells_closed"] = time.monotonic()
     try:
         out, err = proc.communicate(timeout=timeout_s + 120)
     except subprocess.TimeoutExpired:
@@ -168,19 +171,146 @@ def run_tests(
         kill_session(proc.pid)
         proc.kill()
         proc.communicate()
-        return _error("the scoring helper did not finish", "", t0)
+        return _decide(sandbox, Facts("infra"), {"error": "the scoring helper did not finish"}, t0)
     text = out.decode("utf-8", "replace")
     i = text.rfind(marker)
-    if i < 0:
-        return _error(f"the scoring helper failed (exit {proc.returncode}): "
-                      f"{(text + err.decode('utf-8', 'replace')).strip()[-500:]}", "", t0)
+    if i < 0:  # the helper itself (a host process outside the instance's reach) failed
+        return _decide(sandbox, Facts("infra"), {"error": f"the scoring helper failed (exit {proc.returncode}): "
+                       f"{(text + err.decode('utf-8', 'replace')).strip()[-500:]}"}, t0)
     res = json.loads(text[i + len(marker):].strip().splitlines()[0])
+    res["killed"] = swept.killed
     host["helper_done"] = time.monotonic()
-    if res.get("kind") == "infra" and res.get("stage") == "enter" and "is gone" in (res.get("error") or ""):
-        return _gone_or_error(sandbox, res["error"], t0)
-    r = _result(res, t0, timeout_s=timeout_s)
+    r = _decide(sandbox, facts_of(res), res, t0, timeout_s=timeout_s)
     r.stages = _stages(t0, {**(res.get("stages") or {}), **host, "result": time.monotonic()})
     return r
+
+
+# -- who is to blame: one table ----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Facts:
+    """What scoring observed, as the blame table reads it.
+
+    ``outcome``: how the helper ended: ``ran`` (pytest ran to its end or to the timeout),
+    ``agent`` (the state left could not be mapped for the tests), ``survivors`` (a process of the
+    instance was found after the host's sweep), ``swept_left`` (the host's sweep could not end them),
+    ``disturbed`` (the driver died, failed or hung after the tests started: programs they run can
+    signal or prlimit it), ``interp`` (the tests' interpreter did not start), ``infra`` (anything
+    else: the host, apptainer, /proc, the pristine tree, our bugs).
+    ``instance``: ``Sandbox.health()`` after a failure (``alive``, ``gone``, ``stopped``, ``host: ...``).
+    ``control``: for ``interp``, whether the same interpreter started in the pristine tree alone.
+    ``report``: for ``ran``, pytest's JUnit report: ``parsed``, ``none`` or ``unreadable``.
+    """
+
+    outcome: str
+    instance: str = "alive"
+    control: bool = False
+    timed_out: bool = False
+    report: str = "parsed"
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    when: Callable[[Facts], bool]
+    status: str  # "ok" or "error"
+    reward: float | None  # None with "ok": the tests' verdict decides
+    note: str  # "{error}" is the helper's message
+    agent: bool  # whether a state the agent can leave can produce this row
+
+
+BLAME: tuple[Row, ...] = (
+    Row("instance_ended", lambda f: f.instance == "gone", "ok", 0.0, GONE_NOTE, True),
+    Row("stopped_by_us", lambda f: f.instance == "stopped", "error", None,
+        "the sandbox was stopped while scoring ({error})", False),
+    Row("host_failed", lambda f: f.instance.startswith("host"), "error", None, "{error} ({instance})", False),
+    Row("unkillable", lambda f: f.outcome == "swept_left", "ok", 0.0, "{error}", True),
+    Row("survivors", lambda f: f.outcome == "survivors", "ok", 0.0, "{error}", True),
+    Row("state_unmappable", lambda f: f.outcome == "agent", "ok", 0.0, "{error}", True),
+    Row("driver_disturbed", lambda f: f.outcome == "disturbed", "ok", 0.0,
+        "the scoring driver was disturbed while the tests ran: {error}", True),
+    Row("interpreter_by_state", lambda f: f.outcome == "interp" and f.control, "ok", 0.0,
+        "the tests' interpreter could not start in the state left ({error})", True),
+    Row("interpreter_by_image", lambda f: f.outcome == "interp", "error", None,
+        "{error} (the same in the pristine image alone)", False),
+    Row("timeout", lambda f: f.outcome == "ran" and f.timed_out, "ok", 0.0,
+        "tests exceeded the verifier timeout{timeout}", True),
+    Row("no_report", lambda f: f.outcome == "ran" and f.report == "none", "ok", 0.0,
+        "pytest ended ({how}) without writing its report", True),
+    Row("bad_report", lambda f: f.outcome == "ran" and f.report == "unreadable", "ok", 0.0,
+        "pytest's report is unreadable ({error})", True),
+    Row("tests", lambda f: f.outcome == "ran", "ok", None, "", True),
+    # the instance alive, nothing of the agent's running (the host swept it) and its state only
+    # listed and bound (errors there are state_unmappable): the host, apptainer, the image, us
+    Row("infra", lambda f: True, "error", None, "{error}", False),
+)
+
+
+def blame(facts: Facts) -> Row:
+    """The first row of ``BLAME`` whose condition holds (the last row always does)."""
+    return next(r for r in BLAME if r.when(facts))
+
+
+def facts_of(res: dict) -> Facts:
+    """The blame table's view of the helper's result (``et_hpc.sandbox.enter``)."""
+    kind = res.get("kind", "ran")
+    if kind == "agent":
+        return Facts("survivors" if res.get("stage") == "survivors" else "agent")
+    if kind == "interp":
+        return Facts("interp", control=bool(res.get("control")))
+    if kind in ("disturbed", "infra"):
+        return Facts(kind)
+    report = "none"
+    if res.get("junit"):
+        try:
+            parse_junit(res["junit"])
+            report = "parsed"
+        except ET.ParseError:
+            report = "unreadable"
+    return Facts("ran", timed_out=bool(res.get("timed_out")), report=report)
+
+
+ENDING_GRACE_S = 2.0  # apptainer's init exits about 0.1 s after SIGTERM, killing the rest first
+
+
+def _health(sandbox: Sandbox, facts: Facts) -> str:
+    """``Sandbox.health()``; when the driver or the entry failed while init still runs, init may be
+    ending (a SIGTERM to it kills the instance's processes before init exits): it gets a moment."""
+    health = sandbox.health()
+    if health == "alive" and facts.outcome in ("disturbed", "infra"):
+        deadline = time.monotonic() + ENDING_GRACE_S
+        while health == "alive" and time.monotonic() < deadline:
+            time.sleep(0.05)
+            health = sandbox.health()
+    return health
+
+
+def _decide(sandbox: Sandbox | None, facts: Facts, res: dict, t0: float, *,
+            timeout_s: float | None = None) -> ScoreResult:
+    """The result the blame table gives for ``facts``; the instance's health is read (from the
+    host) whenever the tests did not run to a report."""
+    if sandbox is not None and not (facts.outcome == "ran" and facts.report == "parsed" and not facts.timed_out):
+        facts = replace(facts, instance=_health(sandbox, facts))
+    row = blame(facts)
+    tail = res.get("out") or ""
+    notes = list(res.get("notes") or [])
+    interp = "pristine" if facts.outcome in ("ran", "disturbed") else "none"
+    if row.name == "tests":
+        return _verdict(res, t0, notes, tail, interp)
+    how = f"signal {res['signal']}" if res.get("signal") else f"exit {res.get('rc')}"
+    error = res.get("error") or ""
+    if row.name == "bad_report":
+        try:
+            parse_junit(res.get("junit") or "")
+        except ET.ParseError as e:
+            error = str(e)
+    note = row.note.format(error=error, instance=facts.instance, how=how,
+                           timeout=f" ({timeout_s:g} s)" if timeout_s is not None else "")
+    if row.status == "error":
+        return _error(note, tail, t0, interp)
+    if row.name in ("no_report", "bad_report"):
+        note = _with_notes(note, notes)
+    return _agent(note, tail, t0, interp, notes=notes, killed_processes=int(res.get("killed") or 0))
 
 
 def _stages(t0: float, marks: dict) -> dict[str, float]:
@@ -259,58 +389,25 @@ def _agent(note: str, tail: str, t0: float, interp: str = "none", **kw) -> Score
                        duration_s=time.monotonic() - t0, interpreter=interp, **kw)
 
 
-def _gone_or_error(sandbox: Sandbox, msg: str, t0: float) -> ScoreResult:
-    """The instance could not be entered: the agent's doing if it ended by itself, else infra."""
-    health = sandbox.health()
-    if health == "gone":
-        return _agent(GONE_NOTE, "", t0)
-    return _error(f"{msg} (instance {health})", "", t0)
-
-
 def _result(res: dict, t0: float, interp: str = "pristine", *, timeout_s: float | None = None) -> ScoreResult:
-    tail = res.get("out") or ""
-    killed = int(res.get("killed") or 0)
-    notes = list(res.get("notes") or [])
-    kind = res.get("kind", "ran")
-    if kind == "infra":
-        return _error(res.get("error") or "scoring failed", tail, t0,
-                      "pristine" if res.get("stage") == "tests" else "none")
-    if kind == "agent":
-        return _agent(res.get("error") or "the state left cannot be scored", tail, t0,
-                      "pristine" if res.get("stage") == "tests" else "none", notes=notes, killed_processes=killed)
-    common = {"notes": notes, "killed_processes": killed, "output_tail": tail, "interpreter": interp}
-    if res.get("timed_out"):
-        what = f" ({timeout_s:g} s)" if timeout_s is not None else ""
-        return _agent(f"tests exceeded the verifier timeout{what}", tail, t0, interp,
-                      notes=notes, killed_processes=killed)
-    if not res.get("junit"):
-        how = f"signal {res['signal']}" if res.get("signal") else f"exit {res.get('rc')}"
-        return _agent(_with_notes(f"pytest ended ({how}) without writing its report", notes), tail, t0,
-                      interp, notes=notes, killed_processes=killed)
-    try:
-        tests = parse_junit(res["junit"])
-    except ET.ParseError as e:
-        return _agent(_with_notes(f"pytest's report is unreadable ({e})", notes), tail, t0, interp,
-                      notes=notes, killed_processes=killed)
+    """A helper result (or one of the same shape) through the blame table, without a sandbox."""
+    return _decide(None, facts_of(res), res, t0, timeout_s=timeout_s)
+
+
+def _verdict(res: dict, t0: float, notes: list[str], tail: str, interp: str) -> ScoreResult:
+    """Pytest wrote its report: reward 1.0 iff every test passed (at least one) and pytest exited 0."""
+    tests = parse_junit(res["junit"])
     passed = sum(t.outcome == "passed" for t in tests)
-    counted = [t for t in tests if t.outcome != "skipped"]
-    total = len(counted)
+    total = sum(t.outcome != "skipped" for t in tests)
     all_ok = total > 0 and passed == total and res.get("rc") == 0
     note = None
     if not all_ok and notes:
         note = "; ".join(notes)
     elif not all_ok and total == 0:
         note = f"pytest collected no test (exit {res.get('rc')})"
-    return ScoreResult(
-        status="ok",
-        reward=1.0 if all_ok else 0.0,
-        passed=passed,
-        total=total,
-        tests=tests,
-        note=note,
-        duration_s=time.monotonic() - t0,
-        **common,
-    )
+    return ScoreResult(status="ok", reward=1.0 if all_ok else 0.0, passed=passed, total=total, tests=tests,
+                       note=note, duration_s=time.monotonic() - t0, notes=notes,
+                       killed_processes=int(res.get("killed") or 0), output_tail=tail, interpreter=interp)
 
 
 def _with_notes(msg: str, notes: list[str]) -> str:

@@ -178,18 +178,19 @@ def _preload_attack(task_sif: Path, tmp_path: Path, final_test: Path, evil_so: P
     return res
 
 
-def test_ld_so_preload_is_neutralised(task_sif: Path, tmp_path: Path, final_test: Path, evil_so: Path) -> None:
+def test_ld_so_preload_is_the_images(task_sif: Path, tmp_path: Path, final_test: Path, evil_so: Path) -> None:
     res = _preload_attack(task_sif, tmp_path, final_test, evil_so, "/home/user/.evil.so",
                           "echo /home/user/.evil.so > /etc/ld.so.preload", "ld.so.preload")
-    assert res.total == 2 and any("ld.so.preload" in n for n in res.notes), res.notes
+    assert res.total == 2, res
 
 
-def test_ld_so_preload_symlink_is_refused(task_sif: Path, tmp_path: Path, final_test: Path, evil_so: Path) -> None:
-    """Binding over a symlink's target would hide an agent-chosen file: scoring refuses (agent's 0)."""
+def test_ld_so_preload_symlink_is_not_followed(task_sif: Path, tmp_path: Path, final_test: Path, evil_so: Path) -> None:
+    """A symlinked ld.so.preload: the tests' root shows the image's runtime files in its place,
+    and the file it points to stays the agent's, as the tests would read it."""
     res = _preload_attack(task_sif, tmp_path, final_test, evil_so, "/home/user/.evil.so",
                           "echo /home/user/.evil.so > /home/user/.pre && ln -s /home/user/.pre /etc/ld.so.preload",
                           "ld.so.preload symlink")
-    assert "ld.so.preload" in (res.note or ""), res
+    assert res.total == 2, res
 
 
 def test_ld_preload_exported_by_runtime_env(task_sif: Path, tmp_path: Path, final_test: Path, evil_so: Path) -> None:
@@ -210,7 +211,7 @@ def test_nss_module_is_not_loaded(task_sif: Path, tmp_path: Path, final_test: Pa
     res = _preload_attack(task_sif, tmp_path, final_test, evil_so, "/usr/lib/x86_64-linux-gnu/libnss_evil.so.2",
                           "sed -i 's/^passwd:.*/passwd: evil files/' /etc/nsswitch.conf && grep ^passwd /etc/nsswitch.conf",
                           "nss")
-    assert res.total == 2 and any("nsswitch" in n for n in res.notes), res.notes
+    assert res.total == 2, res
 
 
 # 7-9. the interpreter, its packages, plugins and modules imported by name

@@ -1,0 +1,144 @@
+"""End every process an instance holds but its init, from the host, before scoring enters it.
+
+Which processes belong to an instance is decided from the host's ``/proc`` only: every live
+process whose PID namespace is the instance's (its init's), and every descendant of those by
+parent pid. Descendants cover nested PID namespaces (a process in one always has a parent in the
+same or an outer namespace, and orphans are re-parented to that namespace's init, itself a
+descendant) and subreapers. Processes outside the namespace that merely started something in it
+(apptainer's exec starter of an agent shell) are not members; their children in it are.
+
+``sweep`` repeats, until a pass finds nothing: list the members, open a pidfd for each (checked
+against the start time read in the same pass, so a reused pid is never signalled), ``SIGSTOP``
+all of them (nothing stopped can fork or act), then ``SIGKILL`` all of them and wait for the
+pidfds to report their exit. Nothing here runs inside the instance, so a process there watching
+for scoring sees nothing to react to before it is stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import time
+from dataclasses import dataclass
+
+from et_hpc.host import procfs
+
+
+@dataclass
+class SweepResult:
+    killed: int = 0  # processes signalled (each counted once)
+    rounds: int = 0
+    left: int = 0  # members still alive when the deadline passed
+    init_gone: bool = False  # the instance's init ended (or its pid is another process's now)
+
+
+def _table() -> dict[int, tuple[int, str, str]]:
+    """pid -> (ppid, start time, pid namespace) of every live, non-zombie host process."""
+    out: dict[int, tuple[int, str, str]] = {}
+    for n in os.listdir("/proc"):
+        if not n.isdigit():
+            continue
+        try:
+            with open(f"/proc/{n}/stat", "rb") as f:
+                data = f.read()
+            ns = os.readlink(f"/proc/{n}/ns/pid")
+        except OSError:
+            continue
+        fields = data[data.rfind(b")") + 2:].split()
+        if len(fields) < 20 or fields[0] in (b"Z", b"X"):
+            continue
+        out[int(n)] = (int(fields[1]), fields[19].decode(), ns)
+    return out
+
+
+def members(init_pid: int, table: dict[int, tuple[int, str, str]] | None = None) -> dict[int, str]:
+    """pid -> start time of every live process of the instance whose init is ``init_pid``, init
+    itself excluded: its PID namespace's members and all their descendants (nested namespaces)."""
+    table = _table() if table is None else table
+    if init_pid not in table:
+        return {}
+    ns = table[init_pid][2]
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _s, _n) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found = {pid for pid, (_p, _s, n) in table.items() if n == ns}
+    todo = list(found)
+    while todo:
+        for c in children.get(todo.pop(), ()):
+            if c not in found:
+                found.add(c)
+                todo.append(c)
+    found.discard(init_pid)
+    return {pid: table[pid][1] for pid in found}
+
+
+def _open(pid: int, start: str) -> int | None:
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:
+        return None
+    if procfs.start_time(pid) != start:  # gone, or the pid was reused between the scan and the open
+        os.close(fd)
+        return None
+    return fd
+
+
+def _signal(fd: int, sig: int) -> None:
+    try:
+        signal.pidfd_send_signal(fd, sig)
+    except OSError:
+        pass
+
+
+def sweep(init_pid: int, init_start: str, timeout_s: float = 20.0) -> SweepResult:
+    """Stop and kill every process of the instance but init, until a pass finds none (or
+    ``timeout_s``: ``left`` says how many remain). Never signals init, nor a pid it cannot
+    tie to the process it listed."""
+    res = SweepResult()
+    seen: set[tuple[int, str]] = set()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if procfs.start_time(init_pid) != init_start:
+            res.init_gone = True
+            return res
+        found = members(init_pid)
+        if not found:
+            return res
+        if time.monotonic() > deadline:
+            res.left = len(found)
+            return res
+        res.rounds += 1
+        fds = []
+        for pid, start in found.items():
+            fd = _open(pid, start)
+            if fd is None:
+                continue
+            _signal(fd, signal.SIGSTOP)
+            fds.append(fd)
+            if (pid, start) not in seen:
+                seen.add((pid, start))
+                res.killed += 1
+        try:
+            for fd in fds:
+                _signal(fd, signal.SIGKILL)
+            _wait_exited(fds, deadline)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+
+def _wait_exited(fds: list[int], deadline: float) -> None:
+    """Until every pidfd reports its process exited (or ``deadline``, or 2 s)."""
+    end = min(deadline, time.monotonic() + 2.0)
+    poll = select.poll()
+    left = set(fds)
+    for fd in fds:
+        poll.register(fd, select.POLLIN)
+    while left:
+        wait_ms = max(0, int((end - time.monotonic()) * 1000))
+        for fd, _ev in poll.poll(wait_ms):
+            poll.unregister(fd)
+            left.discard(fd)
+        if time.monotonic() >= end:
+            return
