@@ -23,6 +23,9 @@ import pytest
 
 from helpers import FIXTURES, TOOLS, build_user_sif, need
 
+# tests/fixtures/ holds real tasks whose own test files are data for et-hpc, not tests of it
+collect_ignore = ["fixtures"]
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """A test that uses the base image (``base_sif``, directly or through another fixture) needs
