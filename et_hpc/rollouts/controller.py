@@ -9,6 +9,9 @@ fresh shuffled order: the seed environment's ``get_next_item``), sweeps the queu
 stop conditions: the stop file (``et-hpc rollouts stop``, ``RolloutStream.request_stop``),
 SIGTERM/SIGINT, ``--target-groups N`` (the stream holds N groups).
 
+A reaper thread removes, every half lease, the sandboxes of workers on this node that died without
+stopping them (et_hpc.sandbox.reaper.start_reaping; the workers run one too).
+
 On stop it writes the stop file (workers give their units back to the queue), waits up to
 ``stop_grace_s`` for the workers to exit, and cancels (its own) array tasks that are still there.
 The queue stays: running the same command again continues it, epochs included. If the
@@ -28,7 +31,7 @@ from typing import Any
 
 from et_hpc.errors import UserError
 from et_hpc.rollouts.queue import WorkQueue
-from et_hpc.rollouts.worker import Worker
+from et_hpc.rollouts.worker import Worker, reap_interval
 from et_hpc.runner.config import RunConfig
 from et_hpc.runner.plan import save_run_json
 
@@ -135,6 +138,11 @@ class Controller:
         self.queue.clear_stop()
         self.refill()
         self.start_workers()
+        from et_hpc.sandbox.reaper import start_reaping
+
+        # the sandboxes of workers on this node that died (SIGKILL, OOM) go within one lease period
+        reaping = threading.Event()
+        start_reaping(reaping, reap_interval(self.opts.lease_s))
         t0 = time.monotonic()
         start_pub = self.queue.published()
         last_print = 0.0
@@ -170,6 +178,7 @@ class Controller:
                           f"epochs {st['epochs']}", file=sys.stderr, flush=True)
                 self.stop.wait(self.opts.poll_s)
             self.shutdown()
+            reaping.set()
         info = self.queue.status()
         info.update({"run_dir": str(self.run_dir), "stop_reason": reason,
                      "groups_this_session": info["published"] - start_pub,

@@ -380,6 +380,7 @@ class Sandbox:
         rec = {
             "name": self.name,
             "pid": os.getpid(),
+            "pid_start": procfs.start_time(os.getpid()),  # tells the reaper a reused pid apart
             "host": socket.gethostname(),
             "overlay": str(self.overlay) if self.overlay else None,
             "sif": str(self.sif),
