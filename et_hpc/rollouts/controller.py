@@ -62,8 +62,19 @@ def prepare(cfg: RunConfig) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
     return by_id, images, errors
 
 
-def write_run_json(cfg: RunConfig, run_dir: Path, n_tasks: int) -> None:
-    save_run_json(cfg, run_dir, {"continuous": True, "tasks": n_tasks, "samples": cfg.samples, "units_total": 0})
+def write_run_json(cfg: RunConfig, run_dir: Path, n_tasks: int, sandbox: dict[str, Any] | None = None) -> None:
+    save_run_json(cfg, run_dir, {"continuous": True, "tasks": n_tasks, "samples": cfg.samples, "units_total": 0,
+                                 "sandbox": {**(sandbox or {}), "binds": list(cfg.sandbox.binds)}})
+
+
+def resolve_sandbox(cfg: RunConfig, images: dict[str, Any]) -> tuple[RunConfig, dict[str, Any]]:
+    """``sandbox.warm``/``local_copy`` "auto" chosen for a continuous run (et_hpc.runner.fastpath)."""
+    from et_hpc.runner.fastpath import check_binds, choose, resolve
+
+    check_binds(cfg)
+    as_continuous = cfg.model_copy(update={"continuous": cfg.continuous.model_copy(update={"enabled": True})})
+    choice = choose(as_continuous, [(tid, 0) for tid in images], images)
+    return resolve(cfg, choice), choice
 
 
 class Controller:
@@ -212,8 +223,9 @@ def run_continuous(cfg: RunConfig, target_groups: int | None = None, progress: b
     for e in errors[:5]:
         print(f"et-hpc: warning: task skipped: {e}", file=sys.stderr)
     run_dir = cfg.run_dir()
+    cfg, choice = resolve_sandbox(cfg, images)
     run_dir.mkdir(parents=True, exist_ok=True)
-    write_run_json(cfg, run_dir, len(tasks))
+    write_run_json(cfg, run_dir, len(tasks), choice)
     target = target_groups or cfg.continuous.target_groups
     print(f"continuous run {cfg.run_name()} in {run_dir}: {len(tasks)} tasks x {cfg.samples} samples per "
           f"group, {cfg.executor} executor" + (f", until {target} groups" if target else ""),

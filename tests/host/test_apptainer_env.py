@@ -178,3 +178,18 @@ def test_clean_env_keeps_only_the_allowlist() -> None:
     assert apptainer.clean_env(env, APPTAINER_TMPDIR="/mine")["APPTAINER_TMPDIR"] == "/mine"
     with pytest.raises(ValueError):
         apptainer.clean_env(env, APPTAINER_BIND="/x")
+
+
+def test_doctor_names_the_variables_it_ignores(tmp_path: Path) -> None:
+    import json
+    import sys
+
+    env = {**apptainer.clean_env(), "APPTAINER_BINDPATH": str(tmp_path), "SINGULARITYENV_X": "1"}
+    r = subprocess.run([sys.executable, "-m", "et_hpc.cli", "doctor", "--json"], env=env, capture_output=True,
+                       text=True, timeout=300)
+    check = {c["name"]: c for c in json.loads(r.stdout)}["apptainer environment"]
+    assert check["status"] == "WARN" and "APPTAINER_BINDPATH, SINGULARITYENV_X" in check["detail"]
+    assert "ignored" in check["detail"] and "sandbox.binds" in check["fix"]
+    r = subprocess.run([sys.executable, "-m", "et_hpc.cli", "doctor", "--json"], env=apptainer.clean_env(),
+                       capture_output=True, text=True, timeout=300)
+    assert {c["name"]: c for c in json.loads(r.stdout)}["apptainer environment"]["status"] == "OK"
