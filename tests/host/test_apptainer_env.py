@@ -193,3 +193,41 @@ def test_doctor_names_the_variables_it_ignores(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "et_hpc.cli", "doctor", "--json"], env=apptainer.clean_env(),
                        capture_output=True, text=True, timeout=300)
     assert {c["name"]: c for c in json.loads(r.stdout)}["apptainer environment"]["status"] == "OK"
+
+
+def test_every_apptainer_call_gets_the_clean_environment(base_sif: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """An apptainer wrapper logs the APPTAINER*/SINGULARITY* variables of every call it gets (then
+    runs the real one; builds it fails at once): sandbox start, shells, exec, stop, an image build,
+    doctor's probe."""
+    import shutil
+
+    from et_hpc.host import doctor
+    from et_hpc.images import base
+    from helpers.images import make_store, make_task
+
+    log = tmp_path / "env.log"
+    w = tmp_path / "apptainer"
+    w.write_text("#!/bin/sh\n"
+                 f"{{ echo \"CALL $*\" | cut -c1-60; env | grep -E '^(APPTAINER|SINGULARITY)' | sort; }} >> {log}\n"
+                 "case \" $* \" in *' build '*) exit 1 ;; esac\n"
+                 f"exec {shutil.which('apptainer')} \"$@\"\n")
+    w.chmod(0o755)
+    monkeypatch.setenv("ET_HPC_APPTAINER", str(w))
+    leaked = {"APPTAINER_BINDPATH": str(tmp_path), "SINGULARITY_HOME": "/x", "APPTAINERENV_K": "1",
+              "APPTAINER_NO_MOUNT": "tmp"}
+    for k, v in leaked.items():
+        monkeypatch.setenv(k, v)
+    with Sandbox(base_sif, run_prefix="t-envlog", scratch=tmp_path / "scratch", warm_scoring=False) as sb:
+        assert sb.shell().run("true").exit_code == 0
+        assert sb.exec(["true"]).returncode == 0
+    store = make_store(tmp_path / "cache", base_sif)
+    assert store.ensure(make_task(tmp_path / "tasks", "t-env", "%post\n    true\n")).status == "failed"
+    assert doctor.apptainer_version() is not None
+    assert base._build_env()["APPTAINER_TMPDIR"] and not set(leaked) & set(base._build_env())
+    text = log.read_text()
+    calls = [ln for ln in text.splitlines() if ln.startswith("CALL")]
+    for what in ("instance start", "exec", "build", "--version"):
+        assert any(what in c for c in calls), (what, calls)
+    assert not [k for k in leaked if k in text], text
+    assert "APPTAINER_TMPDIR=" in text  # what et-hpc sets itself for a build
