@@ -151,9 +151,11 @@ class Controller:
         self.start_workers()
         from et_hpc.sandbox.reaper import start_reaping
 
-        # the sandboxes of workers on this node that died (SIGKILL, OOM) go within one lease period
+        # the sandboxes of Slurm workers on this node that died (SIGKILL, OOM) go within one lease
+        # period (a local worker runs in this process and reaps for it)
         reaping = threading.Event()
-        start_reaping(reaping, reap_interval(self.opts.lease_s))
+        if self.cfg.executor == "slurm":
+            start_reaping(reaping, reap_interval(self.opts.lease_s))
         t0 = time.monotonic()
         start_pub = self.queue.published()
         last_print = 0.0
