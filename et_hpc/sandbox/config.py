@@ -63,12 +63,18 @@ class SandboxConfig(BaseModel):
     # way a host path gets into a sandbox: APPTAINER_BIND and the like are ignored (SECURITY.md)
     binds: list[str] = Field(default_factory=list)
 
-    @field_validator("warm")
+    @field_validator("warm", mode="before")
     @classmethod
-    def _check_warm(cls, v: int | str) -> int | str:
-        if isinstance(v, int) and not 0 <= v <= 64:
-            raise ValueError("give a number of sandboxes from 0 to 64, or auto")
-        return v
+    def _check_warm(cls, v: object) -> int | str:
+        if v == "auto":
+            return v
+        try:
+            n = int(v)  # type: ignore[call-overload]
+        except (TypeError, ValueError):
+            n = -1
+        if isinstance(v, bool) or not 0 <= n <= 64 or str(n) != str(v).strip():
+            raise ValueError(f"{v!r}: give a number of sandboxes from 0 to 64, or auto")
+        return n
 
     @field_validator("binds")
     @classmethod
