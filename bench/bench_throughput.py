@@ -54,13 +54,14 @@ def overhead(t: dict) -> float:
     return t["total_s"] - (t.get("agent_s") or 0.0)
 
 
-def run_once(tree: Path, store: Path, name: str, units: int, conc: int, sets: list[str] | None) -> tuple[float, list[dict]]:
+def run_once(tree: Path, store: Path, name: str, units: int, conc: int, sets: list[str] | None,
+             extra_env: dict[str, str] | None = None) -> tuple[float, list[dict]]:
     cmd = [sys.executable, "-m", "et_hpc.cli", "run", str(REPO / "defs" / "demo"), "--policy", "oracle",
            "--samples", str(units // 4), "--concurrency", str(conc), "--store", str(store), "--run-name", name,
            "--json", "--no-compact"]
     for kv in sets or []:
         cmd += ["--set", kv]
-    env = dict(os.environ, PYTHONPATH=str(tree))
+    env = dict(os.environ, PYTHONPATH=str(tree), **(extra_env or {}))
     t0 = time.monotonic()
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tree, timeout=3600)
     wall = time.monotonic() - t0

@@ -294,6 +294,11 @@ def status_info(run_dir: Path) -> dict[str, Any]:
         "units": total, "ok": ok, "error": err, "no_image": no_img, "missing": max(0, total - ok - err - no_img),
         "passed": passed, "pass_rate": round(passed / n_ok, 4) if n_ok else None,
     }
+    sb = meta.get("plan", {}).get("sandbox") or {}
+    # host directories the run's sandboxes see (sandbox.binds; nothing else of the host is bound)
+    info["binds"] = sb.get("binds", (cfg.get("sandbox") or {}).get("binds") or [])
+    if "warm" in sb:
+        info["sandbox"] = f"warm {sb['warm']}, local_copy {sb['local_copy']}"
     if no_img:
         info["no_image_tasks"] = no_image_reasons(store)
     from et_hpc.cli.rollouts import queue_status
@@ -356,6 +361,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     if tasks:
         info = dict(info)
         info["array_tasks (q/r/done/failed)"] = f"{tasks['queued']}/{tasks['running']}/{tasks['done']}/{tasks['failed']}"
+    info = dict(info)
+    info["binds"] = ", ".join(info.get("binds") or []) or "none"
     queue = info.pop("queue", None)
     if queue:  # a continuous run: its work queue
         info = dict(info)

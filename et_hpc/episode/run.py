@@ -285,6 +285,7 @@ def sandbox_spec(task: Task, cfg: RunConfig, image: Any) -> SandboxSpec | None:
         watchdog_interval_s=opts.watchdog_interval_s,
         local_copy=opts.local_copy,
         local_copy_budget_gb=opts.local_copy_budget_gb,
+        binds=tuple(opts.bind_options()),
     )
 
 

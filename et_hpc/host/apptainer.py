@@ -1,8 +1,17 @@
 """A thin subprocess wrapper around the ``apptainer`` command line (version, instances, exec, overlays).
 
-Every failure raises ``InfraError`` carrying the command and the tail of its stderr. Apptainer is
-started with the host environment minus ``APPTAINERENV_*``/``SINGULARITYENV_*`` (those would inject
-variables into containers); callers pass ``--cleanenv`` so nothing else of the host leaks in.
+Every failure raises ``InfraError`` carrying the command and the tail of its stderr.
+
+Environment hygiene: apptainer maps nearly every command-line flag to an ``APPTAINER_*`` (or the old
+``SINGULARITY_*``) variable: ``APPTAINER_BINDPATH`` binds host directories, ``APPTAINER_OVERLAY``
+adds a writable layer, ``APPTAINER_NETWORK``, ``APPTAINER_HOME``, ``APPTAINER_NO_MOUNT``, and
+``APPTAINERENV_*`` injects variables. Every apptainer command et-hpc runs (instances, exec, builds,
+base builds, doctor's probes) gets ``clean_env()``: the caller's environment without any variable
+whose name starts with ``APPTAINER`` or ``SINGULARITY``, except ``ALLOWED`` (where apptainer keeps
+its own files; they change nothing a container sees). What a sandbox sees comes only from the flags
+et-hpc passes (and the run config's ``sandbox.binds``). ``ignored_vars()`` names what was dropped
+(``et-hpc doctor`` warns about them). Callers also pass ``--cleanenv`` so nothing else of the host
+leaks into a container.
 """
 
 from __future__ import annotations
@@ -44,13 +53,38 @@ def binary() -> str:
     return found
 
 
+# Kept from the caller's environment: where apptainer keeps its build temp, its layer cache and its
+# per-user state (instances, remotes, keys). None of them changes what a container can see or write.
+# et-hpc itself sets APPTAINER_TMPDIR and APPTAINER_CACHEDIR for builds (on node-local scratch).
+ALLOWED = frozenset({"APPTAINER_TMPDIR", "APPTAINER_CACHEDIR", "APPTAINER_CONFIGDIR"})
+_PREFIXES = ("APPTAINER", "SINGULARITY")
+
+
+def _scrubbed(name: str) -> bool:
+    return name.upper().startswith(_PREFIXES) and name not in ALLOWED
+
+
+def clean_env(env: dict[str, str] | None = None, **extra: str) -> dict[str, str]:
+    """``env`` (default: ours) without every ``APPTAINER*``/``SINGULARITY*`` variable but ``ALLOWED``,
+    plus ``extra`` (what et-hpc itself sets, e.g. ``APPTAINER_TMPDIR`` for a build)."""
+    src = os.environ if env is None else env
+    out = {k: v for k, v in src.items() if not _scrubbed(k)}
+    for k, v in extra.items():
+        if _scrubbed(k):
+            raise ValueError(f"{k} is not in the apptainer environment allowlist")
+        out[k] = v
+    return out
+
+
 def host_env() -> dict[str, str]:
-    """The environment apptainer itself runs with: ours minus variables it would pass inside."""
-    return {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("APPTAINERENV_", "SINGULARITYENV_", "APPTAINER_ENV", "SINGULARITY_ENV"))
-    }
+    """The environment apptainer itself runs with (``clean_env()``; kept under its old name)."""
+    return clean_env()
+
+
+def ignored_vars(env: dict[str, str] | None = None) -> list[str]:
+    """The names of the variables in ``env`` (default: ours) that et-hpc drops before apptainer."""
+    src = os.environ if env is None else env
+    return sorted(k for k in src if _scrubbed(k))
 
 
 def _tail(text: str | bytes | None, n: int = 800) -> str:

@@ -41,9 +41,9 @@ class Check:
         return asdict(self)
 
 
-def _run(cmd: list[str], timeout: float = 10) -> subprocess.CompletedProcess | None:
+def _run(cmd: list[str], timeout: float = 10, env: dict[str, str] | None = None) -> subprocess.CompletedProcess | None:
     try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except (OSError, subprocess.TimeoutExpired):
         return None
 
@@ -51,7 +51,7 @@ def _run(cmd: list[str], timeout: float = 10) -> subprocess.CompletedProcess | N
 def apptainer_version() -> tuple[int, ...] | None:
     if not shutil.which(apptainer.exe()):
         return None
-    r = _run([apptainer.exe(), "--version"])
+    r = _run([apptainer.exe(), "--version"], env=apptainer.clean_env())
     m = re.search(r"(\d+)\.(\d+)\.(\d+)", r.stdout if r else "")
     return tuple(int(x) for x in m.groups()) if m else None
 
@@ -257,6 +257,19 @@ def cache_exposure(d: Path, limit: int = 20000) -> list[tuple[Path, str]]:
     return out
 
 
+def check_apptainer_env() -> Check:
+    """WARN when the caller's environment sets apptainer variables: et-hpc drops them (each would
+    reshape every sandbox: binds, overlays, network, home...); binds belong in ``sandbox.binds``."""
+    names = apptainer.ignored_vars()
+    if not names:
+        return Check("apptainer environment", OK, "no APPTAINER_*/SINGULARITY_* variables set")
+    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    return Check("apptainer environment", WARN,
+                 f"set here and ignored by et-hpc (no apptainer command it runs sees them): {shown}",
+                 "nothing to do for et-hpc; to give sandboxes a host directory use the run config's "
+                 "sandbox.binds (read-only unless SRC:DST:rw)")
+
+
 def check_mmdebstrap() -> Check:
     if shutil.which("mmdebstrap"):
         return Check("mmdebstrap", OK, "offline base builds possible")
@@ -272,7 +285,7 @@ def check_unsquashfs() -> Check:
 
 
 CHECKS: list[Callable[[], Check | list[Check]]] = [
-    check_apptainer, check_user, check_subids, check_userns, check_fuse, check_fuse_tools,
+    check_apptainer, check_apptainer_env, check_user, check_subids, check_userns, check_fuse, check_fuse_tools,
     check_sessiondir, check_slurm, check_scratch, check_cache, check_mmdebstrap, check_unsquashfs,
 ]
 

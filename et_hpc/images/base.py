@@ -165,7 +165,9 @@ def _run(cmd: list[str], what: str, log_file: Path, **kw) -> None:
 
 
 def _build_env() -> dict[str, str]:
-    env = dict(os.environ)
+    """Apptainer's environment for a base build: ``apptainer.clean_env()`` with its temp and
+    cache directories on scratch unless the caller chose them."""
+    env = apptainer.clean_env()
     scratch = paths.scratch_dir()
     env.setdefault("APPTAINER_TMPDIR", str(scratch))
     env.setdefault("APPTAINER_CACHEDIR", str(scratch / "apptainer-cache"))

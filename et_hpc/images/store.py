@@ -46,6 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from et_hpc import paths
 from et_hpc.errors import UserError
 from et_hpc.host import slurm as watch
+from et_hpc.host.apptainer import clean_env as apptainer_clean_env
 from et_hpc.host.apptainer import exe as apptainer_exe
 from et_hpc.images.lock import BuildLock, LockInfo, LockTimeout
 from et_hpc.util import atomic_write_text, file_tail, fsync_dir, progress_bar, sha256_file
@@ -628,7 +629,7 @@ class ImageStore:
         s = self.settings
         if not shutil.which(s.apptainer):
             return None, f"{s.apptainer} not found on PATH: install Apptainer or 'module load apptainer'"
-        env = dict(os.environ)
+        env = apptainer_clean_env()  # no APPTAINER_*/SINGULARITY_* of the caller's (host/apptainer.py)
         tmpdir = work / "apptainer-tmp"
         tmpdir.mkdir()
         env["APPTAINER_TMPDIR"] = str(tmpdir)

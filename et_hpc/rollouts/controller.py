@@ -9,6 +9,9 @@ fresh shuffled order: the seed environment's ``get_next_item``), sweeps the queu
 stop conditions: the stop file (``et-hpc rollouts stop``, ``RolloutStream.request_stop``),
 SIGTERM/SIGINT, ``--target-groups N`` (the stream holds N groups).
 
+A reaper thread removes, every half lease, the sandboxes of workers on this node that died without
+stopping them (et_hpc.sandbox.reaper.start_reaping; the workers run one too).
+
 On stop it writes the stop file (workers give their units back to the queue), waits up to
 ``stop_grace_s`` for the workers to exit, and cancels (its own) array tasks that are still there.
 The queue stays: running the same command again continues it, epochs included. If the
@@ -28,7 +31,7 @@ from typing import Any
 
 from et_hpc.errors import UserError
 from et_hpc.rollouts.queue import WorkQueue
-from et_hpc.rollouts.worker import Worker
+from et_hpc.rollouts.worker import Worker, reap_interval
 from et_hpc.runner.config import RunConfig
 from et_hpc.runner.plan import save_run_json
 
@@ -59,8 +62,19 @@ def prepare(cfg: RunConfig) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
     return by_id, images, errors
 
 
-def write_run_json(cfg: RunConfig, run_dir: Path, n_tasks: int) -> None:
-    save_run_json(cfg, run_dir, {"continuous": True, "tasks": n_tasks, "samples": cfg.samples, "units_total": 0})
+def write_run_json(cfg: RunConfig, run_dir: Path, n_tasks: int, sandbox: dict[str, Any] | None = None) -> None:
+    save_run_json(cfg, run_dir, {"continuous": True, "tasks": n_tasks, "samples": cfg.samples, "units_total": 0,
+                                 "sandbox": {**(sandbox or {}), "binds": list(cfg.sandbox.binds)}})
+
+
+def resolve_sandbox(cfg: RunConfig, images: dict[str, Any]) -> tuple[RunConfig, dict[str, Any]]:
+    """``sandbox.warm``/``local_copy`` "auto" chosen for a continuous run (et_hpc.runner.fastpath)."""
+    from et_hpc.runner.fastpath import check_binds, choose, resolve
+
+    check_binds(cfg)
+    as_continuous = cfg.model_copy(update={"continuous": cfg.continuous.model_copy(update={"enabled": True})})
+    choice = choose(as_continuous, [(tid, 0) for tid in images], images)
+    return resolve(cfg, choice), choice
 
 
 class Controller:
@@ -135,6 +149,13 @@ class Controller:
         self.queue.clear_stop()
         self.refill()
         self.start_workers()
+        from et_hpc.sandbox.reaper import start_reaping
+
+        # the sandboxes of Slurm workers on this node that died (SIGKILL, OOM) go within one lease
+        # period (a local worker runs in this process and reaps for it)
+        reaping = threading.Event()
+        if self.cfg.executor == "slurm":
+            start_reaping(reaping, reap_interval(self.opts.lease_s))
         t0 = time.monotonic()
         start_pub = self.queue.published()
         last_print = 0.0
@@ -170,6 +191,7 @@ class Controller:
                           f"epochs {st['epochs']}", file=sys.stderr, flush=True)
                 self.stop.wait(self.opts.poll_s)
             self.shutdown()
+            reaping.set()
         info = self.queue.status()
         info.update({"run_dir": str(self.run_dir), "stop_reason": reason,
                      "groups_this_session": info["published"] - start_pub,
@@ -203,8 +225,9 @@ def run_continuous(cfg: RunConfig, target_groups: int | None = None, progress: b
     for e in errors[:5]:
         print(f"et-hpc: warning: task skipped: {e}", file=sys.stderr)
     run_dir = cfg.run_dir()
+    cfg, choice = resolve_sandbox(cfg, images)
     run_dir.mkdir(parents=True, exist_ok=True)
-    write_run_json(cfg, run_dir, len(tasks))
+    write_run_json(cfg, run_dir, len(tasks), choice)
     target = target_groups or cfg.continuous.target_groups
     print(f"continuous run {cfg.run_name()} in {run_dir}: {len(tasks)} tasks x {cfg.samples} samples per "
           f"group, {cfg.executor} executor" + (f", until {target} groups" if target else ""),

@@ -8,7 +8,8 @@ just before the claim, so no unit starts under a version older than the current 
 group gets a sandbox started while the current one runs, et_hpc.sandbox.warm), reruns an episode that ended with an error status up
 to ``continuous.retries`` times, and commits the group. A heartbeat thread renews every lease the
 worker holds, sweeps the queue (expired leases of dead workers, unfinished publications), and
-interrupts a unit when it must not finish:
+interrupts a unit when it must not finish (a reaper thread, every half lease, removes the sandboxes
+of workers on this node that died without stopping them: et_hpc.sandbox.reaper.start_reaping):
 
 - its lease is gone (expired while this worker was cut off): the records are discarded;
 - the run is stopping (stop file, SIGTERM, Slurm checkpoint): the unit is given back;
@@ -55,6 +56,12 @@ from et_hpc.runs.store import WRITE_ATTEMPTS, WRITE_RETRY_S
 log = logging.getLogger(__name__)
 
 UNVERSIONED = "unversioned"  # policy_versions' name for "before the trainer's first publish"
+
+
+def reap_interval(lease_s: float) -> float:
+    """How often long-lived processes of a continuous run reap dead workers' sandboxes: twice per
+    lease period, so none outlives its worker by more than one lease."""
+    return max(1.0, lease_s / 2)
 
 
 @dataclass
@@ -107,10 +114,10 @@ class Worker(Checkpointable):
         import signal
 
         from et_hpc.runner.local import stop_on_signals
-        from et_hpc.runner.slurm import _reap
+        from et_hpc.sandbox.reaper import reap_dead
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        _reap()
+        reap_dead()
         stop = threading.Event()
         with stop_on_signals(stop, (signal.SIGTERM,)):
             return self.run(stop)
@@ -146,6 +153,10 @@ class Worker(Checkpointable):
         log.info("worker %s: %d slot(s) on %s", self.wid, n, self.run_dir)
         self._write_worker()
         beat.start()
+        reaping = threading.Event()
+        from et_hpc.sandbox.reaper import start_reaping
+
+        start_reaping(reaping, reap_interval(opts.lease_s))  # other dead workers' sandboxes on this node
         for t in slots:
             t.start()
         try:
@@ -154,6 +165,7 @@ class Worker(Checkpointable):
                     t.join(0.5)
         finally:
             stop.set()
+            reaping.set()
             self.warming.close()
             beat.join(5.0)
             self._write_worker(exited=True)

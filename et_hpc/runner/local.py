@@ -66,7 +66,7 @@ class Warming:
     the unit runner does not take warm sandboxes): reserve one for a unit, say which units come next."""
 
     def __init__(self, runner: UnitRunner, cfg: RunConfig, stop: threading.Event) -> None:
-        self.size = cfg.sandbox.warm if getattr(runner, "uses_warm_pool", False) else 0
+        self.size = cfg.sandbox.warm_count() if getattr(runner, "uses_warm_pool", False) else 0
         self.stop = stop
         self.pool: Any = None  # made at the first reserve
         self._lock = threading.Lock()
@@ -192,7 +192,7 @@ class UnitPool:
             item = self.items[self._next]
             self._next += 1
             self.result.started += 1
-            upcoming = self.items[self._next:self._next + self.cfg.sandbox.warm]
+            upcoming = self.items[self._next:self._next + self.cfg.sandbox.warm_count()]
             return item, self.warming.reserve(item[0], self.cfg, item[2], "units", upcoming)
 
     def _work(self) -> None:

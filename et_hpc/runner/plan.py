@@ -78,6 +78,7 @@ class Plan:
     load_errors: list[str] = field(default_factory=list)
     no_image: dict[str, str] = field(default_factory=dict)  # task id -> why it has no image
     no_image_new: list[Unit] = field(default_factory=list)  # no_image units without that record yet
+    sandbox: dict[str, Any] = field(default_factory=dict)  # the "auto" choices (et_hpc.runner.fastpath), binds
     planned_at: float = field(default_factory=time.time)  # when the units became runnable (queue_s)
 
     def no_image_units(self) -> int:
@@ -95,6 +96,7 @@ class Plan:
             "load_errors": len(self.load_errors),
             "no_image": self.no_image_units(),
             "no_image_tasks": dict(sorted(self.no_image.items())),
+            "sandbox": self.sandbox,
         }
 
 
@@ -203,9 +205,15 @@ def make_plan(cfg: RunConfig, *, tasks: list[Any] | None = None,
     err -= sum(1 for u in todo if u[0] in no_image and done.get(u) not in (None, NO_IMAGE))
     no_image_new = [u for u in todo if u[0] in no_image and done.get(u) != NO_IMAGE]
     runnable = [u for u in todo if u[0] not in no_image]
+    from et_hpc.runner.fastpath import check_binds, choose, resolve
+
+    check_binds(cfg)
+    choice = choose(cfg, runnable, images)
+    cfg = resolve(cfg, choice)
     plan = Plan(cfg=cfg, run_dir=run_dir, tasks=by_id, images=images, units=runnable,
                 total=len(by_id) * cfg.samples, done_ok=ok, done_error=err, load_errors=load_errors,
-                no_image=no_image, no_image_new=no_image_new)
+                no_image=no_image, no_image_new=no_image_new,
+                sandbox={**choice, "binds": list(cfg.sandbox.binds)})
     if write:
         write_run_json(plan)
         record_no_image(plan, store)

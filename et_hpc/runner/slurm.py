@@ -1,6 +1,7 @@
 """The Slurm executor: units in chunks, chunks as submitit array tasks, arrays split at MaxArraySize.
 
-Each array task is a :class:`ChunkJob`: it reaps stale sandboxes, skips units already ok in the
+Each array task is a :class:`ChunkJob`: it reaps stale sandboxes (at its start and every
+``REAP_EVERY_S`` while it runs: et_hpc.sandbox.reaper), skips units already ok in the
 store (so a requeued or rerun task never redoes finished work), and runs the rest with local
 concurrency. On preemption or timeout submitit calls ``checkpoint()``, which interrupts running
 episodes and requeues the same chunk. Submissions are saved in ``<run_dir>/jobs.json``.
@@ -39,15 +40,9 @@ from et_hpc.util import atomic_write_text
 
 log = logging.getLogger(__name__)
 CHECKPOINT_GRACE_S = 60.0
+REAP_EVERY_S = 30.0  # an array task reaps dead workers' sandboxes on its node this often
 
 
-def _reap() -> None:
-    from et_hpc.sandbox.reaper import reap
-
-    try:
-        reap()
-    except Exception:  # a failed sweep must not lose the array task
-        log.exception("sandbox reaper failed")
 
 
 class ChunkJob(Checkpointable):
@@ -76,16 +71,23 @@ class ChunkJob(Checkpointable):
         return keep
 
     def __call__(self) -> dict[str, Any]:
+        from et_hpc.sandbox.reaper import reap_dead, start_reaping
+
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        _reap()
+        reap_dead()
+        reaping = threading.Event()
+        start_reaping(reaping, REAP_EVERY_S)  # sandboxes of workers on this node that die meanwhile
         store = open_store(self.run_dir)
         items = self.todo(store)
         log.info("chunk of %d units, %d to run", len(self.items), len(items))
         stop = threading.Event()
         self._pool = UnitPool(items, resolve_runner(self.cfg.unit_runner), self.cfg, store,
                               self.cfg.node_concurrency(), stop, ready_at=self.ready_at)
-        with stop_on_signals(stop, (signal_term(),)):
-            res = self._pool.run()
+        try:
+            with stop_on_signals(stop, (signal_term(),)):
+                res = self._pool.run()
+        finally:
+            reaping.set()
         log.info("chunk finished: %s", res)
         return _result_dict(res, len(self.items))
 

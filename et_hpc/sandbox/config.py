@@ -4,9 +4,31 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 DEFAULT_OVERLAY_MB = 512  # writable overlay of one episode's sandbox
+# container paths a user bind may not cover: the image's pristine copy (scoring) and what
+# apptainer itself provides
+RESERVED_DSTS = ("/", "/.et-pristine", "/proc", "/sys", "/dev", "/etc", "/.singularity.d")
+
+
+def parse_bind(spec: str) -> tuple[str, str, str]:
+    """``SRC[:DST][:ro|rw]`` -> (src, dst, mode); read-only unless ``rw``. Raises ValueError."""
+    parts = spec.split(":")
+    mode = "ro"
+    if len(parts) >= 2 and parts[-1] in ("ro", "rw"):
+        mode = parts.pop()
+    if len(parts) == 1:
+        parts.append(parts[0])
+    if len(parts) != 2 or not all(parts):
+        raise ValueError(f"bind {spec!r}: expected SRC[:DST][:ro|rw] (absolute paths, no ':' in them)")
+    src, dst = parts
+    if "," in spec or not src.startswith("/") or not dst.startswith("/"):
+        raise ValueError(f"bind {spec!r}: SRC and DST must be absolute paths without ','")
+    d = "/" + dst.strip("/")
+    if any(d == r or (r != "/" and d.startswith(r + "/")) for r in RESERVED_DSTS):
+        raise ValueError(f"bind {spec!r}: {d} is reserved in the sandbox; bind somewhere else")
+    return src, d, mode
 
 
 class SandboxConfig(BaseModel):
@@ -27,20 +49,56 @@ class SandboxConfig(BaseModel):
     vmem_mb: int = Field(default=8192, ge=64)
     fsize_mb: int = Field(default=4096, ge=1)
     watchdog_interval_s: float = Field(default=0.25, ge=0)
-    # node-local images (et_hpc.images.local_copy): auto copies the SIF only when the image cache
-    # and scratch are on different filesystems; always forces the copy; unpack starts instances
-    # from the SIF's root filesystem unpacked once per node (faster starts, one shared page cache);
-    # never starts from the cache
+    # node-local images (et_hpc.images.local_copy): always copies the SIF to node-local scratch;
+    # unpack starts instances from the SIF's root filesystem unpacked once per node (faster starts,
+    # one shared page cache); never starts from the cache; auto (default) chooses per run from its
+    # plan (et_hpc.runner.fastpath, README "Runs"): unpack where it pays, else a copy only when
+    # the image cache and scratch are on different filesystems
     local_copy: Literal["auto", "always", "never", "unpack"] = "auto"
     local_copy_budget_gb: float = Field(default=20.0, gt=0)
     # sandboxes started ahead per worker process for the units that run next (et_hpc.sandbox.warm);
-    # 0: each episode starts its own; 2 is the recommended value (README "Runs")
-    warm: int = Field(default=0, ge=0, le=64)
+    # 0: each episode starts its own; auto (default): chosen per run from its plan
+    warm: int | Literal["auto"] = "auto"
     # keep what the agent changed (the episode's overlay, compressed, content-addressed) beside the
     # run for 'et-hpc rescore' (et_hpc.runs.final_state); a state larger than final_state_mb
     # compressed is not kept (the record says so). Costs the archive's time at teardown and its space.
     keep_final_state: bool = False
     final_state_mb: float = Field(default=64.0, gt=0)
+    # host directories the sandboxes see: "SRC[:DST][:ro|rw]", read-only unless ":rw". The only
+    # way a host path gets into a sandbox: APPTAINER_BIND and the like are ignored (SECURITY.md)
+    binds: list[str] = Field(default_factory=list)
+
+    @field_validator("warm", mode="before")
+    @classmethod
+    def _check_warm(cls, v: object) -> int | str:
+        if v == "auto":
+            return v
+        try:
+            n = int(v)  # type: ignore[call-overload]
+        except (TypeError, ValueError):
+            n = -1
+        if isinstance(v, bool) or not 0 <= n <= 64 or str(n) != str(v).strip():
+            raise ValueError(f"{v!r}: give a number of sandboxes from 0 to 64, or auto")
+        return n
+
+    @field_validator("binds")
+    @classmethod
+    def _check_binds(cls, v: list[str]) -> list[str]:
+        for b in v:
+            parse_bind(b)
+        return v
+
+    def warm_count(self) -> int:
+        """Sandboxes started ahead per worker process: ``warm``, 0 while it is still "auto"."""
+        return self.warm if isinstance(self.warm, int) else 0
+
+    def bind_options(self) -> list[str]:
+        """The ``--bind`` options of ``binds`` for apptainer."""
+        out = []
+        for b in self.binds:
+            src, dst, mode = parse_bind(b)
+            out += ["--bind", f"{src}:{dst}:{mode}"]
+        return out
 
 
 SandboxOptions = SandboxConfig  # its old name

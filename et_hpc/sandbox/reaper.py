@@ -3,9 +3,12 @@
 A sandbox leaves three traces on a node: the apptainer instance, its overlay file and its registry
 file ``<scratch>/live/<name>.json`` (written before the overlay or the instance exist). ``reap()``
 stops instances and deletes files whose owner process is dead on this host; sandboxes whose owner is
-alive are left alone. An ``apptainer instance start`` that a killed worker left running is waited
-for, so its instance is stopped too. Runners call it when a worker starts; ``et-hpc reap`` runs it
-by hand.
+alive are left alone (an owner is its pid and that process's start time, so a reused pid does not
+keep a dead worker's sandbox alive). An ``apptainer instance start`` that a killed worker left
+running is waited for, so its instance is stopped too. Runners call it when a worker starts;
+``start_reaping`` runs it every few seconds in a thread of a long-lived process (a continuous run's
+controller and its workers), so a SIGKILLed worker's sandboxes go within one lease period without
+waiting for the next worker; ``et-hpc reap`` runs it by hand.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import json
 import logging
 import re
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -49,21 +53,20 @@ def _name_owner(name: str) -> int | None:
     return int(m.group("pid"))
 
 
-def reap(scratch: Path | None = None, all_runs: bool = False, dry_run: bool = False) -> ReapReport:
+def reap(scratch: Path | None = None, all_runs: bool = False, dry_run: bool = False,
+         wait_starts: bool = True) -> ReapReport:
     """Stop dead workers' instances and delete their overlays and registry files.
 
     Default: what the registry and overlay files in this node's scratch name. ``all_runs``: also any
     instance of this user on this host named like ours (``PREFIX-HOST-PID-RAND``) whose PID is dead,
-    wherever its files live.
+    wherever its files live. Without ``wait_starts`` a dead worker's sandbox whose instance start
+    is still running is left for the next call (nothing here then waits). Apptainer is asked only
+    when there is something to reap.
     """
     rep = ReapReport(dry_run=dry_run)
     live_dir, overlays_dir, _ = scratch_paths(scratch)
     host = socket.gethostname()
-    try:
-        running = {i.name: i for i in apptainer.instance_list()}
-    except InfraError as e:
-        rep.errors.append(str(e))
-        running = {}
+    running: dict[str, apptainer.InstanceInfo] = {}
     handled: set[str] = set()
 
     def stop(name: str) -> None:
@@ -97,7 +100,7 @@ def reap(scratch: Path | None = None, all_runs: bool = False, dry_run: bool = Fa
         handled.add(name)
         if rhost != host:
             continue  # another node's scratch seen through a shared path: not ours to judge
-        if procfs.pid_alive(pid):
+        if procfs.pid_alive(pid, rec.get("pid_start")):
             rep.kept.append(name)
             continue
         dead[name] = ([Path(rec["overlay"])] if rec.get("overlay") else []) + [reg]
@@ -111,11 +114,20 @@ def reap(scratch: Path | None = None, all_runs: bool = False, dry_run: bool = Fa
             handled.add(name)
             dead[name] = [ov]
 
+    if not dead and not all_runs:
+        return rep
+    try:
+        running = {i.name: i for i in apptainer.instance_list()}
+    except InfraError as e:
+        rep.errors.append(str(e))
     # A worker killed while it started a sandbox leaves its `apptainer instance start` running:
     # the instance appears after the listing above, from an overlay deleted under it. Wait for
     # such starts to end, then look again.
     starting = [n for n in dead if n not in running and procfs.with_argument(n)]
-    if starting:
+    if starting and not wait_starts:
+        for n in starting:
+            del dead[n]  # the next call finds it started
+    elif starting:
         deadline = time.monotonic() + START_WAIT_S
         for n in starting:
             if not wait_for_start(n, max(0.0, deadline - time.monotonic())):
@@ -141,3 +153,30 @@ def reap(scratch: Path | None = None, all_runs: bool = False, dry_run: bool = Fa
     if rep.stopped or rep.deleted:
         log.info("reaped %d instance(s), %d file(s)", len(rep.stopped), len(rep.deleted))
     return rep
+
+
+def reap_dead(scratch: Path | None = None, *, wait_starts: bool = True) -> ReapReport | None:
+    """``reap(scratch)`` that never raises (a worker must not die of its cleanup); None on failure."""
+    try:
+        rep = reap(scratch=scratch, wait_starts=wait_starts)
+    except Exception:  # noqa: BLE001
+        log.exception("sandbox reaper failed")
+        return None
+    for e in rep.errors:
+        log.warning("reaper: %s", e)
+    if rep.stopped:
+        log.warning("reaped the sandboxes of dead workers: %s", ", ".join(rep.stopped))
+    return rep
+
+
+def start_reaping(stop: threading.Event, interval_s: float, scratch: Path | None = None) -> threading.Thread:
+    """A daemon thread that reaps dead workers' sandboxes on this node every ``interval_s`` until
+    ``stop`` is set. Each round costs a directory listing and a look at /proc; apptainer is started
+    only when a dead owner's sandbox is found."""
+    def loop() -> None:
+        while not stop.wait(interval_s):
+            reap_dead(scratch, wait_starts=False)
+
+    t = threading.Thread(target=loop, name="reaper", daemon=True)
+    t.start()
+    return t

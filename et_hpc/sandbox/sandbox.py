@@ -9,7 +9,8 @@ and starts ``apptainer instance start --containall --cleanenv --overlay OV [--ne
 ``<scratch>/live/<name>.json`` lets ``et_hpc.sandbox.reaper`` clean up after a killed worker.
 
 Nothing of the host environment reaches the container: apptainer runs with ``--cleanenv`` for the
-instance and for every exec, and ``APPTAINERENV_*`` variables are dropped before calling it.
+instance and for every exec, and without any ``APPTAINER*``/``SINGULARITY*`` variable of the
+caller's (``apptainer.clean_env``); host paths come in only through ``binds``.
 """
 
 from __future__ import annotations
@@ -174,6 +175,7 @@ class Sandbox:
         warm_scoring: bool = True,
         overlay_image: Path | None = None,
         overlay_readonly: bool = False,
+        binds: list[str] | tuple[str, ...] = (),
     ) -> None:
         self.sif = Path(sif)
         self.run_prefix = run_prefix
@@ -195,6 +197,7 @@ class Sandbox:
         if self.overlay_image is not None:
             self.writable_tmpfs = overlay_readonly
         self.before_overlay_delete: Callable[[Path], None] | None = None
+        self.binds = list(binds)  # extra apptainer options, e.g. SandboxConfig.bind_options()
         self._warm_pending = False
         self._warmer: subprocess.Popen[bytes] | None = None
         self.name: str | None = None
@@ -241,6 +244,7 @@ class Sandbox:
         elif self.pristine and (part := apptainer.sif_rootfs_id(self.sif)) is not None:
             options += ["--bind", f"{self.sif}:{PRISTINE}:image-src=/,id={part}"]
             self.pristine_bound = True
+        options += self.binds
         self.timings["overlay_s"] = time.monotonic() - t0
         _install_handlers()
         with _LIVE_LOCK:
@@ -416,6 +420,7 @@ class Sandbox:
         rec = {
             "name": self.name,
             "pid": os.getpid(),
+            "pid_start": procfs.start_time(os.getpid()),  # tells the reaper a reused pid apart
             "host": socket.gethostname(),
             "overlay": str(self.overlay) if self.overlay else None,
             "sif": str(self.sif),

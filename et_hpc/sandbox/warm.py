@@ -71,6 +71,7 @@ class SandboxSpec:
     watchdog_interval_s: float = 0.0
     local_copy: str = "auto"
     local_copy_budget_gb: float = 20.0
+    binds: tuple[str, ...] = ()  # --bind options (SandboxConfig.bind_options)
 
 
 @dataclass
@@ -109,7 +110,7 @@ def start_ready(spec: SandboxSpec) -> Ready:
     sif = episode_image(SimpleNamespace(path=spec.image_path, digest=spec.image_digest), options)
     sandbox = Sandbox(sif, run_prefix=spec.run_prefix, overlay_mb=spec.overlay_mb,
                       writable_tmpfs=spec.writable_tmpfs, network_none=spec.network_none,
-                      nproc=spec.nproc, vmem_mb=spec.vmem_mb, fsize_mb=spec.fsize_mb)
+                      nproc=spec.nproc, vmem_mb=spec.vmem_mb, fsize_mb=spec.fsize_mb, binds=spec.binds)
     wd: Watchdog | None = None
     try:
         sandbox.start()

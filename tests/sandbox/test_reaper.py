@@ -7,6 +7,7 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -190,3 +191,22 @@ def test_reap_after_sigkill_of_a_run_with_warm_sandboxes(base_sif: Path, tmp_pat
 
 def _run_instances() -> set[str]:
     return {i.name for i in apptainer.instance_list() if i.name.startswith("et-reapwarm-")}
+
+
+def test_a_reused_pid_does_not_keep_a_dead_workers_sandbox(tmp_path: Path) -> None:
+    """The registry names the owner by pid and start time: a live process holding that pid now
+    (here: this one, with another start time) does not make the sandbox look owned."""
+    from et_hpc.host import procfs
+    from et_hpc.sandbox.sandbox import scratch_paths
+
+    live, overlays, _ = scratch_paths(tmp_path)
+    me = os.getpid()
+    for name, start in (("t-reap-reused", "1"), ("t-reap-mine", procfs.start_time(me))):
+        (overlays / f"{name}.img").write_bytes(b"")
+        (live / f"{name}.json").write_text(json.dumps({"name": name, "pid": me, "pid_start": start,
+                                                       "host": socket.gethostname(),
+                                                       "overlay": str(overlays / f"{name}.img")}))
+    rep = reap(scratch=tmp_path)
+    assert rep.kept == ["t-reap-mine"], rep
+    assert not (overlays / "t-reap-reused.img").exists() and not (live / "t-reap-reused.json").exists()
+    assert (overlays / "t-reap-mine.img").exists() and (live / "t-reap-mine.json").exists()

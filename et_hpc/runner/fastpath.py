@@ -1,0 +1,152 @@
+"""The automatic choice of ``sandbox.warm`` and ``sandbox.local_copy`` ("auto", the defaults).
+
+A run's plan knows how many episodes each image serves on a node, how many run at once against the
+cores they have, and the images' sizes; from that:
+
+- ``local_copy``: ``unpack`` when unpacking pays on a node: each episode from an unpacked tree saves
+  about ``SAVED_S_PER_EPISODE`` (0.15 s of setup, 0.2-0.4 s of scoring, bench/RESULTS.md), and
+  unpacking costs about ``UNPACK_S_PER_MB`` of a SIF's size once per image and node (1.2 s for a
+  90 MB SIF; nothing for a tree this node has already). So unpack when the episodes per image on a
+  node save more than the unpacking costs (a group of 4 samples does; an evaluation with one
+  episode per image does not), ``unsquashfs`` is there, and scratch has room for the trees (about
+  3x the SIFs' size, within ``local_copy_budget_gb``). Else ``auto`` as before: a plain copy only
+  when the image cache and scratch are on different filesystems.
+- ``warm``: ``WARM`` sandboxes started ahead when a worker process runs more than one episode (there
+  is a next one to start while the current one runs) and the episodes at once leave a core for
+  it (concurrency <= cores); else 0.
+
+Explicit settings win. Per node: the local executor runs the whole plan here; a Slurm array task
+runs ``slurm.units_per_task`` units on ``slurm.cpus_per_task`` cores (each counted as a node of
+its own, the worst case); a continuous worker runs groups of ``samples`` episodes of one task.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from et_hpc.runner.config import RunConfig
+
+SAVED_S_PER_EPISODE = 0.4  # setup + scoring saved per episode started from an unpacked tree
+UNPACK_S_PER_MB = 1.2 / 90  # unpacking a SIF's root filesystem, per MB of SIF, once per node
+TREE_FACTOR = 3.0  # an unpacked tree takes about 3x its SIF's size
+WARM = 2  # the measured best (README "Runs")
+
+
+def _cores(cfg: RunConfig) -> int:
+    if cfg.executor == "slurm":
+        return max(1, cfg.slurm.cpus_per_task or 1)
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _tree_exists(img: Any, scratch: Path | None) -> bool:
+    """True when this node already holds ``img`` unpacked (a later run pays nothing for it)."""
+    from et_hpc.images.local_copy import TREE, _norm_digest, images_dir
+
+    digest = getattr(img, "digest", None)
+    if not digest:
+        return False
+    try:
+        return (images_dir(scratch) / f"{_norm_digest(digest)}{TREE}").is_dir()
+    except (ValueError, OSError):
+        return False
+
+
+def _per_node(cfg: RunConfig, units: list[tuple[str, int]]) -> list[Counter]:
+    """Episodes per task (image) on each node, as the executor spreads the units."""
+    if cfg.continuous.enabled:
+        return [Counter({tid: cfg.samples for tid, _ in units})]  # a worker runs whole groups
+    if cfg.executor == "slurm":
+        n = max(1, cfg.slurm.units_per_task)
+        return [Counter(tid for tid, _ in units[i:i + n]) for i in range(0, len(units), n)]
+    return [Counter(tid for tid, _ in units)]
+
+
+def choose(cfg: RunConfig, units: list[tuple[str, int]], images: dict[str, Any],
+           scratch: Path | None = None) -> dict[str, Any]:
+    """What "auto" means for this run: ``{"warm": K, "local_copy": MODE, "why": {...}, ...}``."""
+    sb = cfg.sandbox
+    cores = _cores(cfg)
+    conc = cfg.node_concurrency(cores=cores)
+    nodes = _per_node(cfg, units)
+    out: dict[str, Any] = {"cores": cores, "concurrency": conc, "why": {}}
+
+    if sb.warm != "auto":
+        out["warm"], out["why"]["warm"] = sb.warm, "set in the run config"
+    else:
+        per_worker = max((sum(c.values()) for c in nodes), default=0)
+        if cfg.continuous.enabled:
+            per_worker = max(per_worker, 2)  # a continuous worker keeps going
+        if per_worker < 2:
+            out["warm"], out["why"]["warm"] = 0, "one episode per worker: nothing to start ahead"
+        elif conc > cores:
+            out["warm"], out["why"]["warm"] = 0, f"{conc} episodes at once on {cores} cores leave none for starts ahead"
+        else:
+            out["warm"], out["why"]["warm"] = WARM, f"{per_worker} episodes per worker, {conc} at once on {cores} cores"
+
+    if sb.local_copy != "auto":
+        out["local_copy"], out["why"]["local_copy"] = sb.local_copy, "set in the run config"
+        return out
+    out["local_copy"] = "auto"
+    sizes: dict[str, float] = {}
+    for tid, img in images.items():
+        try:
+            sizes[tid] = Path(img.path).stat().st_size / 2**20
+        except (AttributeError, TypeError, OSError):
+            continue
+    saved = cost = 0.0
+    for node in nodes:
+        for tid, n in node.items():
+            if tid not in sizes:
+                continue
+            saved += n * SAVED_S_PER_EPISODE
+            if not _tree_exists(images[tid], scratch):
+                cost += sizes[tid] * UNPACK_S_PER_MB
+    per_node_mb = max((sum(sizes.get(t, 0.0) for t in node) for node in nodes), default=0.0) * TREE_FACTOR
+    out["unpack"] = {"saved_s": round(saved, 2), "cost_s": round(cost, 2), "trees_mb": round(per_node_mb)}
+    if not sizes:
+        out["why"]["local_copy"] = "no image to unpack"
+    elif saved <= cost:
+        eps = max((max(c.values(), default=0) for c in nodes), default=0)
+        out["why"]["local_copy"] = (f"unpacking would cost {cost:.1f} s and save {saved:.1f} s "
+                                    f"({eps} episode(s) per image per node at most): starts from the SIF")
+    elif not shutil.which("unsquashfs"):
+        out["why"]["local_copy"] = "unsquashfs (squashfs-tools) is not on PATH: starts from the SIF"
+    else:
+        from et_hpc.paths import scratch_dir
+
+        try:
+            free_mb = shutil.disk_usage(scratch or scratch_dir()).free / 2**20
+        except OSError:
+            free_mb = 0.0
+        budget_mb = sb.local_copy_budget_gb * 1024
+        if per_node_mb > min(free_mb / 2, budget_mb):
+            out["why"]["local_copy"] = (f"the unpacked trees need about {per_node_mb:.0f} MB: more than half the free "
+                                        f"scratch ({free_mb:.0f} MB) or the budget ({budget_mb:.0f} MB)")
+        else:
+            out["local_copy"] = "unpack"
+            out["why"]["local_copy"] = f"unpacking costs {cost:.1f} s and saves {saved:.1f} s per run"
+    return out
+
+
+def resolve(cfg: RunConfig, choice: dict[str, Any]) -> RunConfig:
+    """``cfg`` with the chosen ``sandbox.warm`` and ``sandbox.local_copy``."""
+    sb = cfg.sandbox.model_copy(update={"warm": choice["warm"], "local_copy": choice["local_copy"]})
+    return cfg.model_copy(update={"sandbox": sb})
+
+
+def check_binds(cfg: RunConfig) -> None:
+    """``UserError`` when a ``sandbox.binds`` source does not exist here (every episode would fail)."""
+    from et_hpc.errors import UserError
+    from et_hpc.sandbox.config import parse_bind
+
+    for b in cfg.sandbox.binds:
+        src = parse_bind(b)[0]
+        if not os.path.exists(src):
+            raise UserError(f"sandbox.binds: {src} does not exist on this host (bind {b!r})")
