@@ -59,6 +59,11 @@ _CONTEXT_RE = re.compile(
 )
 _TOKEN_ID_RE = re.compile(r"^token_id:(-?\d+)$")
 
+# constrain=True in text mode: the reply is exactly one command or done (a GBNF grammar, llama.cpp's format)
+TEXT_GRAMMAR = r'''root ::= "<command>" cmd "</command>" | "<action>done</action>"
+cmd ::= ( [^<] | "<" [^/] )+
+'''
+
 
 class _Retryable(Exception):
     def __init__(self, msg: str, retry_after: float | None = None, *, dead: bool = False, known: bool = False):
@@ -107,8 +112,20 @@ def _malformed(resp: Any) -> str | None:
     return None
 
 
+def _keep_reasoning(message: dict[str, Any], msg: Any) -> None:
+    """Keep the model's reasoning (``reasoning_content``, or vLLM's newer ``reasoning``) in the history,
+    as the chat template re-renders it: dropping it would make the next prompt differ from the tokens sampled."""
+    for key in ("reasoning_content", "reasoning"):
+        val = getattr(msg, key, None)
+        if val is None:
+            val = (getattr(msg, "model_extra", None) or {}).get(key)
+        if isinstance(val, str) and val:
+            message["reasoning_content"] = val
+            return
+
+
 # PolicyConfig fields that OpenAIPolicy takes as they are, by the same name
-_FROM_CONFIG = ("mode", "temperature", "top_p", "seed", "logprobs", "return_token_ids", "request_timeout_s",
+_FROM_CONFIG = ("mode", "constrain", "token_in", "temperature", "top_p", "seed", "logprobs", "return_token_ids", "request_timeout_s",
                 "max_retries", "retry_budget_s", "backoff_base_s", "backoff_max_s", "endpoint_file", "failover_after")
 
 
@@ -122,6 +139,8 @@ class OpenAIPolicy:
         *,
         api_key: str | None = None,
         mode: Mode = "tools",
+        constrain: bool = False,
+        token_in: bool = False,
         temperature: float = CLIENT.temperature,
         top_p: float = CLIENT.top_p,
         max_tokens: int = DEFAULT_MAX_TOKENS,
@@ -140,6 +159,8 @@ class OpenAIPolicy:
         failover_after: int = CLIENT.failover_after,
     ):
         self.mode: Mode = mode
+        self.constrain = constrain
+        self.token_in = token_in
         self.model = model
         self.temperature = temperature
         self.top_p = top_p
@@ -250,6 +271,7 @@ class OpenAIPolicy:
     def _call(self, what: str, fn: Callable[[], Any]) -> Any:
         start = time.monotonic()
         attempt = fails = moves = 0
+        last_500: str | None = None
         while True:
             self.requests += 1
             try:
@@ -260,6 +282,12 @@ class OpenAIPolicy:
                 code = e.status_code
                 if 400 <= code < 500 and code not in (408, 409, 429) and _CONTEXT_RE.search(text):
                     raise ContextLengthError(f"{what}: server says the context is too long ({code}): {text}") from None
+                if code == 500 and text == last_500:
+                    # The same answer to the same request: a validation error or a bug, not a server in
+                    # trouble (those say 502-504, time out or drop the connection). Retrying cannot help.
+                    raise PolicyError(f"{what}: server rejected the request twice with the same error (HTTP 500): "
+                                      f"{text}") from None
+                last_500 = text if code == 500 else None
                 if code in (408, 409, 429) or code >= 500:
                     err = _Retryable(f"HTTP {code}: {text}", _retry_after(e), dead=code >= 500)
                 else:
@@ -321,10 +349,12 @@ class OpenAIPolicy:
         )
         if self.seed is not None:
             kwargs["seed"] = self.seed
+        extra: dict[str, Any] = {}
         if self.mode == "tools":
             kwargs["tools"] = [TERMINAL_TOOL]
-            kwargs["tool_choice"] = "auto"
-        extra: dict[str, Any] = {}
+            kwargs["tool_choice"] = "required" if self.constrain else "auto"
+        elif self.constrain:
+            extra["grammar"] = TEXT_GRAMMAR  # llama.cpp's GBNF (llama-server, llama-cpp-python)
         if self.logprobs:
             kwargs["logprobs"] = True
             extra["return_tokens_as_token_ids"] = True  # ids for the completion on servers without token_ids
@@ -464,6 +494,7 @@ class OpenAIPolicy:
         msg = choice.message
         if self.mode == "text":
             action = text_action(msg.content or "")
+            _keep_reasoning(action.message, msg)
         else:
             action = self._tool_action(msg)
         usage = getattr(resp, "usage", None)
@@ -484,7 +515,10 @@ class OpenAIPolicy:
 
     def _tool_action(self, msg: Any) -> Action:
         calls = list(msg.tool_calls or [])
-        message: dict[str, Any] = {"role": "assistant", "content": msg.content}
+        # content "" rather than null beside tool calls: vLLM takes both, llama-cpp-python's server
+        # rejects null (HTTP 500, a validation error), llama-server takes both.
+        message: dict[str, Any] = {"role": "assistant", "content": msg.content or ""}
+        _keep_reasoning(message, msg)
         if not calls:
             return Action(kind="done", message=message)
         out_calls = []
