@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 
 _CONTEXT_RE = re.compile(
     r"context length|context_length|maximum context|context window|too many tokens|prompt is too long"
-    r"|max_model_len|input is too long",
+    r"|max_model_len|input is too long|context size",
     re.IGNORECASE,
 )
 _TOKEN_ID_RE = re.compile(r"^token_id:(-?\d+)$")
@@ -208,6 +208,7 @@ class OpenAIPolicy:
         self._served = {"base_url": base_url, "api_key": self._api_key}  # what the client talks to
         self.start_version = self._version()
         self.turn_versions: list[tuple[str | None, str | None]] = []
+        self._tin: Any = None  # token_in: the episode's TokenIn state
 
     @classmethod
     def from_config(cls, cfg: PolicyConfig) -> OpenAIPolicy:
@@ -339,6 +340,8 @@ class OpenAIPolicy:
 
     # -- one turn ----------------------------------------------------------------------------
     def act(self, messages: list[dict[str, Any]]) -> Action:
+        if self.token_in:
+            return self._act_token_in(messages)
         model = self._resolve_model()
         kwargs: dict[str, Any] = dict(
             model=model,
@@ -381,6 +384,60 @@ class OpenAIPolicy:
         action.retries = self.retries - retries_before
         if self.return_token_ids:
             self._fill_tokens(action, resp, messages)
+        return action
+
+    # -- token-in continuation (et_hpc.agent.token_in) ---------------------------------------
+    def _root(self) -> str:
+        root = str(self.client.base_url).rstrip("/")
+        return root[:-3] if root.endswith("/v1") else root
+
+    def _post_json(self, path: str, body: dict[str, Any]) -> Any:
+        def post() -> Any:
+            self._follow_endpoint()
+            r = self.client.post(self._root() + path, cast_to=httpx.Response, body=body, options={"max_retries": 0})
+            try:
+                return r.json()
+            except ValueError:
+                raise _Retryable(f"{path}: the answer is not JSON") from None
+
+        return self._call(f"POST {path}", post)
+
+    def _probe_dialect(self) -> str:
+        """llama-server answers /apply-template; vLLM (and the scripted server) do not."""
+        try:
+            self._post_json("/apply-template", {"messages": [{"role": "user", "content": "x"}]})
+            return "llama"
+        except PolicyError:
+            return "vllm"
+
+    def _act_token_in(self, messages: list[dict[str, Any]]) -> Action:
+        from et_hpc.agent.token_in import TokenIn, TokenInError, parse_hermes
+
+        model = self._resolve_model()
+        if self._tin is None:
+            tools = [TERMINAL_TOOL] if self.mode == "tools" else None
+            self._tin = TokenIn(self._post_json, self._probe_dialect(), model, tools)  # type: ignore[arg-type]
+        tin = self._tin
+        params: dict[str, Any] = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                                  "seed": self.seed}
+        if self.constrain and self.mode == "text":
+            params["grammar"] = TEXT_GRAMMAR
+        retries_before = self.retries
+        before = self._version()
+        try:
+            prompt = tin.next_prompt(messages)
+            text, ids, finish, usage = tin.complete(prompt, params)
+        except TokenInError as e:
+            raise PolicyError(f"token-in: {e}") from None
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise PolicyError(f"token-in: unusable answer from the server: {type(e).__name__}: {e}") from None
+        self.turn_versions.append((before, self._version()))
+        tin.prompt, tin.completion, tin.finish, tin.n_messages = prompt, ids, finish, len(messages)
+        action = text_action(text) if self.mode == "text" else self._tool_action(parse_hermes(text))
+        action.usage = usage
+        action.finish_reason = finish
+        action.retries = self.retries - retries_before
+        action.prompt_token_ids, action.token_ids, action.tokens_from = prompt, ids, "server"
         return action
 
     def _follow_endpoint(self) -> None:
@@ -481,7 +538,9 @@ class OpenAIPolicy:
             )
         last = max(i for i, m in enumerate(messages) if m.get("role") == "assistant")
         tools = [TERMINAL_TOOL] if self.mode == "tools" else None
-        final = self.tokenize(messages[: last + 1], tools, add_generation_prompt=False)
+        # token-in: each prompt was built from the last one's ids, so the sequence is the server's by
+        # construction; a re-render of the conversation would only show how the template differs
+        final = None if self.token_in else self.tokenize(messages[: last + 1], tools, add_generation_prompt=False)
         deltas, drift = check_tokens(prompts, completions, final)  # type: ignore[arg-type]
         if final is None:
             log.info("no /tokenize: the last completion is checked only through the turns before it")
