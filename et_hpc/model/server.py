@@ -123,7 +123,7 @@ class ModelServer:
         self.alias = cfg.alias or model_name(self.model_path)
         self.version = f"{self.alias}@sha256-{model_digest(self.model_path)[:16]}"
         self.host = cfg.host
-        self.port = cfg.port or free_port(cfg.host)
+        self.port = cfg.port or free_port("" if cfg.host in ("0.0.0.0", "::") else cfg.host)
         self.api_key = secrets.token_urlsafe(24)
         self._cmd = [*cmd, "--", "-m", str(self.model_path), "--host", self.host, "--port", str(self.port),
                      "-a", self.alias, "--jinja", "-c", str(cfg.ctx_size), "-np", str(cfg.parallel),
@@ -132,8 +132,17 @@ class ModelServer:
         self.started_at: str | None = None
 
     @property
+    def public_host(self) -> str:
+        """The address clients use: the bind address, or this node's name when bound to all interfaces."""
+        return socket.getfqdn() if self.host in ("0.0.0.0", "::") else self.host
+
+    @property
+    def _local(self) -> str:
+        return "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+
+    @property
     def base_url(self) -> str:
-        return f"http://{self.host}:{self.port}/v1"
+        return f"http://{self.public_host}:{self.port}/v1"
 
     def start(self) -> ModelServer:
         env = {**os.environ, "LLAMA_API_KEY": self.api_key}
@@ -163,13 +172,13 @@ class ModelServer:
 
     def healthy(self) -> bool:
         try:
-            with urllib.request.urlopen(f"http://{self.host}:{self.port}/health", timeout=5) as r:
+            with urllib.request.urlopen(f"http://{self._local}:{self.port}/health", timeout=5) as r:
                 return r.status == 200 and json.loads(r.read() or b"{}").get("status", "ok") == "ok"
         except (OSError, ValueError, urllib.error.URLError):
             return False
 
     def record(self) -> dict:
-        return endpoint_record(self.host, self.port, self.alias, os.environ.get("SLURM_JOB_ID"),
+        return endpoint_record(self.public_host, self.port, self.alias, os.environ.get("SLURM_JOB_ID"),
                                api_key=self.api_key, model_version=self.version, started_at=self.started_at)
 
     def publish(self) -> None:
