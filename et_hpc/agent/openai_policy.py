@@ -512,8 +512,10 @@ class OpenAIPolicy:
                 tokens = r.json()["tokens"]
             except (ValueError, KeyError, TypeError):
                 tokens = None
-            if not isinstance(tokens, list):
+            if not isinstance(tokens, list) or not tokens:  # llama-server: [] for a body without "content"
                 log.warning("tokenize: unusable answer from %s", self.tokenize_url)
+                if isinstance(tokens, list):
+                    self._no_tokenize = True  # it does not render conversations: no use asking again
                 return None
             return [int(t) for t in tokens]
         return None

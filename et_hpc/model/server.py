@@ -71,6 +71,13 @@ def server_command() -> list[str] | None:
     return [found] if found else None
 
 
+def cpu_has_amx() -> bool:
+    try:
+        return " amx_tile" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
 def model_digest(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -100,7 +107,7 @@ class ServerConfig:
     ctx_size: int = DEFAULT_CTX
     parallel: int = DEFAULT_PARALLEL  # request slots (each gets ctx_size / parallel tokens)
     threads: int | None = None
-    start_timeout_s: float = 120.0
+    start_timeout_s: float = 300.0
     log_file: Path | None = None
     extra: list[str] = field(default_factory=list)  # more llama-server flags
 
@@ -125,9 +132,13 @@ class ModelServer:
         self.host = cfg.host
         self.port = cfg.port or free_port("" if cfg.host in ("0.0.0.0", "::") else cfg.host)
         self.api_key = secrets.token_urlsafe(24)
-        self._cmd = [*cmd, "--", "-m", str(self.model_path), "--host", self.host, "--port", str(self.port),
+        # the wrapper takes the model, address and port itself; the rest goes to llama-server after --
+        self._cmd = [*cmd, "-m", str(self.model_path), "--host", self.host, "--port", str(self.port), "--",
                      "-a", self.alias, "--jinja", "-c", str(cfg.ctx_size), "-np", str(cfg.parallel),
-                     "--no-webui", *(["-t", str(cfg.threads)] if cfg.threads else []), *cfg.extra]
+                     "--no-ui", *(["-t", str(cfg.threads)] if cfg.threads else []),
+                     # a CPU that lists AMX under a hypervisor that does not enable its tile state: llama.cpp's
+                     # AMX weight repacking dies with SIGILL at the first matmul; without repacking it runs
+                     *(["--no-repack"] if cpu_has_amx() else []), *cfg.extra]
         self.proc: subprocess.Popen | None = None
         self.started_at: str | None = None
 
