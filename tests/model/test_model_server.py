@@ -139,3 +139,33 @@ def test_real_model_episodes_through_run(served, demo_images, tmp_path, mode, to
     if token_in:  # exact tokens: every episode goes out as its sampled sequence
         assert groups and sum(len(g["tokens"]) for g in groups) == len(TASKS)
         assert all(len(t) > 0 for g in groups for t in g["tokens"])
+
+
+@pytest.mark.apptainer
+def test_server_killed_mid_run_loses_nothing(demo_images, tmp_path):
+    """Two real servers behind policy.endpoint_dir; one is SIGKILLed while episodes run on it."""
+    need("model")
+    from et_hpc.model.server import ServerConfig, serving
+    from et_hpc.runs.store import open_run
+
+    d = tmp_path / "replicas"
+    with serving(ServerConfig(endpoint_file=d / "a.json", parallel=1, ctx_size=4096, log_file=tmp_path / "a.log")) as a, \
+            serving(ServerConfig(endpoint_file=d / "b.json", parallel=1, ctx_size=4096, log_file=tmp_path / "b.log")):
+        cmd = [*ET_HPC, "run", str(DEMO), "--set", f"tasks.ids=[{','.join(TASKS)}]", "--samples", "1",
+               "--run-name", "killed", "--store", str(tmp_path / "store"), "--concurrency", "2", "--json",
+               "--policy", "openai", "--set", f"policy.endpoint_dir={d}", "--set", "policy.mode=text",
+               "--set", "policy.retry_budget_s=60", "--set", "budgets.max_turns=3",
+               "--set", "budgets.max_tokens_per_turn=64"]
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+        deadline = time.monotonic() + 300
+        while "launch_slot_" not in (tmp_path / "a.log").read_text():  # a request is being processed
+            assert p.poll() is None and time.monotonic() < deadline, "server a never got a request"
+            time.sleep(0.2)
+        assert p.poll() is None  # positive control: the run is still going when its server dies
+        os.killpg(a.proc.pid, signal.SIGKILL)
+        out, err = p.communicate(timeout=900)
+    assert p.returncode in (0, 1), err[-3000:]
+    recs = open_run(tmp_path / "store" / "killed").records()
+    assert len(recs) == len(TASKS)  # every episode is stored
+    assert all(r.status == "ok" for r in recs), [(r.status, r.error) for r in recs]
+    assert any(any(e.startswith("failover:") for e in r.events) for r in recs)
