@@ -20,6 +20,7 @@ from et_hpc.errors import UserError
 from et_hpc.util import format_table
 
 DEMO_TASKS = paths.repo_root() / "defs" / "demo"
+MODEL_TASKS = ("demo_hello_file", "demo_csv_sum")  # the real-model part: two tasks, small budgets (2 cores)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -36,7 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--samples", type=int, default=2, help="episodes per task and policy (default 2)")
     p.add_argument("--no-slurm", action="store_true", help="skip the Slurm part even when Slurm is up")
     p.add_argument("--no-model", action="store_true", help="skip the real-model episodes (the embedded CPU model)")
-    p.add_argument("--model-turns", type=int, default=4, help="turns per real-model episode (default 4)")
+    p.add_argument("--model-turns", type=int, default=3, help="turns per real-model episode (default 3)")
     p.add_argument("--base-source", choices=["auto", "docker", "debian"], default="auto",
                    help="how to make the base image if it is not cached (default auto)")
     p.set_defaults(func=cmd_demo)
@@ -135,10 +136,11 @@ def _model_runs(args, stamp: str, *, slurm: bool, rows: list[list[object]]) -> b
                 _step(f"real-model episodes ({mode} mode) through the {executor} executor (--run-name {name})")
                 t0 = time.monotonic()
                 argv = ["run", str(DEMO_TASKS), "--policy", "openai", "--samples", "1", "--executor", executor,
+                        "--set", f"tasks.ids=[{','.join(MODEL_TASKS)}]", "--concurrency", "2",
                         "--store", str(args.store), "--run-name", name,
                         "--set", f"policy.endpoint_file={ep}", "--set", f"policy.mode={mode}",
                         "--set", "policy.temperature=0.7", "--set", "policy.max_retries=2",
-                        "--set", f"budgets.max_turns={args.model_turns}", "--set", "budgets.max_tokens_per_turn=192",
+                        "--set", f"budgets.max_turns={args.model_turns}", "--set", "budgets.max_tokens_per_turn=128",
                         "--set", "budgets.context_tokens=3500", "--set", "budgets.wall_time_s=120"]
                 if executor == "slurm":
                     argv += ["--set", "slurm.units_per_task=4", "--set", "slurm.time_min=20"]
