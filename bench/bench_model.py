@@ -82,6 +82,9 @@ def episodes(store: Path, name: str, ep: Path, mode: str, conc: int, samples: in
 
 
 def main() -> None:
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the server on the way out
     ap = argparse.ArgumentParser()
     ap.add_argument("--samples", type=int, default=1)
     ap.add_argument("--turns", type=int, default=4)
