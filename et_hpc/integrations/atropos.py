@@ -107,6 +107,8 @@ class EndlessTerminalsEnvConfig(BaseEnvConfig):
     system_prompt: str | None = Field(default=None, description="system prompt (default: et-hpc's prompt for the mode)")
     mode: Literal["tools", "text"] = Field(default="tools", description="tool calls, or the <command> text protocol")
     agent_temperature: float = Field(default=1.0, ge=0, description="sampling temperature")
+    token_in: bool = Field(default=False, description="send token ids (llama-server /completion, vLLM /v1/completions): "
+                           "exact tokens from servers whose chat route returns none")
     max_tokens_per_turn: int = Field(default=DEFAULT_MAX_TOKENS, ge=1, description="completion tokens per turn")
     wall_time_s: float = Field(default=300.0, gt=0, description="agent wall time per episode (s)")
     command_timeout_s: float = Field(default=60.0, gt=0, description="time limit of one shell command (s)")
@@ -257,7 +259,7 @@ class EndlessTerminalsEnv(BaseEnv):
         policy = PolicyConfig(
             kind="openai", model=model, mode=c.mode, temperature=c.agent_temperature,
             max_tokens=c.max_tokens_per_turn, logprobs=True, return_token_ids=True, system_prompt=c.system_prompt,
-            request_timeout_s=float(srv.timeout), **where,
+            request_timeout_s=float(srv.timeout), token_in=c.token_in, **where,
         )
         budgets = BudgetConfig(max_turns=c.max_agent_turns, wall_time_s=c.wall_time_s, command_timeout_s=c.command_timeout_s,
                           max_tokens_per_turn=c.max_tokens_per_turn, context_tokens=max(c.max_token_length, 1024))

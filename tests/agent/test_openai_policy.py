@@ -50,7 +50,26 @@ def test_retry_after_header_is_respected_within_cap():
         assert sleeps == [1.0]  # Retry-After 2 s, capped at backoff_max_s
 
 
-@pytest.mark.parametrize("fault", [500, 429, "empty_choices"])
+def test_same_500_twice_fails_fast_with_the_servers_message():
+    # what llama-cpp-python's server does with a message it cannot validate: the same 500 every time
+    msg = "7 validation errors for CreateChatCompletionRequest"
+    with ScriptedServer({"t": [{"fault": 500, "message": msg}]}) as srv:
+        p, sleeps = _policy(srv, max_retries=6, model="scripted")
+        with pytest.raises(PolicyError) as e:
+            p.act(_msgs("t"))
+        assert "twice with the same error (HTTP 500)" in str(e.value) and msg in str(e.value)
+        assert srv.chat_requests == 2 and len(sleeps) == 1
+
+
+def test_different_500s_are_retried():
+    # positive control for the rule above: a server in trouble answers differently, and is retried
+    script = {"t": [{"fault": 500, "message": "a"}, {"fault": 500, "message": "b"}, {"command": "ls"}]}
+    with ScriptedServer(script) as srv:
+        p, _ = _policy(srv, max_retries=6, model="scripted")
+        assert p.act(_msgs("t")).command == "ls" and srv.chat_requests == 3
+
+
+@pytest.mark.parametrize("fault", [429, "empty_choices"])
 def test_persistent_fault_gives_policy_error_after_budget(fault):
     with ScriptedServer({"t": [{"fault": fault}]}) as srv:
         p, sleeps = _policy(srv, max_retries=3, model="scripted")

