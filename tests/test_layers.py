@@ -25,6 +25,8 @@ LAYERS: dict[str, int] = {
     "et_hpc.images": 3, "et_hpc.sandbox": 3,
     # L4 the agent (policies, loop, endpoints) and the scripted server that stands in for a model
     "et_hpc.agent": 4, "et_hpc.scripted_server": 4, "et_hpc.scripted_tokenizer": 4,
+    # ... and the CPU model server that serves a real one (its endpoint file is the agent's format)
+    "et_hpc.model": 4,
     # L5 one episode: sandbox + agent + scoring; the task check built on it
     "et_hpc.episode": 5,
     # L6 many episodes: run config, plan, executors

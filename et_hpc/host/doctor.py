@@ -292,7 +292,7 @@ CHECKS: list[Callable[[], Check | list[Check]]] = [
 
 def check_model_server() -> Check:
     """The CPU model server of `et-hpc model serve` (the model extra) and the embedded model."""
-    from et_hpc.model.server import INSTALL_HINT, default_model, server_command
+    from et_hpc.host.llama import INSTALL_HINT, default_model, server_command
 
     cmd = server_command()
     if cmd is None:

