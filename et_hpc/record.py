@@ -111,6 +111,7 @@ EPISODE_SCHEMA = pa.schema(
         ("final_state", pa.string()),
         ("tests_digest", pa.string()),
         ("rescored_from", pa.string()),
+        ("turn_s", pa.list_(pa.list_(pa.float32()))),
     ],
     metadata={b"et_hpc.schema_version": str(SCHEMA_VERSION).encode()},
 )
@@ -219,6 +220,7 @@ class EpisodeRecord(BaseModel):
     final_state: str | None = None
     tests_digest: str | None = None  # rescored: "sha256:<hex>" of the final test file that scored it
     rescored_from: str | None = None  # rescored: "<source run>/<episode_id>" of the episode it regrades
+    turn_s: list[list[float]] | None = None  # per turn: [seconds waiting for the model, seconds of its command]
 
     def with_queue(self, ready_at: float | None) -> EpisodeRecord:
         """This record with ``timings.queue_s`` = its start minus ``ready_at`` (a Unix time: when

@@ -196,6 +196,7 @@ def run_episode(task: Task, sample: int, cfg: RunConfig, image: Any, *, stop: th
             **base,
             messages=result.messages if result else [],
             turns=len(result.turns) if result else 0,
+            turn_s=[[round(t.policy_s, 3), round(t.exec_s, 3)] for t in result.turns] if result else None,
             stop_reason=result.stop_reason if result else None,
             status=status,
             reward=sc.reward if sc is not None and status == "ok" else None,

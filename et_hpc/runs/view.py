@@ -50,7 +50,7 @@ DETAIL_COLS = ["episode_id", "messages", "tests", "events", "timings", "prompt_t
                "tokens_source", "token_drift", "policy_version", "policy_versions", "crossed_version", "model",
                "policy_kind", "sampling_params", "split", "host", "worker", "slurm_job_id", "slurm_array_task_id",
                "image_digest", "image_path", "peak_mem_mb", "peak_pids", "interpreter", "versions", "error",
-               "score_note", "created_at"]
+               "score_note", "created_at", "turn_s"]
 _RAW_JSON = ("messages", "sampling_params", "versions")
 
 
@@ -153,7 +153,7 @@ def _detail_text(row: dict[str, Any]) -> str:
                 text = _js(v)
             parts.append(f"{_js(c)}:{text}")
             continue
-        if c == "logprobs" and v is not None:
+        if c in ("logprobs", "turn_s") and v is not None:
             v = [[_num(x, 4) for x in turn] if turn is not None else None for turn in v]
         elif c == "timings" and v is not None:
             v = {k: _num(v.get(k), 3) for k in TIMING_FIELDS}

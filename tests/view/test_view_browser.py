@@ -115,6 +115,12 @@ def test_episode_page_shows_commands_and_tests(browser, site: Path, view_runs: d
                          ".map(tr => [tr.cells[0].textContent, tr.dataset.outcome])")
     assert tests == [[t.name, t.outcome] for t in rec.tests] and tests
     assert browser.eval("document.querySelector('[data-exit]').dataset.exit") == "0"
+    # each turn's time: the model's wait on its label, the command's on its output's
+    assert rec.turn_s and len(rec.turn_s) == rec.turns, rec.turn_s
+    labels = browser.eval("[...document.querySelectorAll('#transcript .turn .label')].map(l => l.textContent)")
+    model_s, exec_s = rec.turn_s[0]
+    assert any(lb.startswith("turn 1: the model") and lb.endswith(f"{model_s:.2f} s") for lb in labels), labels
+    assert any(lb.startswith("output") and lb.endswith(f"{exec_s:.2f} s") for lb in labels), labels
     timings = browser.eval("document.getElementById('timings').textContent")
     assert "score_s" in timings and "total_s" in timings
     assert "MB" in browser.eval("document.getElementById('facts').textContent")  # peak memory
