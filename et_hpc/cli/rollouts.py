@@ -111,11 +111,14 @@ class _EphemeralStream:
 
     def __init__(self, run_dir: Path, from_start: bool):
         from et_hpc.rollouts.queue import WorkQueue
-        from et_hpc.rollouts.stream import RolloutStream, fresh_telemetry
+        from et_hpc.rollouts.stream import RolloutStream, fresh_telemetry, run_endpoint
+        from et_hpc.rollouts.versions import VersionReader
 
         self._s = RolloutStream.__new__(RolloutStream)
         s = self._s
         s.run_dir, s.consumer, s.auto_commit, s.poll_s = Path(run_dir), "(tail)", False, 0.2
+        ef, ed = run_endpoint(s.run_dir)  # what the stream's own __init__ reads for versions
+        s._versions = VersionReader(s.run_dir, endpoint_file=ef, endpoint_dir=ed)
         s.queue = WorkQueue(run_dir)
         s.next_seq = 0 if from_start else s.queue.published()
         s.counts = {"delivered": 0, "discarded_stale": 0, "discarded_masked": 0}

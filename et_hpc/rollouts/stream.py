@@ -100,7 +100,7 @@ class RolloutGroup:
         return out
 
 
-def _run_endpoint(run_dir: Path) -> tuple[str | None, str | None]:
+def run_endpoint(run_dir: Path) -> tuple[str | None, str | None]:
     """``policy.endpoint_file`` and ``policy.endpoint_dir`` of the run's ``run.json`` (None, None without)."""
     try:
         pol = (json.loads((run_dir / "run.json").read_text()).get("config") or {}).get("policy") or {}
@@ -121,7 +121,7 @@ class RolloutStream:
                  poll_s: float = 0.2, endpoint_file: Path | str | None = None, endpoint_dir: Path | str | None = None):
         self.run_dir = Path(run_dir)
         if endpoint_file is None and endpoint_dir is None:
-            endpoint_file, endpoint_dir = _run_endpoint(self.run_dir)
+            endpoint_file, endpoint_dir = run_endpoint(self.run_dir)
         self._versions = VersionReader(self.run_dir, endpoint_file=endpoint_file, endpoint_dir=endpoint_dir)
         if not consumer or "/" in consumer or consumer.startswith("."):
             raise UserError(f"consumer name {consumer!r}: use letters, digits, '-', '_' and '.'")
