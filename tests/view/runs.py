@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -30,11 +31,13 @@ PLAIN_KEY = "sales.csv"  # demo_csv_sum's prompt: an episode whose token ids are
 
 
 def hostile_script() -> dict:
-    """The scripted server's replies: the hostile episode (demo_hello_file; its reasoning, which the
-    chat template drops from later prompts, makes its ids drift) and a plain one (demo_csv_sum)."""
+    """The scripted server's replies: the hostile episode (demo_hello_file; its first tool call's
+    arguments are compact JSON, which the chat template re-serialises in later prompts, so its ids
+    drift) and a plain one (demo_csv_sum)."""
     echo = PAYLOAD.replace("'", "'\\''")
+    first = json.dumps({"command": f"printf '%s\\n' '{echo}'"}, separators=(",", ":"))
     return {KEY: [
-        {"command": f"printf '%s\\n' '{echo}'", "reasoning": "Let me try " + PAYLOAD_SCRIPT},
+        {"tool_calls": [{"name": "terminal", "arguments": first}], "reasoning": "Let me try " + PAYLOAD_SCRIPT},
         {"command": "printf '\\033[31mRED\\033[0m and bytes \\377\\376 end\\n'; exit_code_test=1; false"},
         {"command": SOLVE, "content": "Writing the file now. " + PAYLOAD_IMG},
         "All done. " + PAYLOAD,
