@@ -127,6 +127,58 @@ def ns_members(ns: str, exclude: set[int] | frozenset[int] = frozenset()) -> lis
     return out
 
 
+def instance_pids(ns: str) -> set[int]:
+    """Host pids of the instance's processes: those whose PID namespace is ``ns`` and every
+    descendant of them. A process in a nested PID namespace is a child of one of the instance's,
+    and when its parent dies it is reaped by an init that is one too; so the walk down
+    ``/proc/X/task/*/children`` from the namespace's members finds them all (a process forked
+    during the walk may be missed: it is found by the next one)."""
+    found: set[int] = set()
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                if os.readlink(f"/proc/{name}/ns/pid") == ns:
+                    found.add(int(name))
+            except OSError:
+                continue
+    todo = list(found)
+    while todo:
+        pid = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                    kids = f.read().split()
+            except OSError:
+                continue
+            for k in kids:
+                child = int(k)
+                if child not in found:
+                    found.add(child)
+                    todo.append(child)
+    return found
+
+
+def instance_processes(ns: str, exclude: set[int] | frozenset[int] = frozenset()) -> dict[int, tuple[int, str]]:
+    """The instance's live processes (``instance_pids``) but ``exclude``: host pid -> (parent
+    pid, start time); zombies left out."""
+    out: dict[int, tuple[int, str]] = {}
+    for pid in instance_pids(ns) - set(exclude):
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                data = f.read()
+            fields = data[data.rfind(b")") + 2:].split()
+            if fields[0] in (b"Z", b"X"):
+                continue
+            out[pid] = (int(fields[1]), fields[19].decode())
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
 def memory_kb(pid: int) -> int:
     """Proportional set size (``smaps_rollup`` Pss) in KiB; RSS from ``statm`` when that is not
     readable; 0 when the process is gone."""

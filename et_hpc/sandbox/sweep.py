@@ -33,44 +33,14 @@ class SweepResult:
     init_gone: bool = False  # the instance's init ended (or its pid is another process's now)
 
 
-def _table() -> dict[int, tuple[int, str, str]]:
-    """pid -> (ppid, start time, pid namespace) of every live, non-zombie host process."""
-    out: dict[int, tuple[int, str, str]] = {}
-    for n in os.listdir("/proc"):
-        if not n.isdigit():
-            continue
-        try:
-            with open(f"/proc/{n}/stat", "rb") as f:
-                data = f.read()
-            ns = os.readlink(f"/proc/{n}/ns/pid")
-        except OSError:
-            continue
-        fields = data[data.rfind(b")") + 2:].split()
-        if len(fields) < 20 or fields[0] in (b"Z", b"X"):
-            continue
-        out[int(n)] = (int(fields[1]), fields[19].decode(), ns)
-    return out
-
-
-def members(init_pid: int, table: dict[int, tuple[int, str, str]] | None = None) -> dict[int, str]:
+def members(init_pid: int) -> dict[int, str]:
     """pid -> start time of every live process of the instance whose init is ``init_pid``, init
-    itself excluded: its PID namespace's members and all their descendants (nested namespaces)."""
-    table = _table() if table is None else table
-    if init_pid not in table:
+    itself excluded: its PID namespace's members and all their descendants (nested namespaces),
+    as the watchdog finds them (``procfs.instance_processes``)."""
+    ns = procfs.pid_ns(init_pid)
+    if ns is None:
         return {}
-    ns = table[init_pid][2]
-    children: dict[int, list[int]] = {}
-    for pid, (ppid, _s, _n) in table.items():
-        children.setdefault(ppid, []).append(pid)
-    found = {pid for pid, (_p, _s, n) in table.items() if n == ns}
-    todo = list(found)
-    while todo:
-        for c in children.get(todo.pop(), ()):
-            if c not in found:
-                found.add(c)
-                todo.append(c)
-    found.discard(init_pid)
-    return {pid: table[pid][1] for pid in found}
+    return {pid: start for pid, (_ppid, start) in procfs.instance_processes(ns, {init_pid}).items()}
 
 
 def _open(pid: int, start: str) -> int | None:

@@ -3,7 +3,7 @@
 ``Watchdog(sandbox, memory_mb=..., max_pids=...)`` is a context manager running one thread that,
 every ``interval_s`` (default 0.25 s):
 
-1. finds the instance's processes (``instance_processes``): host pids whose ``/proc/X/ns/pid`` is
+1. finds the instance's processes (``procfs.instance_processes``): host pids whose ``/proc/X/ns/pid`` is
    the PID namespace of the instance's init (``sandbox.init_pid`` when set, else
    ``instance_init_pid(name)`` from ``apptainer instance list --json NAME``) and all their
    descendants, so nested PID namespaces count too; init itself excluded;
@@ -283,58 +283,6 @@ class Sample:
         return self.proc_kb + self.tmpfs_kb + self.other_kb
 
 
-def instance_pids(ns: str) -> set[int]:
-    """Host pids of the instance's processes: those whose PID namespace is ``ns`` and every
-    descendant of them. A process in a nested PID namespace is a child of one of the instance's,
-    and when its parent dies it is reaped by an init that is one too; so the walk down
-    ``/proc/X/task/*/children`` from the namespace's members finds them all (a process forked
-    during the walk may be missed: it is found by the next one)."""
-    found: set[int] = set()
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                if os.readlink(f"/proc/{name}/ns/pid") == ns:
-                    found.add(int(name))
-            except OSError:
-                continue
-    todo = list(found)
-    while todo:
-        pid = todo.pop()
-        try:
-            tasks = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            continue
-        for tid in tasks:
-            try:
-                with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
-                    kids = f.read().split()
-            except OSError:
-                continue
-            for k in kids:
-                child = int(k)
-                if child not in found:
-                    found.add(child)
-                    todo.append(child)
-    return found
-
-
-def instance_processes(ns: str, exclude: set[int] | frozenset[int] = frozenset()) -> dict[int, tuple[int, str]]:
-    """The instance's live processes (``instance_pids``) but ``exclude``: host pid -> (parent
-    pid, start time); zombies left out."""
-    out: dict[int, tuple[int, str]] = {}
-    for pid in instance_pids(ns) - set(exclude):
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                data = f.read()
-            fields = data[data.rfind(b")") + 2:].split()
-            if fields[0] in (b"Z", b"X"):
-                continue
-            out[pid] = (int(fields[1]), fields[19].decode())
-        except (OSError, IndexError, ValueError):
-            continue
-    return out
-
-
 def _unescape_mount(path: str) -> str:
     """A mountinfo path with its octal escapes (``\\040`` for a space) undone."""
     return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), path)
@@ -512,7 +460,7 @@ class Watchdog:
 
     def sample(self) -> Sample:
         assert self.ns is not None and self.init_pid is not None
-        pids = sorted(instance_processes(self.ns, {self.init_pid}))
+        pids = sorted(procfs.instance_processes(self.ns, {self.init_pid}))
         kb = sum(procfs.memory_kb(p) for p in pids)
         probe = self._probe
         tmp = probe.used() if probe is not None else {}
@@ -659,11 +607,11 @@ class Watchdog:
         kept shell starts after this began are not touched. Returns how many were killed."""
         assert self.ns is not None and self.init_pid is not None
         spare = {self.init_pid} | keep
-        doomed = set(instance_processes(self.ns, spare))
+        doomed = set(procfs.instance_processes(self.ns, spare))
         hit: set[int] = set()
         for _ in range(_KILL_ROUNDS):
             victims = []
-            for pid, (ppid, start) in instance_processes(self.ns, spare).items():
+            for pid, (ppid, start) in procfs.instance_processes(self.ns, spare).items():
                 if pid in doomed or ppid in doomed or ppid == self.init_pid:
                     victims.append((pid, start))
             if not victims:
