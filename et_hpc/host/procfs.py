@@ -179,16 +179,25 @@ def instance_processes(ns: str, exclude: set[int] | frozenset[int] = frozenset()
     return out
 
 
-def memory_kb(pid: int) -> int:
-    """Proportional set size (``smaps_rollup`` Pss) in KiB; RSS from ``statm`` when that is not
-    readable; 0 when the process is gone."""
+def field(path: str, key: bytes) -> int | None:
+    """The number after ``key`` (e.g. ``b"Pss:"``) on its line of the /proc file ``path``; None
+    when the file or the line is missing or unreadable."""
     try:
-        with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
+        with open(path, "rb") as f:
             for line in f:
-                if line.startswith(b"Pss:"):
+                if line.startswith(key):
                     return int(line.split()[1])
     except (OSError, ValueError, IndexError):
         pass
+    return None
+
+
+def memory_kb(pid: int) -> int:
+    """Proportional set size (``smaps_rollup`` Pss) in KiB; RSS from ``statm`` when that is not
+    readable; 0 when the process is gone."""
+    pss = field(f"/proc/{pid}/smaps_rollup", b"Pss:")
+    if pss is not None:
+        return pss
     try:
         with open(f"/proc/{pid}/statm", "rb") as f:
             return int(f.read().split()[1]) * _PAGE_KB

@@ -304,14 +304,7 @@ def _mountinfo(pid: int) -> dict[int, tuple[str, str, str]] | None:
 
 
 def _fd_mount_id(pid: int, fd: str) -> int | None:
-    try:
-        with open(f"/proc/{pid}/fdinfo/{fd}", "rb") as f:
-            for line in f:
-                if line.startswith(b"mnt_id:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    return procfs.field(f"/proc/{pid}/fdinfo/{fd}", b"mnt_id:")
 
 
 def _dev(st: os.stat_result) -> str:
@@ -333,14 +326,7 @@ def _maps_any(pid: int, files: dict[tuple[int, int], int]) -> bool:
 
 
 def _pss_shmem_kb(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
-            for line in f:
-                if line.startswith(b"Pss_Shmem:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
+    return procfs.field(f"/proc/{pid}/smaps_rollup", b"Pss_Shmem:") or 0
 
 
 def _host_tmpfs_devs() -> set[str]:
