@@ -277,16 +277,8 @@ def _diff(old: str | None, new: str, tid: str) -> str:
                                         f"{tid}/{TEST_FILE} (source run)", f"{tid}/{TEST_FILE} (rescore)"))
 
 
-def plan_rescore(source: str, *, tests: Path | None = None, task_source: str | None = None,
-                 run_name: str | None = None, store: Path | None = None, overrides: list | None = None,
-                 image_lookup: Any = None, write: bool = True) -> Plan:
-    """The plan of a rescore of ``source`` (see the module doc). ``UserError`` (one line) for a
-    missing run, a run without kept states, tests that are missing or not valid Python."""
-    from et_hpc.paths import find_run_dir
-
-    if (tests is None) == (task_source is None):
-        raise UserError("give the new tests: --tests DIR or --task-source SRC (one of them)")
-    src_dir = find_run_dir(source, store).resolve()
+def _read_source(src_dir: Path) -> tuple[RunConfig, list[EpisodeRecord], list[EpisodeRecord]]:
+    """The source run's config, its records and the ``ok`` ones that kept their final state."""
     meta = read_run_json(src_dir)
     try:
         src_cfg = RunConfig.model_validate(meta.get("config") or {})
@@ -299,31 +291,33 @@ def plan_rescore(source: str, *, tests: Path | None = None, task_source: str | N
     if not kept:
         raise UserError(f"no episode of run {src_dir} kept its final state: run it with "
                         "--set sandbox.keep_final_state=true")
-    # the tasks and their new tests
+    return src_cfg, recs, kept
+
+
+def _new_tests(src_dir: Path, src_cfg: RunConfig, tests: Path | None,
+               task_source: str | None) -> tuple[dict[str, Any], dict[str, Path]]:
+    """The tasks by id, and the new final tests per task id (from ``--task-source`` or ``--tests``)."""
     if task_source is not None:
         from et_hpc.tasks.loader import load_tasks
 
         loaded = load_tasks(task_source).tasks
         by_id = {t.id: t for t in loaded}
-        new_tests = {t.id: Path(t.final_tests) for t in loaded if t.final_tests is not None}
-    else:
-        assert tests is not None
-        if not Path(tests).is_dir():
-            raise UserError(f"--tests {tests}: not a directory (expected DIR/<task_id>/{TEST_FILE})")
-        try:
-            loaded, _ = load_run_tasks(src_cfg)
-        except UserError as e:
-            raise UserError(f"the tasks of run {src_dir} do not load ({e}): pass --task-source SRC") from None
-        by_id = {t.id: t for t in loaded}
-        new_tests = {tid: Path(tests) / tid / TEST_FILE for tid in by_id if (Path(tests) / tid / TEST_FILE).is_file()}
-    wanted = sorted({r.task_id for r in kept})
-    usable = [tid for tid in wanted if tid in by_id and tid in new_tests]
-    if not usable:
-        where = f"--tests {tests}" if tests is not None else f"--task-source {task_source}"
-        raise UserError(f"{where} has no final tests for any task of run {src_dir} with a kept state "
-                        f"(expected e.g. {wanted[0]}/{TEST_FILE})")
-    texts = {tid: _check_tests(new_tests[tid]) for tid in usable}
-    digests = {tid: fs.PREFIX + hashlib.sha256(texts[tid].encode()).hexdigest() for tid in usable}
+        return by_id, {t.id: Path(t.final_tests) for t in loaded if t.final_tests is not None}
+    assert tests is not None
+    if not Path(tests).is_dir():
+        raise UserError(f"--tests {tests}: not a directory (expected DIR/<task_id>/{TEST_FILE})")
+    try:
+        loaded, _ = load_run_tasks(src_cfg)
+    except UserError as e:
+        raise UserError(f"the tasks of run {src_dir} do not load ({e}): pass --task-source SRC") from None
+    by_id = {t.id: t for t in loaded}
+    return by_id, {tid: Path(tests) / tid / TEST_FILE for tid in by_id if (Path(tests) / tid / TEST_FILE).is_file()}
+
+
+def _rescore_config(src_dir: Path, src_cfg: RunConfig, digests: dict[str, str], run_name: str | None,
+                    store: Path | None, overrides: list | None) -> RunConfig:
+    """The new run's config: the source's, renamed, with the rescore unit runner, no continuous
+    mode, no warm pool, and the ``--set`` overrides applied."""
     name = run_name or f"{src_dir.name}-rescore-{_digest_all(list(digests.values()))[:8]}"
     data = src_cfg.model_dump(mode="json")
     data.update(name=name, store=str(store or src_dir.parent), unit_runner=UNIT_RUNNER, samples=src_cfg.samples)
@@ -336,48 +330,90 @@ def plan_rescore(source: str, *, tests: Path | None = None, task_source: str | N
     except ValidationError as e:
         err = e.errors()[0]
         raise UserError(f"--set {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
-    cfg = cfg.model_copy(update={"unit_runner": UNIT_RUNNER})
-    run_dir = cfg.run_dir()
+    return cfg.model_copy(update={"unit_runner": UNIT_RUNNER})
+
+
+def _check_resume(run_dir: Path, src_dir: Path, digests: dict[str, str]) -> None:
+    """A rerun resumes only with the same source and tests: records of two test versions must not mix."""
     if run_dir.resolve() == src_dir:
         raise UserError(f"the rescore would write into its source run {src_dir}: pick another --run-name")
-    try:  # a rerun resumes only with the same tests: records of two test versions must not mix
+    try:
         before = json.loads((run_dir / RESCORE_JSON).read_text())
     except (OSError, ValueError):
-        before = None
-    if before is not None:
-        changed = sorted(t for t, v in before.get("tests", {}).items() if t in digests and v.get("digest") != digests[t])
-        if changed or before.get("source_dir") != str(src_dir):
-            what = f"other tests for {', '.join(changed[:3])}" if changed else f"another source run ({before.get('source_dir')})"
-            raise UserError(f"run {run_dir} was rescored with {what}: pick another --run-name")
-    # images: the task's pristine image, the one the episodes ran on
+        return
+    changed = sorted(t for t, v in before.get("tests", {}).items() if t in digests and v.get("digest") != digests[t])
+    if changed or before.get("source_dir") != str(src_dir):
+        what = f"other tests for {', '.join(changed[:3])}" if changed else f"another source run ({before.get('source_dir')})"
+        raise UserError(f"run {run_dir} was rescored with {what}: pick another --run-name")
+
+
+def _skip_reason(r: EpisodeRecord, texts: dict[str, str], images: dict[str, Any], lookup: Any,
+                 by_id: dict[str, Any]) -> str | None:
+    """Why episode ``r`` cannot be rescored (listed, never guessed), or ``None``."""
+    if r.status != OK:
+        return f"status {r.status} (nothing was scored)"
+    if not fs.digest_of(r.final_state):
+        return "no kept state" + (f" ({r.final_state})" if r.final_state else " (keep_final_state was off)")
+    if r.task_id not in texts:
+        return "no new tests for its task"
+    if r.task_id not in images:
+        return f"no image: {image_missing(lookup(by_id[r.task_id]))}"
+    if r.image_digest and getattr(images[r.task_id], "digest", None) not in (None, r.image_digest):
+        return f"its image changed ({r.image_digest[:12]} -> {images[r.task_id].digest[:12]})"
+    return None
+
+
+def _write_plan(plan: Plan, src_dir: Path, usable: list[str], new_tests: dict[str, Path], digests: dict[str, str],
+                texts: dict[str, str], old_tests: dict[str, str | None], skipped: list[dict[str, Any]]) -> None:
+    """``rescore.json`` (source, tests with digests and diffs, what was not rescored) and ``run.json``."""
+    plan.run_dir.mkdir(parents=True, exist_ok=True)
+    info = {
+        "source_run": src_dir.name, "source_dir": str(src_dir),
+        "tests": {tid: {"path": str(new_tests[tid].resolve()), "digest": digests[tid],
+                        "source_digest": old_tests.get(tid),
+                        "diff": _diff(fs.kept_tests(src_dir, old_tests.get(tid)), texts[tid], tid)}
+                  for tid in usable},
+        "not_rescored": skipped,
+    }
+    atomic_write_text(plan.run_dir / RESCORE_JSON, json.dumps(info, indent=2) + "\n")
+    save_run_json(plan.cfg, plan.run_dir, {**plan.summary(), "rescore_of": str(src_dir), "not_rescored": len(skipped)})
+
+
+def plan_rescore(source: str, *, tests: Path | None = None, task_source: str | None = None,
+                 run_name: str | None = None, store: Path | None = None, overrides: list | None = None,
+                 image_lookup: Any = None, write: bool = True) -> Plan:
+    """The plan of a rescore of ``source`` (see the module doc). ``UserError`` (one line) for a
+    missing run, a run without kept states, tests that are missing or not valid Python."""
+    from et_hpc.paths import find_run_dir
+
+    if (tests is None) == (task_source is None):
+        raise UserError("give the new tests: --tests DIR or --task-source SRC (one of them)")
+    src_dir = find_run_dir(source, store).resolve()
+    src_cfg, recs, kept = _read_source(src_dir)
+    by_id, new_tests = _new_tests(src_dir, src_cfg, tests, task_source)
+    wanted = sorted({r.task_id for r in kept})
+    usable = [tid for tid in wanted if tid in by_id and tid in new_tests]
+    if not usable:
+        where = f"--tests {tests}" if tests is not None else f"--task-source {task_source}"
+        raise UserError(f"{where} has no final tests for any task of run {src_dir} with a kept state "
+                        f"(expected e.g. {wanted[0]}/{TEST_FILE})")
+    texts = {tid: _check_tests(new_tests[tid]) for tid in usable}
+    digests = {tid: fs.PREFIX + hashlib.sha256(texts[tid].encode()).hexdigest() for tid in usable}
+    cfg = _rescore_config(src_dir, src_cfg, digests, run_name, store, overrides)
+    run_dir = cfg.run_dir()
+    _check_resume(run_dir, src_dir, digests)
     lookup = image_lookup
-    if lookup is None:
+    if lookup is None:  # the task's pristine image, the one the episodes ran on
         from et_hpc.images.store import ImageStore
 
         lookup = ImageStore().lookup
-    images: dict[str, Any] = {}
-    skipped: list[dict[str, Any]] = []
-    for tid in usable:
-        img = lookup(by_id[tid])
-        why = image_missing(img)
-        if why is None:
-            images[tid] = img
-    # the units, and what cannot be rescored (listed, never guessed)
+    images = {tid: img for tid in usable if image_missing(img := lookup(by_id[tid])) is None}
     done = open_store(run_dir).units()
     units: list[tuple[str, int]] = []
+    skipped: list[dict[str, Any]] = []
     n_done = 0
     for r in sorted(recs, key=lambda r: (r.task_id, r.sample)):
-        why = None
-        if r.status != OK:
-            why = f"status {r.status} (nothing was scored)"
-        elif not fs.digest_of(r.final_state):
-            why = "no kept state" + (f" ({r.final_state})" if r.final_state else " (keep_final_state was off)")
-        elif r.task_id not in texts:
-            why = "no new tests for its task"
-        elif r.task_id not in images:
-            why = f"no image: {image_missing(lookup(by_id[r.task_id]))}"
-        elif r.image_digest and getattr(images[r.task_id], "digest", None) not in (None, r.image_digest):
-            why = f"its image changed ({r.image_digest[:12]} -> {images[r.task_id].digest[:12]})"
+        why = _skip_reason(r, texts, images, lookup, by_id)
         if why is not None:
             skipped.append({"task_id": r.task_id, "sample": r.sample, "episode_id": r.episode_id, "why": why})
             continue
@@ -386,23 +422,12 @@ def plan_rescore(source: str, *, tests: Path | None = None, task_source: str | N
             n_done += 1
             continue
         units.append((r.task_id, r.sample))
-    old_tests = {r.task_id: r.tests_digest for r in kept}
     tasks = {tid: RescoreTask(id=tid, task=by_id[tid].model_copy(update={"final_tests": new_tests[tid].resolve()}),
                               source_run=str(src_dir), tests_digest=digests[tid]) for tid in usable}
     plan = Plan(cfg=cfg, run_dir=run_dir, tasks=tasks, images=images, units=units,
                 total=len(units) + n_done, done_ok=n_done)
     if write:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        info = {
-            "source_run": src_dir.name, "source_dir": str(src_dir),
-            "tests": {tid: {"path": str(new_tests[tid].resolve()), "digest": digests[tid],
-                            "source_digest": old_tests.get(tid),
-                            "diff": _diff(fs.kept_tests(src_dir, old_tests.get(tid)), texts[tid], tid)}
-                      for tid in usable},
-            "not_rescored": skipped,
-        }
-        atomic_write_text(run_dir / RESCORE_JSON, json.dumps(info, indent=2) + "\n")
-        save_run_json(cfg, run_dir, {**plan.summary(), "rescore_of": str(src_dir), "not_rescored": len(skipped)})
+        _write_plan(plan, src_dir, usable, new_tests, digests, texts, {r.task_id: r.tests_digest for r in kept}, skipped)
     return plan
 
 

@@ -84,13 +84,53 @@ def _token_metrics(rec: EpisodeRecord) -> list[dict[str, Any]] | None:
     return out
 
 
-def trajectory(rec: EpisodeRecord) -> dict[str, Any]:
-    """The ATIF v1.8 document of one episode (a JSON-ready dict, ``None`` values left out)."""
+def _tool_calls(m: dict[str, Any], text: str, turn: int) -> list[dict[str, Any]]:
+    """An assistant message's calls as ATIF tool calls (a ``<command>`` reply: one ``terminal`` call)."""
+    calls = []
+    for k, tc in enumerate(m.get("tool_calls") or []):
+        f = tc.get("function") or {}
+        calls.append({"tool_call_id": str(tc.get("id") or f"call_{turn}_{k}"),
+                      "function_name": str(f.get("name") or "unknown"), "arguments": _arguments(f.get("arguments"))})
+    if not calls:
+        cmd = _COMMAND.search(text)
+        if cmd:
+            calls.append({"tool_call_id": f"call_{turn}_0", "function_name": _TEXT_TOOL,
+                          "arguments": {"command": cmd.group(1)}, "extra": {"protocol": "text"}})
+    return calls
+
+
+def _agent_step(rec: EpisodeRecord, m: dict[str, Any], text: str, step_id: int, turn: int,
+                metrics: list[dict[str, Any]] | None) -> dict[str, Any]:
+    step: dict[str, Any] = {"step_id": step_id, "source": "agent", "message": text}
+    if rec.model:
+        step["model_name"] = rec.model
+    reasoning = m.get("reasoning_content") or m.get("reasoning")
+    if reasoning:
+        step["reasoning_content"] = _text(reasoning)
+    calls = _tool_calls(m, text, turn)
+    if calls:
+        step["tool_calls"] = calls
+    if metrics is not None:
+        step["metrics"] = metrics[turn]
+        step["llm_call_count"] = 1
+    return step
+
+
+def _observe(last_agent: dict[str, Any], m: dict[str, Any], text: str) -> None:
+    """A tool result, or (text protocol) the environment's reply: the observation of the last agent step."""
+    ids = [c["tool_call_id"] for c in last_agent.get("tool_calls", [])]
+    call = m.get("tool_call_id") if m.get("tool_call_id") in ids else None
+    if call is None and m.get("role") != "tool" and ids:
+        taken = {r.get("source_call_id") for r in last_agent.get("observation", {}).get("results", [])}
+        call = next((i for i in ids if i not in taken), None)
+    result: dict[str, Any] = {"content": text}
+    if call is not None:
+        result["source_call_id"] = call
+    last_agent.setdefault("observation", {"results": []})["results"].append(result)
+
+
+def _steps(rec: EpisodeRecord, metrics: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     steps: list[dict[str, Any]] = []
-    metrics = _token_metrics(rec)
-    n_agent = sum(1 for m in rec.messages if m.get("role") == "assistant")
-    if metrics is not None and len(metrics) != n_agent:
-        metrics = None  # ids that do not pair with the turns are not attached to any step
     seen_user = False
     last_agent: dict[str, Any] | None = None
     turn = 0
@@ -98,64 +138,46 @@ def trajectory(rec: EpisodeRecord) -> dict[str, Any]:
         role = m.get("role")
         text = _text(m.get("content"))
         if role == "assistant":
-            step: dict[str, Any] = {"step_id": len(steps) + 1, "source": "agent", "message": text}
-            if rec.model:
-                step["model_name"] = rec.model
-            reasoning = m.get("reasoning_content") or m.get("reasoning")
-            if reasoning:
-                step["reasoning_content"] = _text(reasoning)
-            calls = []
-            for k, tc in enumerate(m.get("tool_calls") or []):
-                f = tc.get("function") or {}
-                calls.append({"tool_call_id": str(tc.get("id") or f"call_{turn}_{k}"),
-                              "function_name": str(f.get("name") or "unknown"), "arguments": _arguments(f.get("arguments"))})
-            if not calls:
-                cmd = _COMMAND.search(text)
-                if cmd:
-                    calls.append({"tool_call_id": f"call_{turn}_0", "function_name": _TEXT_TOOL,
-                                  "arguments": {"command": cmd.group(1)}, "extra": {"protocol": "text"}})
-            if calls:
-                step["tool_calls"] = calls
-            if metrics is not None:
-                step["metrics"] = metrics[turn]
-                step["llm_call_count"] = 1
+            last_agent = _agent_step(rec, m, text, len(steps) + 1, turn, metrics)
             turn += 1
-            steps.append(step)
-            last_agent = step
-            continue
-        if role == "system" or (role == "user" and not seen_user):
+            steps.append(last_agent)
+        elif role == "system" or (role == "user" and not seen_user):
             seen_user |= role == "user"
             steps.append({"step_id": len(steps) + 1, "source": role, "message": text})
             last_agent = None
-            continue
-        # a tool result, or (text protocol) the environment's reply: the observation of the last agent step
-        if last_agent is None:
+        elif last_agent is None:
             steps.append({"step_id": len(steps) + 1, "source": "user", "message": text})
-            continue
-        ids = [c["tool_call_id"] for c in last_agent.get("tool_calls", [])]
-        call = m.get("tool_call_id") if m.get("tool_call_id") in ids else None
-        if call is None and role != "tool" and ids:
-            taken = {r.get("source_call_id") for r in last_agent.get("observation", {}).get("results", [])}
-            call = next((i for i in ids if i not in taken), None)
-        result: dict[str, Any] = {"content": text}
-        if call is not None:
-            result["source_call_id"] = call
-        last_agent.setdefault("observation", {"results": []})["results"].append(result)
+        else:
+            _observe(last_agent, m, text)
     if not steps:  # ATIF needs one step: an episode that never reached its prompt (an error) says why
         steps.append({"step_id": 1, "source": "system", "message": rec.error or f"no transcript (status {rec.status})"})
-    t = rec.timings.model_dump(exclude_none=True)
+    return steps
+
+
+def _final_metrics(rec: EpisodeRecord, n_steps: int) -> dict[str, Any]:
     final_extra = {
         "reward": rec.reward, "status": rec.status, "passed": rec.passed, "total": rec.total,
         "tests": [{"name": x.name, "outcome": x.outcome} for x in rec.tests], "score_note": rec.score_note,
-        "stop_reason": rec.stop_reason, "error": rec.error, "turns": rec.turns, "timings": t,
+        "stop_reason": rec.stop_reason, "error": rec.error, "turns": rec.turns,
+        "timings": rec.timings.model_dump(exclude_none=True),
         "peak_mem_mb": rec.peak_mem_mb, "peak_pids": rec.peak_pids, "events": rec.events,
         "tokens_source": rec.tokens_source, "token_drift": rec.token_drift,
     }
-    final: dict[str, Any] = {"total_steps": len(steps), "extra": {k: v for k, v in final_extra.items() if v is not None}}
+    final: dict[str, Any] = {"total_steps": n_steps, "extra": {k: v for k, v in final_extra.items() if v is not None}}
     if rec.prompt_tokens is not None:
         final["total_prompt_tokens"] = rec.prompt_tokens
     if rec.completion_tokens is not None:
         final["total_completion_tokens"] = rec.completion_tokens
+    return final
+
+
+def trajectory(rec: EpisodeRecord) -> dict[str, Any]:
+    """The ATIF v1.8 document of one episode (a JSON-ready dict, ``None`` values left out)."""
+    metrics = _token_metrics(rec)
+    n_agent = sum(1 for m in rec.messages if m.get("role") == "assistant")
+    if metrics is not None and len(metrics) != n_agent:
+        metrics = None  # ids that do not pair with the turns are not attached to any step
+    steps = _steps(rec, metrics)
     agent: dict[str, Any] = {"name": "et-hpc", "version": __version__,
                              "extra": {"policy_kind": rec.policy_kind, "sampling_params": rec.sampling_params}}
     if rec.model:
@@ -166,7 +188,7 @@ def trajectory(rec: EpisodeRecord) -> dict[str, Any]:
                   "created_at": rec.created_at.isoformat()}
     doc: dict[str, Any] = {
         "schema_version": ATIF_VERSION, "session_id": rec.episode_id, "trajectory_id": rec.episode_id,
-        "agent": agent, "steps": steps, "final_metrics": final,
+        "agent": agent, "steps": steps, "final_metrics": _final_metrics(rec, len(steps)),
         "extra": {k: v for k, v in root_extra.items() if v is not None},
     }
     if metrics is None and rec.token_ids:
