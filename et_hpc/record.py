@@ -2,15 +2,11 @@
 
 ``EpisodeRecord`` is what an episode produces; ``EPISODE_SCHEMA`` is the one explicit Arrow
 schema every shard of the store is written with (so shards from many hosts always concatenate).
-Free-form parts (sampling params, the chat transcript, tool versions) are stored as JSON strings
-so the schema never changes when a policy adds a key; the model keeps them as Python objects.
-
-Token accounting (optional; what the Atropos export turns into ``tokens``/``masks``): for turn
-``i``, ``prompt_token_ids[i]`` are the tokens fed to the model before completion ``i`` that were
-not already part of the sequence (turn 0: the whole first prompt; later turns: the tool output
-and chat-template tokens added since the previous completion), ``token_ids[i]`` the completion's
-tokens and ``logprobs[i]`` their sampling logprobs. ``prompt_deltas()`` converts the full
-per-request prompts a server returns into these deltas.
+Free-form parts (sampling params, the transcript, tool versions) are JSON strings in the row,
+so a policy adding a key never changes the schema; the model keeps them as Python objects.
+Optional token accounting per turn (prompt deltas, completion ids, logprobs) feeds the exports;
+``prompt_deltas()`` turns a server's full per-request prompts into deltas. Columns, token ids
+and their checks: docs/store.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
 """Find the policy server and its key: a given base URL, or the endpoint file a vLLM Slurm job writes.
 
-The endpoint file (JSON on the shared filesystem, written by ``slurm/vllm.sbatch`` or
-``python -m et_hpc.scripted_server --endpoint-file``) holds ``{"host", "port", "base_url", "model",
-"api_key", "model_version", "job_id", "started_at", "written_at"}``. It is written atomically
-(temp file + rename) with mode 0600 in a directory the user owns; ``read_endpoint_file`` refuses a
-file that carries a key and is readable by group or others, or belongs to someone else (one line:
-which file and the ``chmod``), because anyone who can read the key can use our server.
-
-``model_version`` names what the server currently serves (checkpoint path plus step, or a content
-hash); the server republishes the file when it switches checkpoints. ``EndpointWatch`` re-reads the
-file only when its inode, size or mtime changed, so asking for the current version every turn
-costs one ``stat``.
-
-``resolve_endpoint`` waits, bounded, for the file and for ``GET {base_url}/models`` to answer 200,
-and on give-up raises a ``UserError`` that names the file, the job and what Slurm says about it.
-``Endpoint.api_key`` is excluded from dumps and its repr; nothing here writes or logs the key.
+Offers ``write_endpoint_file``/``read_endpoint_file`` (atomic, mode 0600), ``EndpointWatch``
+(the current ``model_version``, re-read only when the file's stat changed), ``resolve_api_key``
+and ``resolve_endpoint`` (waits, bounded, for the file and for ``GET /models``, giving an
+``Endpoint``). Guarantees: a file that carries a key and is readable by others, or is not ours,
+is refused in one line; a give-up is a ``UserError`` naming the file, the job and what Slurm
+says; the key is never written elsewhere, logged or shown in a repr. Fields: docs/policy.md;
+who may read the key: SECURITY.md.
 """
 
 from __future__ import annotations

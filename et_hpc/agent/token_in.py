@@ -1,33 +1,12 @@
 """Token-in continuation: the policy sends token ids, so the tokens trained on are the tokens sampled.
 
-In chat mode the server renders the whole conversation with its template every turn; a template
-that re-renders the model's reply differently (dropped reasoning, tool-call JSON re-serialised)
-makes the next prompt differ from the tokens the model produced ("drift"). In token-in mode the
-prompt of turn ``i+1`` is built as
-
-    prompt[i] + completion[i] + gap[i]
-
-where ``completion[i]`` are the ids the server sampled and ``gap[i]`` the ids of the template text
-between the end of the reply and the next generation prompt (the end-of-turn after the reply, the
-tool output or user message, the assistant header). The gap is rendered by the server's own
-template: ``closing`` (what the template puts after an assistant message's content, found with a
-marker message) plus the part of ``render(conversation, add_generation_prompt)`` after
-``render(conversation up to the reply)``. When the reply ended with the end-of-turn token itself,
-that token is not repeated. Drift is then impossible by construction.
-
-Two server dialects (``probe`` picks one):
-
-- ``llama``: llama.cpp's ``llama-server``. ``POST /apply-template`` (the chat template, ``--jinja``)
-  gives text, ``POST /tokenize`` (``{content, add_special, parse_special}``) its ids, and ``POST
-  /completion`` with ``prompt`` as a list of ids and ``return_tokens`` samples (``tokens`` in the
-  answer; the end-of-generation token is not among them).
-- ``vllm``: ``POST /tokenize`` with ``messages`` (``add_generation_prompt``,
-  ``continue_final_message``, ``tools``) gives ids directly, and ``POST /v1/completions`` with a
-  token-id ``prompt`` and ``return_token_ids`` samples (``choices[0].token_ids``; vLLM keeps the
-  stop token in them).
-
-In tools mode the raw completion is parsed here: ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``
-blocks (the Hermes format of Qwen2.5/3, SmolLM2 and most open tool-calling templates).
+``TokenIn`` (one episode's state) builds each turn's prompt as the previous prompt, the sampled
+completion ids and the template's gap ids (rendered by the server's own chat template), so a
+template that re-renders the model's reply differently cannot make the prompt drift; it speaks
+llama.cpp's ``llama-server`` or vLLM (``Dialect``, chosen by ``OpenAIPolicy`` from what the
+server answers) and raises ``TokenInError`` when the server cannot. ``parse_hermes`` parses the
+``<tool_call>`` blocks of a raw completion in tools mode. The construction, the endpoints of
+each dialect and the tool-call format: docs/policy.md.
 """
 
 from __future__ import annotations

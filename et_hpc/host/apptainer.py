@@ -1,17 +1,13 @@
 """A thin subprocess wrapper around the ``apptainer`` command line (version, instances, exec, overlays).
 
-Every failure raises ``InfraError`` carrying the command and the tail of its stderr.
-
-Environment hygiene: apptainer maps nearly every command-line flag to an ``APPTAINER_*`` (or the old
-``SINGULARITY_*``) variable: ``APPTAINER_BINDPATH`` binds host directories, ``APPTAINER_OVERLAY``
-adds a writable layer, ``APPTAINER_NETWORK``, ``APPTAINER_HOME``, ``APPTAINER_NO_MOUNT``, and
-``APPTAINERENV_*`` injects variables. Every apptainer command et-hpc runs (instances, exec, builds,
-base builds, doctor's probes) gets ``clean_env()``: the caller's environment without any variable
-whose name starts with ``APPTAINER`` or ``SINGULARITY``, except ``ALLOWED`` (where apptainer keeps
-its own files; they change nothing a container sees). What a sandbox sees comes only from the flags
-et-hpc passes (and the run config's ``sandbox.binds``). ``ignored_vars()`` names what was dropped
-(``et-hpc doctor`` warns about them). Callers also pass ``--cleanenv`` so nothing else of the host
-leaks into a container.
+Every failure raises ``InfraError`` carrying the command and the tail of its stderr. Every
+apptainer command et-hpc runs gets ``clean_env()``: the caller's environment without any
+``APPTAINER*``/``SINGULARITY*`` variable (they would bind, overlay or inject into a sandbox)
+except ``ALLOWED`` (where apptainer keeps its own files; they change nothing a container sees).
+``ignored_vars()`` names what was dropped (``et-hpc doctor`` warns). Callers also pass
+``--cleanenv``, so what a sandbox sees comes only from the flags et-hpc passes and the run
+config's ``sandbox.binds``. Why and what is tested: SECURITY.md ("The user's apptainer
+settings").
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """Host-side ``/proc`` reading (sandboxes, the build lock): one place for every ``/proc`` parser et-hpc uses.
 
-Everything here reads the host's ``/proc`` directly (the instance's processes are ordinary host
-processes of the same user) and never raises for a process that vanished in between: such a
-process is simply left out (``None`` / skipped). Nothing here spawns a process.
-
-- ``stat(pid)``: (ppid, pgid, session) of a live process; ``None`` for gone or zombie.
-- ``ns_ids(pid)``: its (pid, pgid) in its innermost PID namespace.
-- ``session_members(sid)``: (pid, pgid) of every live process in a session.
-- ``pid_alive(pid, start)``: alive, not a zombie and (when ``start`` is given) the same process.
-- ``start_time(pid)``: when it started (clock ticks since boot, as text), to tell a reused pid.
-- ``pid_ns(pid)``: the PID namespace link (``pid:[4026532253]``) or ``None``.
-- ``ns_members(ns, exclude)``: live host pids in that PID namespace.
-- ``memory_kb(pid)``: PSS from ``smaps_rollup`` when readable, else RSS from ``statm`` (KiB).
-- ``with_argument(arg)``: live pids with ``arg`` as one whole element of their command line.
+Everything reads the host's ``/proc`` directly (an instance's processes are ordinary host
+processes of the same user), spawns nothing, and never raises for a process that vanished in
+between: it is left out (``None`` / skipped). Offers a process's ``stat``, ``ns_ids``,
+``start_time`` (to tell a reused pid), ``pid_alive``; sessions (``session_members``); PID
+namespaces (``pid_ns``, ``ns_members``, ``instance_pids``, ``instance_processes``: an instance's
+processes with nested namespaces); memory (``memory_kb``: PSS, else RSS; ``field`` for one keyed
+number of a /proc file); ``with_argument`` (pids by one command-line element).
 """
 
 from __future__ import annotations

@@ -1,38 +1,12 @@
 """The work queue of a continuous run: unit files on the shared filesystem, claimed by rename.
 
-Layout, under ``<run_dir>/queue/``::
-
-    pending/<uid>.json            a unit waiting for a worker
-    leased/<uid>~<attempt>.json   claimed by one attempt; its mtime is the lease heartbeat
-    done/<uid>~<attempt>.json     committed: this attempt's group is the unit's one result
-    results/<uid>~<attempt>.parquet   an attempt's records, written before the commit
-    workers/<worker>.json         one per worker: what it runs, refreshed with each heartbeat
-    state.json                    the epochs enqueued so far (written by the controller only)
-    head                          a hint: a stream slot known to exist (the search starts there)
-    STOP                          present: workers claim nothing more and return what they hold
-
-A unit is one group: the ``samples`` episodes of one task in one epoch, uid ``e<epoch>-<pos>``
-(``pos`` its place in the epoch's shuffled order, so names sort in claim order). Its records get
-``sample = epoch * samples + i`` (the store's unit key stays unique across epochs) and
-``group_id = <task_id>@e<epoch>``.
-
-Every transition of a unit is a ``rename`` of its one file, atomic on local filesystems and NFS:
-``pending -> leased`` (claim; of racing claimers one wins, the rest get ENOENT), ``leased ->
-pending`` (the holder gives it back, or anyone requeues it once the lease's mtime is older than
-``lease_s``), ``leased -> done`` (commit). So a unit exists in exactly one place, and only the
-attempt that still holds its lease can commit it: a worker that was SIGKILLed, scancelled,
-preempted or cut off keeps nothing, and a slow one whose lease expired finds its lease gone and
-its results are discarded. A unit is therefore done exactly once.
-
-Publishing a committed group into the stream (``<run_dir>/part-s<seq>.parquet``, seq = 0, 1, 2,
-... with no gaps) is a second, idempotent step that anyone may finish: the results file is first
-taken by a rename to a name of one's own (exclusive), then its link count says whether it is
-already linked into a slot (``nlink >= 2``: done, drop the name) or not (link it into the first
-free slot: ``link`` fails with EEXIST on a taken slot, so each slot gets one group). A publisher
-that dies at any point leaves a results or take file that the sweep finishes after ``grace_s``.
-
-Clocks: lease ages compare file mtimes (set by the file server on NFS) with the sweeper's clock;
-nodes are assumed to keep NTP time within a fraction of ``lease_s``.
+A unit is one group (the ``samples`` episodes of one task in one epoch). Guarantees: every
+transition of a unit is a ``rename`` of its one file (pending, leased, done), so a unit is in
+exactly one place, only the attempt still holding its lease commits it, and it is done exactly
+once, whoever dies when; publishing a committed group into the gapless stream slots
+``part-s<seq>.parquet`` is idempotent and anyone may finish it. Needs a filesystem with atomic
+``rename`` and ``link`` (local or NFS) and node clocks within a fraction of ``lease_s``. Layout,
+transitions and publishing: docs/rollouts.md.
 """
 
 from __future__ import annotations

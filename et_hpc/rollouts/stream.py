@@ -1,39 +1,12 @@
 """The trainer's side of a continuous run: complete groups in arrival order, each once per consumer.
 
-``RolloutStream(run_dir, consumer="trainer-0")`` reads the stream slots
-``<run_dir>/part-s<seq>.parquet`` (seq 0, 1, 2, ... without gaps; one committed group each, see
-``et_hpc.rollouts.queue``). Its cursor, the next seq to read, lives in
-``<run_dir>/consumers/<consumer>.json`` with the counts and an optional trainer ``state``.
-
-Exactly once across restarts: ``next_batch`` returns groups and moves the cursor in memory; the
-cursor is written (atomically) by ``commit(state=...)``, or at the start of the next
-``next_batch`` call (``auto_commit``, the default). A consumer that dies after getting a batch
-but before committing gets the same groups again when it restarts; one that committed never sees
-them again. Saving the trainer's own progress in ``state`` (step number, checkpoint path) makes
-the two move together. One process per consumer name at a time (a lock file refuses a second).
-
-Cost: a poll stats the next slot and reads only new slots, whatever the size of the store.
-
-Filters (counted in the cursor, never silent):
-
-- ``max_staleness=k``: a group whose version id is older than the run's current version minus
-  ``k`` is discarded (``discarded_stale``). Ids are monotone whichever side owns the switch
-  (``et_hpc.rollouts.versions``): the trainer's ``version.json``, else the step in the endpoint
-  file's ``model_version`` (``PATH@step-N``, ``slurm/vllm.sbatch --checkpoint-dir``; the file or
-  directory from ``run.json``'s policy, or given as ``endpoint_file``/``endpoint_dir``). A group's
-  id is the one it started under (its first member's ``policy_version``);
-- ``on_error="mask"`` (default): a group with a member whose status is not ``ok`` (an error
-  outside the agent's reach that survived the worker's retries) is discarded
-  (``discarded_masked``); ``"keep-ok"`` hands out its ok members only.
-
-Telemetry (in the cursor too, key ``telemetry``, for ``et-hpc status RUN --capacity``): ``calls``
-of ``next_batch``, ``wait_s`` (seconds spent inside it: the trainer waiting for rollouts),
-``first_call_at``/``last_return_at`` (Unix times; the trainer-wait fraction is ``wait_s`` over
-their difference) and ``staleness``: how many delivered groups were k versions behind the run's
-current version when handed out (``{"k": count}``; ``"unknown"`` without versions).
-
-A compaction of the store (``et-hpc store compact``) merges the slots away: do not compact a
-continuous run while consumers read it.
+``RolloutStream(run_dir, consumer=...)`` reads the stream slots the queue publishes. Guarantees:
+a group is handed out again only if its batch was not committed (``commit(state=...)``, or the
+next ``next_batch`` with ``auto_commit``), so the trainer's ``state`` and the cursor move
+together across restarts; one process per consumer name; stale (``max_staleness``) and masked
+(``on_error``) groups are counted in the cursor, never dropped silently; a poll reads only new
+slots. Needs the run directory on a shared filesystem, and no store compaction while consumers
+read. Cursor, filters and telemetry: docs/rollouts.md.
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
-"""The trainer-owned policy version of a run: ``<run_dir>/version.json``.
+"""The policy version of a run, whichever side owns the checkpoint switch.
 
-When the trainer (not vLLM) owns the checkpoint switch, it loads new weights into the server
-itself and then calls ``publish_version``. The file holds ``{"version": int, "model": str | null,
-"checkpoint": str | null, "published_at": float}``; versions only go up. ``model``, when set, is
-the served model name producers use for groups started under that version (e.g. a LoRA adapter
-per checkpoint). Workers read it through ``VersionReader``, which re-reads the file only when its
-stat (inode, size, mtime) changed, so checking before every claim is cheap.
-
-No file means no trainer-owned version: records keep whatever the policy reported (the endpoint
-file's ``model_version`` when vLLM owns the switch).
-
-A version is a monotone id plus its label, whichever side owns the switch: the trainer's integer
-(label = the same number), or the checkpoint step that ``slurm/vllm.sbatch --checkpoint-dir``
-publishes in the endpoint file's ``model_version`` (``PATH@step-N``: id N, label the whole
-string). ``version_step`` parses either; a label without a step (``PATH@files-HASH``, a model name)
-has no id and cannot be ordered (staleness "unknown"). While the server switches it publishes
-``switching PATH@step-OLD -> PATH@step-NEW`` first (id: OLD, the older one), so a turn answered
-during a switch is seen as crossing it. ``VersionReader(run_dir, endpoint_file=..., endpoint_dir=...)``
-reads the trainer's file, else the endpoint file's (a directory of replicas: the highest id), so
-``max_staleness`` and ``abandon`` work for both sources.
+``publish_version`` writes the trainer's ``<run_dir>/version.json`` (versions only go up);
+``version_step`` parses a label into its monotone id (the trainer's integer, or the step of an
+endpoint file's ``PATH@step-N``; none for a label without a step); ``VersionReader`` reads the
+trainer's file, else the endpoint file's (a directory of replicas: the highest id), re-reading
+only when a file's stat changed, so checking before every claim is cheap. No file means no
+trainer-owned version. Formats and the switching rule: docs/rollouts.md.
 """
 
 from __future__ import annotations

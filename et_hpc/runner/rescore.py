@@ -1,25 +1,13 @@
 """Rescoring: regrade a stored run's kept final states with other final tests, without the agent.
 
-``plan_rescore`` reads a run whose episodes kept their final state (``sandbox.keep_final_state``,
-et_hpc.runs.final_state) and makes a ``Plan`` for a new run: one unit per ``ok`` episode with a
-kept state and new tests for its task (``--tests DIR``: ``DIR/<task_id>/test_final_state.py``;
-``--task-source SRC``: the final tests of the tasks SRC loads). The plan runs on the executors of
-any run (local threads, Slurm arrays), with ``rescore_unit`` as the unit runner: it unpacks the
-kept overlay (digest checked) on node-local scratch, checks from the host that nothing a start
-runs was changed (``final_state.check_start``: else the state is not started, the agent's 0),
-starts the task's image (the cache's SIF: ``sandbox.local_copy`` does not apply) with it as a
-read-only layer under a ``--writable-tmpfs`` (the tests may write; nothing changes the kept
-state), names the account with the image's pristine Python (no shell: the instance's bash is the
-agent's), and scores it through ``et_hpc.episode.run.final_score``, the function every live
-episode is scored by (the entry from the host, the pristine interpreter, the watchdog and its
-blame). The record is the source episode's (messages, tokens, versions, timings) with the new
-status, reward, verdicts, ``tests_digest``, ``rescored_from`` and ``score_s``.
-
-The source run is only read. The new run resumes like any run: units it holds already are
-skipped (errors too, unless ``retry_errors``). ``rescore.json`` in the new run says where it came
-from, the tests per task (digests and a unified diff against the tests that scored the source
-episodes) and the episodes it could not rescore, with why; ``diff_report`` turns it and both runs'
-records into the episodes whose reward flipped.
+``plan_rescore`` makes a ``Plan`` for a new run (one unit per ``ok`` episode with a kept state and
+new tests for its task) that runs on any run's executor with ``rescore_unit``, which scores the
+kept state read-only through ``final_score``, the function every live episode is scored by.
+Guarantees: the source run is only read; what cannot be rescored is listed with why, never
+guessed; a rerun resumes only with the same source and tests; ``rescore.json`` records where it
+came from, the tests and their diff, and ``diff_report`` lists the rewards that flipped. Needs
+the source run's kept states (``sandbox.keep_final_state``). How: docs/rescore.md; what it
+defends: SECURITY.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """ATIF export: one Agent Trajectory Interchange Format (v1.8) document per episode.
 
-ATIF is the trajectory format of Harbor (``harbor.models.trajectories``, harbor 0.25.0) that
-Terminal-Bench submissions and trajectory tools read. Mapping of a record:
-
-- the system prompt and the task prompt are steps of ``source`` ``system`` and ``user``;
-- every assistant message is one ``agent`` step: ``message`` (its text, "" when it only called a
-  tool), ``reasoning_content``, ``tool_calls`` (tool-call mode: as the model made them, arguments
-  parsed from their JSON; the ``<command>`` text protocol: one ``terminal`` call with the command,
-  marked ``extra.protocol = "text"``), and the command's output as its ``observation`` (linked to
-  the call by ``source_call_id``);
-- per-step ``metrics`` when the run recorded token ids: ``prompt_token_ids`` (the whole prompt
-  the model saw for that step, as ATIF defines it, rebuilt from the record's per-turn deltas),
-  ``completion_token_ids``, ``logprobs`` and their counts. An episode whose ids drift from the
-  server's tokenization (``token_drift``) keeps its completion ids and logprobs (what was sampled)
-  but no prompt ids (they are not one sequence the server saw);
-- ``final_metrics``: token totals and the step count, and in ``extra`` the reward, status,
-  passed/total and per-test verdicts, score note, stop reason, timings and peak memory;
-- root ``extra``: run, task, sample, group, policy version and the episode's ids.
-
-Output: ``DIR/<task_id>.<sample>.json`` per episode and ``DIR/index.jsonl`` (one line per document:
-file, episode id, task, sample, status, reward).
+``trajectory(rec)`` maps one record to a JSON-ready ATIF document (Harbor's trajectory format:
+system and task prompt steps, one agent step per assistant message with its tool calls,
+observation and, when the ids pair with the turns, token metrics; final metrics with the score).
+``export_atif`` writes ``DIR/<task_id>.<sample>.json`` per deduped episode and
+``DIR/index.jsonl``. Prompt ids are left out when they drift from the server's tokenization; the
+document's ``notes`` says so. The field mapping: docs/exports.md.
 """
 
 from __future__ import annotations

@@ -2,31 +2,10 @@
 
 ``capacity(rows, ...)`` turns a run's raw episode rows (every episode that ran, retries included:
 each one used the machine) into one JSON-friendly dict, shown by ``et-hpc status RUN --capacity``
-and in ``et-hpc report``:
-
-- ``episodes_per_hour`` overall, per node (``host``) and per worker (a Slurm array task, else the
-  process ``<host>:<pid>``): episodes divided by the *busy* time, the union of the episodes'
-  ``[start_s, stop_s]`` intervals on that node or worker, so gaps between sessions do not count;
-- ``model_share``: summed ``model_s`` over summed ``total_s`` (the episode wall time);
-- ``time_split``: median/p95/mean seconds of each part (queue, setup, model, exec, score,
-  teardown, total, and warm: a warm sandbox's start, done ahead); ``infra_overhead_s``: setup + score + teardown + queue per episode
-  (median/p95), and ``node_overhead_s`` the same without queue (which counts the wait for a slot);
-- ``sandbox_mem_mb``: the watchdog's peak per episode (PSS, RSS where unreadable, plus the
-  instance's tmpfs) median/p95/max, and ``sandbox_pids_max``;
-- ``projection``: episodes/hour for N nodes running K episodes each, from this model (MODEL):
-  an episode holds a slot for its wall time T (mean ``total_s``) and keeps one core of its node
-  busy for its CPU time c = setup + exec + score + teardown + warm (mean; a warm sandbox's start
-  is off the episode's wall time but not off the node's CPU; model time waits on the GPU
-  server and costs the node nothing). A node with C cores then finishes
-  ``min(K / T, C / c)`` episodes per second: slot-bound (model-bound) below ``K* = C * T / c``,
-  CPU-bound above it. N nodes give N times that, as long as the model server keeps up (its
-  per-call latency stays as measured);
-- ``trainer``: accepted episodes (ok members of the groups a trainer gets, masked groups left out)
-  per GPU-hour when the GPU-hours are known, and per stream consumer the trainer-wait fraction and
-  the staleness of the groups it was handed (``et_hpc.rollouts.stream`` records both).
-
-Percentiles are nearest-rank: the p-th percentile of n sorted values is value ``ceil(p/100*n)``
-(1-based), so it is always one of the measured values.
+and in ``et-hpc report``: episodes per busy hour (overall, per node, per worker), the time split
+and infra overhead, sandbox peak memory, a projection to N nodes of K episodes, and the
+trainer's accepted episodes per GPU-hour and wait. Percentiles are nearest-rank (always a
+measured value). Every key and the projection's model: docs/reports.md.
 """
 
 from __future__ import annotations

@@ -1,66 +1,12 @@
 """Exports of a run into the formats trainers read: Atropos JSONL, SkyRL/verl parquet.
 
-What is exported: the ``ok`` episodes of the groups ``RunStore.select`` keeps (see
-``et_hpc.runs.store``: a group is what was sampled together, its ``group_id``). By default a group
-with any member that ended in an error status (outside the agent's reach) is left out whole
-(``on_error="mask"``); ``on_error="keep-ok"`` keeps its ok members; ``drop_zero_variance`` leaves
-out groups whose scores are all equal. Error episodes are never exported: they carry no reward.
-A group with a kept member whose token ids are absent or drift from the server's tokenization
-(``EpisodeRecord.has_tokens`` false) is left out whole (``dropped_no_tokens``): no export ever
-holds an empty or re-rendered token list. Every export returns an ``ExportResult`` with the
-counts (the CLI prints them).
-
-**Atropos** (``export_atropos``): one ``ScoredDataGroup`` per line (``atroposlib.envs.base``, a
-TypedDict; the API server's own pydantic model is ``atroposlib.api.server.ScoredData``). Every key
-of the TypedDict is present (``None`` where not applicable), so the line validates against
-atroposlib's type as-is (``validate_atropos_group``). Keys:
-
-- ``tokens`` / ``masks``: the whole episode as one sequence per sample, ``masks`` ``-100`` on
-  prompt positions (system/user prompt, tool output, template tokens) and the token id on
-  completion positions (every exported sample has exact token ids).
-- ``inference_logprobs``: when every sample has logprobs, aligned with ``tokens`` (``1.0`` on
-  prompt positions, which Atropos trainers ignore); else ``None``.
-- ``scores``: the rewards from the final tests.
-- ``messages``: each sample's transcript as Atropos ``Message`` dicts (``role``, ``content`` as a
-  string, ``reward`` None; ``tool_calls``/``tool_call_id`` kept).
-- ``group_overrides``: ``{"group_size": n}`` so a group shortened by ``keep-ok`` still passes
-  Atropos' group-size check.
-- ``generation_params``: the sampling parameters of the group's first sample.
-- ``et_hpc``: not part of Atropos (consumers ignore it): the ``group_id``, task, policy
-  version, samples and episode ids.
-
-Atropos drops groups whose scores are all equal (``ensure_scores_are_not_same``); the Atropos
-export does the same by default (``drop_zero_variance=True``; the CLI's ``--keep-equal-scores``).
-
-**SkyRL / verl** (``export_skyrl``): one row per episode. The token columns are those of SkyRL's
-``GeneratorOutput`` (NovaSky-AI/SkyRL ``skyrl/train/generators/base.py`` at 73251e1;
-``skyrl-train/skyrl_train/generators/base.py`` in older trees), one row being one index of its
-batch lists, so ``pandas.read_parquet(f)[cols].to_dict("list")`` is a ``GeneratorOutput``:
-
-========================  =================================================================
-``prompt_token_ids``      list<int32>: the first prompt's tokens (chat template included)
-``response_ids``          list<int32>: everything after it, completions and tool-output tokens
-``loss_masks``            list<int8>: 1 on completion tokens, 0 on tool-output/template tokens
-                          (as SkyRL's ``TurnOutput.get_turn_loss_mask``)
-``rollout_logprobs``      list<float32>: completion logprobs, 0.0 on tool-output tokens (as
-                          ``TurnOutput.get_turn_rollout_logprobs``); null without logprobs
-``rewards``               float64: the episode reward (``GeneratorOutput.rewards``' scalar form)
-``trajectory_ids``        struct{instance_id, repetition_id} (``TrajectoryID``): the group
-                          (its ``group_id``; legacy rows ``task_id[@policy_version]``) and the
-                          sample
-``stop_reasons``          string: why the agent stopped
-========================  =================================================================
-
-``generator_output(path)`` reads a file back as a complete ``GeneratorOutput`` of SkyRL 0.4.0
-(``skyrl/train/generators/base.py`` of the ``skyrl`` 0.4.0 wheel): every key of the TypedDict,
-``None`` for those et-hpc has no data for, ``trajectory_ids`` as ``TrajectoryID`` objects
-(SkyRL's own class when ``skyrl`` is importable, else a dataclass with the same fields and
-``to_string``). The dataset-style columns
-stay: ``data_source`` ("endless", as upstream ``prepare_endless.py``), ``prompt``/``messages``
-(list<struct{role, content}>), ``env_class``, ``ability``, ``reward``, ``reward_spec``,
-``reward_model``, ``extra_info`` (task_id, sample, group_id, episode_id, run_name, split, turns,
-stop_reason, passed, total, model, policy_kind, policy_version). Message ``content`` that is not a
-string is stored as its JSON text (``None`` stays null); other message keys are dropped.
+Exported: the ``ok`` episodes of the groups ``RunStore.select`` keeps (``on_error`` masks a group
+with an error member, or keeps its ok members; ``drop_zero_variance``). Guarantees: error
+episodes are never exported; no export holds an empty or drifted token list (such a group is
+left out whole, ``dropped_no_tokens``); every Atropos line validates against atroposlib's
+``ScoredDataGroup`` (``validate_atropos_group``); ``generator_output`` reads a SkyRL file back as
+a complete ``GeneratorOutput``. Every export returns an ``ExportResult`` with the counts. Keys,
+columns and the upstream versions they follow: docs/exports.md; groups: docs/store.md.
 """
 
 from __future__ import annotations

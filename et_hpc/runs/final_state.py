@@ -1,25 +1,12 @@
 """Kept final states: what an agent changed, archived beside its run for rescoring.
 
-An episode's writable layer is a sparse ext3 image on node-local scratch (et_hpc.sandbox.sandbox):
-``upper/`` holds every file the agent created or changed, and fuse-overlayfs's whiteouts
-(``.wh.NAME``) and opaque markers for what it deleted; ``work/`` is the overlay's scratch. With
-``sandbox.keep_final_state`` the image is archived once the instance has stopped (its FUSE daemons
-have exited and flushed it) and before it is deleted, from the host and without root: GNU tar
-reads the image's data extents only (``--sparse``: the holes of a 512 MiB image are skipped) and
-zlib compresses them. The archive holds one member, ``overlay.img``, and is stored under its
-own sha256 in ``<run_dir>/final-state/<hex>.tar.gz`` (content-addressed: the same state twice is one
-file, a changed byte a different name, and readers check the digest). Keeping the whole image,
-rather than a copy of ``upper/``, keeps whiteouts, opaque directories, modes, owners, xattrs and
-timestamps exactly as the live scoring saw them, and needs no FUSE mount or root to make or use.
-
-The record's ``final_state`` says what happened: ``"sha256:<hex>"`` (kept), ``"not kept: <why>"``
-(asked for, but larger than ``sandbox.final_state_mb`` compressed, or it failed: never the
-episode's failure), or null (not asked for). Tools to look inside a kept state without a
-container: ``tar -xzf <hex>.tar.gz`` then ``debugfs -R 'ls -l /upper/home/user' overlay.img``.
-
-What it does not hold: files apptainer binds per instance (``/etc/passwd``, ``/etc/group``,
-``/etc/hosts``, ``/etc/resolv.conf``), tmpfs mounts (``/tmp`` and ``/dev/shm`` under
-``--containall``), and nothing with ``sandbox.writable_tmpfs`` (there is no image to keep).
+With ``sandbox.keep_final_state`` an episode's sparse overlay image is archived from the host,
+without root, after the instance stopped and before it is deleted, as
+``<run_dir>/final-state/<sha256>.tar.gz`` (content-addressed; readers check the digest). The
+record's ``final_state`` is ``sha256:<hex>``, ``not kept: <why>`` (too large, or failed: never
+the episode's failure) or null. Also offers reading a kept state back (``kept_tests``,
+``check_start``: what a start would run, read with ``debugfs``, no mount). Format, what it does
+not hold, how to look inside: docs/rescore.md; its security: SECURITY.md.
 """
 
 from __future__ import annotations

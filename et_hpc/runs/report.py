@@ -1,19 +1,11 @@
 """``et-hpc report``: the trend of pass rate over a series of runs (e.g. nightly checkpoint scores).
 
-For every run in a store whose name matches a glob, ordered by time, one row: episodes, ok,
-errors, pass rate with a 95% Wilson interval, mean reward, mean passed/total, and the change in
-pass rate against the previous run with a 95% Newcombe interval (so noise can be told from a real
-change). Between the last two runs it lists the tasks newly solved and newly failed. Output is a
-plain table, JSON (``--json``) or one self-contained HTML file (``-o``) with an inline SVG chart.
-
-Counting follows the store: one record per unit ``(task_id, sample)``; only ``ok`` episodes are
-scored (errors are counted apart, never as failures); an episode passes when its reward is 1.
-A task is *solved* in a run when at least one of its ok samples passed.
-
-A capacity section follows (``et_hpc.runs.capacity``, over every episode a run recorded, retries
-included): per run episodes/hour, model-time share of episode wall time, infra overhead per
-episode (setup + scoring + teardown + queue) median/p95, sandbox peak memory median/p95/max, and
-accepted episodes per GPU-hour where the GPU time is known.
+For every run of a store whose name matches a glob, by time: episodes, errors, pass rate with a
+95% Wilson interval, mean reward and passed/total, the change against the previous run with a
+95% Newcombe interval, the tasks newly solved and failed between the last two runs, and a
+capacity section (``et_hpc.runs.capacity``). Counting follows the store: one record per unit,
+only ``ok`` episodes are scored, errors are counted apart (never as failures). Output: a table,
+JSON or one self-contained HTML file with an inline SVG chart. Details: docs/reports.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """``et-hpc view``: a static, self-contained site to read what the agents did in one or more runs.
 
-The site is one HTML page (``index.html``, the page and its script, ``viewer.html`` beside this
-module) plus data files it loads with ``<script>`` tags, so it opens from ``file://`` (where
-``fetch()`` is refused), from any web space, or through ``--serve``; it needs no network::
-
-    OUT/index.html              the viewer; the list of runs is written into it
-    OUT/data/r0.js              run 0: one compact row per episode (deduped, as RunStore.read())
-    OUT/data/r0/c0.js ...       run 0's episode details (transcript, tests, tokens) in chunks,
-                                loaded only when an episode is opened
-
-Data files are JavaScript calls (``ETV.run(...)``, ``ETV.chunk(...)``) with JSON arguments. The
-page never parses agent data as HTML: every string an episode holds reaches the page as a text
-node (``textContent``), so output with HTML, scripts or escape sequences stays inert text.
+Writes ``OUT/index.html`` (the page of ``viewer.html`` beside this module, with the list of runs)
+and ``OUT/data/`` (per run, one compact row per deduped episode and the details in chunks loaded
+on demand) as JavaScript calls, so the site opens from ``file://``, any web space or
+``--serve`` with no network. Guarantees: the page never parses agent data as HTML (every string
+reaches it as a text node), so an episode's output stays inert text. Layout: docs/reports.md.
 """
 
 from __future__ import annotations

@@ -1,32 +1,13 @@
 """Sandboxes started ahead of their episodes, so that setup leaves the critical path.
 
-Everything of an episode's setup that does not depend on the episode itself (the node-local image
-lease, the overlay copy, ``apptainer instance start``, the first shell with its one-time
-preparation and ulimits, ``umask``, the watchdog's helper, not yet polling) is one ``Ready``, made by ``start_ready(spec)``. An episode
-without a pool makes its ``Ready`` inline; a ``WarmPool`` makes up to ``size`` of them ahead, in
-background threads, for the units its owner says will run next.
-
-Contract:
-
-- ``want(source, specs)``: ``source`` (any key: the runner's queue, one worker slot) will next
-  need sandboxes of ``specs``, in order. The pool keeps at most ``size`` sandboxes started or
-  starting, for the first specs of all sources (taken in turn); a ready one nobody wants any more
-  is stopped when its place is needed.
-- ``reserve(spec)`` takes a ready (else a starting) sandbox of ``spec`` out of the pool and
-  returns a ``Ticket`` (``None``: none there; the episode starts its own). ``Ticket.take()`` waits
-  for the start, then checks the sandbox from the host (``Sandbox.health()`` and the shell's
-  process): a live one is handed out and belongs to the episode from then on (it stops it); a dead
-  one is stopped, its overlay removed, and ``take()`` returns ``None`` (the episode starts a fresh
-  one inline). ``Ticket.discard()`` stops a reserved sandbox that was not handed out.
-- A sandbox is handed out at most once: an entry leaves the pool when reserved, and a ticket
-  hands out at most once.
-- ``Ticket.retire(readies)``: a finished episode hands its sandboxes back, and the pool stops them
-  in the background, so teardown leaves the critical path too.
-- ``close()`` (also when the run's ``stop`` event is set, and at interpreter exit) stops every
-  sandbox not handed out, including those still starting, and waits for retired ones to stop. Warm sandboxes are ordinary
-  ``Sandbox`` objects: they have registry files, so ``et-hpc reap`` removes them after a SIGKILL.
-- A start that fails pauses warming for a while (2, 4, ... up to 60 s), so a broken image does
-  not keep the node busy; the episodes then start inline and record the error themselves.
+``start_ready(spec)`` makes one ``Ready`` (image lease, overlay, instance, first shell, watchdog
+helper); a ``WarmPool`` of ``size`` makes them ahead in background threads for the specs its
+owners ``want``. ``reserve`` gives a ``Ticket``; ``Ticket.take()`` hands out a sandbox only if a
+host-side health check passes (else ``None``: the episode starts its own inline). Guarantees: a
+sandbox is handed out at most once; ``close()`` (also on the run's ``stop`` event and at exit)
+stops every sandbox not handed out; retired sandboxes stop in the background; failing starts
+back off (2 s up to 60 s). Warm sandboxes have registry files, so ``et-hpc reap`` removes them.
+The full contract: docs/sandbox.md.
 """
 
 from __future__ import annotations

@@ -1,36 +1,13 @@
 """A per-episode memory and process watchdog that works without cgroups.
 
-``Watchdog(sandbox, memory_mb=..., max_pids=...)`` is a context manager running one thread that,
-every ``interval_s`` (default 0.25 s):
-
-1. finds the instance's processes (``procfs.instance_processes``): host pids whose ``/proc/X/ns/pid`` is
-   the PID namespace of the instance's init (``sandbox.init_pid`` when set, else
-   ``instance_init_pid(name)`` from ``apptainer instance list --json NAME``) and all their
-   descendants, so nested PID namespaces count too; init itself excluded;
-2. sums their memory: PSS from ``/proc/X/smaps_rollup`` (RSS from ``statm`` where that is not
-   readable) and adds the RAM held by the instance's own tmpfs mounts, which no process's RSS
-   shows: with ``--containall`` apptainer gives the instance an unlimited tmpfs on ``/dev/shm``
-   (half the node's RAM) and a session tmpfs for ``/tmp``, ``/var/tmp`` and ``/dev``
-   (``sessiondir max size``, 64 MiB). The root is a FUSE mount the host cannot traverse, so a
-   small helper process (host Python, started once per watchdog) enters the instance's user and
-   mount (and IPC) namespaces and answers ``statvfs`` queries over a pipe. Also counted, held
-   outside any process's RSS: memfd and tmpfs files only open fds keep (``/proc/X/fd``), tmpfs
-   mounted in nested mount namespaces (``statvfs`` through ``/proc/X/root``, by the helper) and
-   SysV shared memory segments no process has attached;
-3. at ``memory_mb`` (processes + tmpfs) or ``max_pids`` processes it SIGKILLs the instance's
-   processes from the host (through pidfds, checked by start time): first all but init
-   and the ``protect()``-ed pids (the agent's persistent shell, so the command that blew up returns
-   "killed" and the shell lives); when that is not enough, ``/dev/shm`` is emptied (the agent's
-   files there are gone), unattached SysV segments are removed, and then the protected pids are
-   killed too. Each trip appends one line to
-   ``events`` (e.g. ``memory ceiling 2048 MB reached (2101 MB) during the agent's commands:
-   killed 37 processes``); ``on_event(note)`` is called just before the kill with a short
-   bracketed note (``Shell.add_note`` puts it in the killed command's result).
-
-A trip is the agent's doing: callers record the episode normally (status ok) with the event.
-The watchdog never raises into its caller: a failing poll is logged and retried; a helper that
-cannot enter the namespaces (a site that forbids it) leaves tmpfs unmeasured (``tmpfs_ok`` False).
-``phase`` names what runs now ("the agent's commands", "the final tests") for the event text.
+``Watchdog(sandbox, memory_mb=..., max_pids=...)`` is a context manager running one thread that
+polls the instance's processes (nested PID namespaces included) every ``interval_s``, sums their
+PSS and the memory no process shows (``et_hpc.sandbox.hidden_memory``), and at either ceiling
+SIGKILLs them from the host through pidfds: all but init and the ``protect()``-ed shell first,
+then ``/dev/shm`` and SysV segments, then the shell. Each trip is one line in ``events``, and
+``on_event`` gets a note before the kill. A trip is the agent's doing (status ok). It never raises
+once started: a failed poll is logged and retried; an unmeasurable tmpfs leaves ``tmpfs_ok``
+False. Limits and what is counted: SECURITY.md ("Limits"); the API in full: docs/sandbox.md.
 """
 
 from __future__ import annotations
