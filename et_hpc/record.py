@@ -247,7 +247,7 @@ class EpisodeRecord(BaseModel):
 
     @property
     def has_tokens(self) -> bool:
-        """True when the token accounting is complete enough for a trainer (see module doc).
+        """True when the token accounting is complete enough for a trainer (docs/store.md, "Token ids").
 
         An episode whose ids drift from the server's tokenization (``token_drift``) has no
         sequence a trainer can use as one: exports then fall back to its messages.

@@ -73,7 +73,7 @@ def _slurm_ids() -> tuple[str | None, int | None]:
 
 def rescore_unit(task: RescoreTask, sample: int, cfg: RunConfig, image: Any,
                  stop: threading.Event | None = None) -> EpisodeRecord:
-    """The unit runner of a rescore (see the module doc). Never raises for infrastructure trouble:
+    """The unit runner of a rescore (docs/rescore.md). Never raises for infrastructure trouble:
     a missing or damaged kept state, a sandbox that will not start or scoring that breaks become a
     record with an error status and reward None."""
     stop = stop or threading.Event()
@@ -370,7 +370,7 @@ def _write_plan(plan: Plan, src_dir: Path, usable: list[str], new_tests: dict[st
 def plan_rescore(source: str, *, tests: Path | None = None, task_source: str | None = None,
                  run_name: str | None = None, store: Path | None = None, overrides: list | None = None,
                  image_lookup: Any = None, write: bool = True) -> Plan:
-    """The plan of a rescore of ``source`` (see the module doc). ``UserError`` (one line) for a
+    """The plan of a rescore of ``source`` (docs/rescore.md). ``UserError`` (one line) for a
     missing run, a run without kept states, tests that are missing or not valid Python."""
     from et_hpc.paths import find_run_dir
 

@@ -129,7 +129,7 @@ class _Entry:
 
 
 class Ticket:
-    """One reserved warm sandbox (see the module docstring)."""
+    """One reserved warm sandbox (its contract: docs/sandbox.md)."""
 
     def __init__(self, pool: WarmPool, entry: _Entry) -> None:
         self._pool, self._entry = pool, entry
@@ -180,7 +180,7 @@ class Ticket:
 
 
 class WarmPool:
-    """Up to ``size`` sandboxes started ahead for the specs sources ``want`` (module docstring)."""
+    """Up to ``size`` sandboxes started ahead for the specs sources ``want`` (docs/sandbox.md)."""
 
     def __init__(self, size: int, *, stop: threading.Event | None = None, starter: Any = start_ready) -> None:
         self.size = max(0, int(size))

@@ -49,7 +49,7 @@ def instance_init_pid(name: str) -> int:
 
 
 class Watchdog:
-    """See the module docstring. ``memory_mb``/``max_pids`` of None switch that check off."""
+    """See the module docstring and docs/sandbox.md. ``memory_mb``/``max_pids`` of None switch that check off."""
 
     def __init__(
         self,
