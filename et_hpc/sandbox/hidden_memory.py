@@ -303,6 +303,30 @@ def nested_tmpfs(probe: TmpfsProbe, own_mnt: str | None, pids: list[int], counte
                 out[f"{mp} (nested mount namespace of pid {pid})"] = used
     return out
 
+def _open_file(pid: int, fd: str) -> tuple[str, os.stat_result] | None:
+    """The path and stat of a regular file behind ``pid``'s ``fd`` (not /dev, /proc), or None."""
+    try:
+        link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        if not link.startswith("/") or link.startswith(("/dev/null", "/dev/pts/", "/proc/")):
+            return None
+        st = os.stat(f"/proc/{pid}/fd/{fd}")
+    except OSError:
+        return None
+    return (link, st) if stat_is_reg(st.st_mode) else None
+
+
+def _on_tmpfs(pid: int, fd: str, st: os.stat_result, mounts: dict[int, dict[int, tuple[str, str, str]] | None]) -> bool:
+    """The file behind ``fd`` is on a tmpfs, or on a mount no namespace shows any more (a tmpfs
+    whose namespace is gone lives on while a file of it is open); ``mounts`` caches mountinfo."""
+    if pid not in mounts:
+        mounts[pid] = _mountinfo(pid)
+    mid = _fd_mount_id(pid, fd)
+    entry = (mounts[pid] or {}).get(mid) if mid is not None else None
+    if entry is not None:
+        return entry[2] == "tmpfs"
+    return os.major(st.st_dev) == 0
+
+
 def held_files(pids: list[int], counted: set[str]) -> tuple[int, int]:
     """Bytes of memfd and tmpfs files that open fds keep and no measured mount counts (an
     unlinked /dev/shm file counts there; a memfd or a file of an unmounted tmpfs nowhere
@@ -316,34 +340,15 @@ def held_files(pids: list[int], counted: set[str]) -> tuple[int, int]:
         except OSError:
             continue
         for fd in fds:
-            try:
-                link = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
+            found = _open_file(pid, fd)
+            if found is None:
                 continue
-            if not link.startswith("/") or link.startswith(("/dev/null", "/dev/pts/", "/proc/")):
+            link, st = found
+            if _dev(st) in counted or (st.st_dev, st.st_ino) in files:
                 continue
-            try:
-                st = os.stat(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if not stat_is_reg(st.st_mode) or _dev(st) in counted or (st.st_dev, st.st_ino) in files:
-                continue
-            if not link.startswith("/memfd:"):
-                if pid not in mounts:
-                    mounts[pid] = _mountinfo(pid)
-                mid = _fd_mount_id(pid, fd)
-                entry = (mounts[pid] or {}).get(mid) if mid is not None else None
-                # on a tmpfs, or on a mount no namespace shows any more (a tmpfs whose
-                # namespace is gone lives on while a file of it is open)
-                if entry is not None and entry[2] != "tmpfs":
-                    continue
-                if entry is None and os.major(st.st_dev) != 0:
-                    continue
-            files[(st.st_dev, st.st_ino)] = st.st_blocks * 512
+            if link.startswith("/memfd:") or _on_tmpfs(pid, fd, st, mounts):
+                files[(st.st_dev, st.st_ino)] = st.st_blocks * 512
     if not files:
         return 0, 0
-    shmem_kb = 0
-    for pid in pids:
-        if _maps_any(pid, files):
-            shmem_kb += _pss_shmem_kb(pid)
+    shmem_kb = sum(_pss_shmem_kb(pid) for pid in pids if _maps_any(pid, files))
     return sum(files.values()), shmem_kb
