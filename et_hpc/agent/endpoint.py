@@ -2,13 +2,14 @@
 
 The endpoint file (JSON on the shared filesystem, written by ``slurm/vllm.sbatch`` or
 ``python -m et_hpc.scripted_server --endpoint-file``) holds ``{"host", "port", "base_url", "model",
-"api_key", "model_version", "job_id", "started_at", "written_at"}``. It is written atomically
+"api_key", "model_version", "served_model", "job_id", "started_at", "written_at"}``. It is written atomically
 (temp file + rename) with mode 0600 in a directory the user owns; ``read_endpoint_file`` refuses a
 file that carries a key and is readable by group or others, or belongs to someone else (one line:
 which file and the ``chmod``), because anyone who can read the key can use our server.
 
 ``model_version`` names what the server currently serves (checkpoint path plus step, or a content
-hash); the server republishes the file when it switches checkpoints. ``EndpointWatch`` re-reads the
+hash); the server republishes the file when it switches checkpoints. ``served_model`` (optional; older
+files lack it) is the versioned alias the server also answers to, whose weights are ``model_version``. ``EndpointWatch`` re-reads the
 file only when its inode, size or mtime changed, so asking for the current version every turn
 costs one ``stat``.
 
@@ -64,6 +65,7 @@ class Endpoint(BaseModel):
     model: str | None = None
     job_id: str | None = None
     model_version: str | None = None
+    served_model: str | None = None  # the versioned alias (et_hpc.agent.served)
     api_key: str | None = Field(default=None, exclude=True, repr=False)
 
 
@@ -76,6 +78,7 @@ def endpoint_record(
     api_key: str | None = None,
     model_version: str | None = None,
     started_at: str | None = None,
+    served_model: str | None = None,
 ) -> dict:
     """The endpoint file's content, as every writer must produce it."""
     now = time.strftime("%Y-%m-%dT%H:%M:%S%z")
@@ -86,6 +89,7 @@ def endpoint_record(
         "model": model,
         "api_key": api_key,
         "model_version": model_version,
+        "served_model": served_model,
         "job_id": job_id,
         "started_at": started_at or now,
         "written_at": now,
@@ -248,7 +252,7 @@ def resolve_endpoint(
                 rec: dict[str, Any] = record or {}
                 job, version = rec.get("job_id"), rec.get("model_version")
                 return Endpoint(base_url=url, model=rec.get("model") or model,
-                                job_id=None if job is None else str(job),
+                                job_id=None if job is None else str(job), served_model=rec.get("served_model"),
                                 model_version=None if version is None else str(version), api_key=key)
         if time.monotonic() + poll_s > deadline:
             break
