@@ -181,6 +181,7 @@ def test_trainer_versions_cross_per_episode_and_the_first_publish_counts() -> No
     a, b = w._tag(rec(0, 100.0, 140.0), unit, fl), w._tag(rec(1, 140.0, 200.0), unit, fl)
     assert (a.policy_version, a.policy_versions, a.crossed_version) == ("1", ["1"], False)
     assert (b.policy_version, b.policy_versions, b.crossed_version) == ("1", ["1", "2"], True)
+    assert b.version_source == "trainer"
     assert a.group_id == b.group_id == "t@e0"
     # no version when the unit started; the trainer's first publish lands during the episode
     fl = _InFlight(lease=lease, start_version=None, published=[(1, 120.0)])
