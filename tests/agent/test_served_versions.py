@@ -102,3 +102,26 @@ def test_an_answer_names_its_alias_even_when_the_plain_name_was_asked(tmp_path: 
         assert policy.turn_versions == [(B, B)] and policy.version_sources == ["response"]
         assert srv.log[-1]["served"] == "reply"
         policy.close()
+
+
+def test_a_replica_switch_is_followed_the_same_way(tmp_path: Path) -> None:
+    """policy.endpoint_dir: the replica's own file names the alias; the raced turn names B."""
+    from et_hpc.agent.replicas import ReplicaSet
+
+    srv = ScriptedServer({"hi": ["<command>ls</command>"] * 2}, model="policy", served_names=[f"policy@{A}", "policy"])
+    ep = tmp_path / "replicas" / "job1.json"
+    with srv:
+        srv.write_endpoint_file(ep, job_id="job1", model_version=A, served_model=f"policy@{A}")
+
+        def switch(req: dict) -> None:
+            if any(m.get("role") == "assistant" for m in req.get("messages") or []) and srv.served_names[0] != f"policy@{B}":
+                srv.serve([f"policy@{B}", "policy"])
+                srv.write_endpoint_file(ep, job_id="job1", model_version=B, served_model=f"policy@{B}")
+
+        srv.on_request = switch
+        policy = OpenAIPolicy(None, "policy", replicas=ReplicaSet(ep.parent), mode="text")
+        action = policy.act(list(MESSAGES))
+        policy.act([*MESSAGES, action.message, {"role": "user", "content": "ok"}])
+        assert policy.turn_versions == [(A, A), (B, B)] and policy.version_sources == ["response"] * 2
+        assert policy.retries == 0 and any(e.startswith("version switch: ") for e in policy.events)
+        policy.close()
