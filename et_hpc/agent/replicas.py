@@ -161,7 +161,7 @@ class ReplicaSet:
         job, version = data.get("job_id"), data.get("model_version")
         fields = dict(base_url=str(data["base_url"]).rstrip("/"), model=data.get("model"),
                       model_version=None if version is None else str(version),
-                      served_model=data.get("served_model") or None,
+                      served_model=data["served_model"] if isinstance(data.get("served_model"), str) else None,
                       job_id=None if job is None else str(job),
                       api_key=resolve_api_key(self._api_key, self._api_key_env, data))
         if rep is None:

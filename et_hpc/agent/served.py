@@ -33,9 +33,9 @@ class ServedVersions:
         """Take in an endpoint record (the file's, or a replica's fields)."""
         if rec is None:
             return
-        alias, version = rec.get("served_model"), rec.get("model_version")
-        self.plain = rec.get("model") or self.plain
-        if alias and version is not None:
+        alias, version, plain = rec.get("served_model"), rec.get("model_version"), rec.get("model")
+        self.plain = plain if isinstance(plain, str) and plain else self.plain
+        if isinstance(alias, str) and alias and version is not None:
             self.versions[str(alias)] = str(version)
             self.current = str(alias)
         else:

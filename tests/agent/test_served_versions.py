@@ -125,3 +125,15 @@ def test_a_replica_switch_is_followed_the_same_way(tmp_path: Path) -> None:
         assert policy.turn_versions == [(A, A), (B, B)] and policy.version_sources == ["response"] * 2
         assert policy.retries == 0 and any(e.startswith("version switch: ") for e in policy.events)
         policy.close()
+
+
+def test_odd_endpoint_records_fall_back_to_endpoint_timing() -> None:
+    from et_hpc.agent.served import ServedVersions
+
+    sv = ServedVersions()
+    for rec in ({"model": ["x"], "served_model": {"a": 1}, "model_version": "v"}, {"served_model": "m@v"}, None):
+        sv.learn(rec)
+        assert sv.request_name("m") == "m" and sv.label("m@v", lambda: None) is None
+    sv.learn({"model": "m", "served_model": "m@v", "model_version": "v"})
+    assert sv.request_name("m") == "m@v" and sv.label("m@v", lambda: None) == "v"
+    assert sv.request_name("other") == "other" and sv.sent is None  # another model: not this alias
