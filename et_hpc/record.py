@@ -19,7 +19,7 @@ from typing import Any, Literal, get_args
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-SCHEMA_VERSION = 4  # 4: group_id names the sampled group (et_hpc.runs.store.groups_of)
+SCHEMA_VERSION = 5  # 4: group_id names the sampled group (et_hpc.runs.store.groups_of); 5: version_source
 SOLVED_REWARD = 1.0 - 1e-9  # Endless Terminals rewards are 0/1: an episode is solved at full reward
 
 
@@ -108,6 +108,8 @@ EPISODE_SCHEMA = pa.schema(
         ("tests_digest", pa.string()),
         ("rescored_from", pa.string()),
         ("turn_s", pa.list_(pa.list_(pa.float32()))),
+        # version 5
+        ("version_source", pa.string()),
     ],
     metadata={b"et_hpc.schema_version": str(SCHEMA_VERSION).encode()},
 )
@@ -217,6 +219,9 @@ class EpisodeRecord(BaseModel):
     tests_digest: str | None = None  # rescored: "sha256:<hex>" of the final test file that scored it
     rescored_from: str | None = None  # rescored: "<source run>/<episode_id>" of the episode it regrades
     turn_s: list[list[float]] | None = None  # per turn: [seconds waiting for the model, seconds of its command]
+    # version 5: where policy_version(s) came from: "response" (the server's versioned alias in each
+    # answer), "endpoint" (the endpoint file around each request), "mixed", or "trainer" (version.json)
+    version_source: str | None = None
 
     def with_queue(self, ready_at: float | None) -> EpisodeRecord:
         """This record with ``timings.queue_s`` = its start minus ``ready_at`` (a Unix time: when

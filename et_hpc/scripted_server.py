@@ -32,6 +32,11 @@ carries the key, mode 0600. Usage:
     python -m et_hpc.scripted_server --script s.json --port 0 --endpoint-file ep.json
     python -m et_hpc.scripted_server --script s.json --port 0 --endpoint-dir replicas/   # one of many
 
+``served_names`` (``--served-model-name A B``, as vLLM's) makes it serve only those names: a request
+for another answers 404 ``NotFoundError`` "The model `X` does not exist." and every answer names
+the first (vLLM's ``model_name()``: the first served name); ``serve(names)`` or ``POST /admin/serve
+{"names": [...]}`` switches them (new weights), and ``on_request(req)`` runs before each chat or
+completion request is checked (a test's switch racing a request).
 ``--endpoint-dir DIR`` writes ``DIR/<$SLURM_JOB_ID or scripted-PORT>.json`` instead, as
 ``slurm/vllm.sbatch --endpoint-dir`` does, so several servers can serve one run (``policy.endpoint_dir``).
 """
@@ -148,7 +153,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _refused(self, path: str) -> bool:
         key = self.server.owner.api_key
-        if key and path.startswith("/v1") and self.headers.get("Authorization") != f"Bearer {key}":
+        if key and path.startswith(("/v1", "/admin")) and self.headers.get("Authorization") != f"Bearer {key}":
             self.server.owner._count("401")
             self._send(401, {"error": "Unauthorized"})
             return True
@@ -162,8 +167,8 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if path in ("/v1/models", "/models"):
             self._send(200, {"object": "list", "data": [{
-                "id": srv.model, "object": "model", "created": int(srv.started), "owned_by": "et-hpc",
-                "max_model_len": srv.max_model_len}]})
+                "id": name, "object": "model", "created": int(srv.started), "owned_by": "et-hpc",
+                "max_model_len": srv.max_model_len} for name in (srv.served_names or [srv.model])]})
         elif path in ("/health", "/v1/health"):
             self._send(200, {})
         else:
@@ -183,6 +188,15 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if path in ("/tokenize", "/v1/tokenize", "/detokenize", "/v1/detokenize") and srv.tokenize_endpoint:
             srv._tokenize(self, req, path.endswith("/detokenize"))
+            return
+        if path == "/admin/serve" and isinstance(req.get("names"), list) and req["names"]:
+            srv.serve([str(n) for n in req["names"]])
+            self._send(200, {"names": srv.served_names})
+            return
+        if srv.on_request is not None and "completions" in path:
+            srv.on_request(req)
+        if "completions" in path and srv.served_names and req.get("model") not in srv.served_names:
+            self._error(404, f"The model `{req.get('model')}` does not exist.", "NotFoundError")
             return
         if path in ("/v1/completions", "/completions"):
             srv._completions(self, req)
@@ -213,7 +227,10 @@ class ScriptedServer:
         return_token_ids: bool = True,
         tokenize_endpoint: bool = True,
         api_key: str | None = None,
+        served_names: list[str] | None = None,
     ):
+        self.served_names = list(served_names) if served_names else None  # None: any name, echoed
+        self.on_request: Any = None  # called with each chat/completion request before it is checked
         self.api_key = api_key  # like vllm serve --api-key: /v1/* answer 401 without "Bearer KEY"
         self.log_requests = False  # print "served chat turn=N" on stdout after each reply
         self.script = {k: _split_turns(v) for k, v in load_script(script).items()}
@@ -261,12 +278,17 @@ class ScriptedServer:
     def __exit__(self, *exc: Any) -> None:
         self.stop()
 
-    def write_endpoint_file(self, path: Path, job_id: str | None = None, model_version: str | None = None) -> dict:
+    def serve(self, names: list[str]) -> None:
+        """Serve these names from now on (the first is the one answers name)."""
+        self.served_names = list(names)
+
+    def write_endpoint_file(self, path: Path, job_id: str | None = None, model_version: str | None = None,
+                            served_model: str | None = None) -> dict:
         """Write the same endpoint file as ``slurm/vllm.sbatch`` (mode 0600, with the key)."""
         from et_hpc.agent.endpoint import endpoint_record, write_endpoint_file
 
         rec = endpoint_record(HOST, self.port, self.model, job_id, api_key=self.api_key,
-                              model_version=model_version)
+                              model_version=model_version, served_model=served_model)
         write_endpoint_file(Path(path), rec)
         return rec
 
@@ -356,7 +378,7 @@ class ScriptedServer:
             choice["token_ids"] = out
             choice["prompt_token_ids"] = ids
         h._send(200, {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                      "model": req.get("model") or self.model, "choices": [choice], "usage": usage})
+                      "model": (self.served_names or [req.get("model") or self.model])[0], "choices": [choice], "usage": usage})
 
     def _context_error(self, h: _Handler, prompt_tokens: int, req: dict) -> None:
         want = prompt_tokens + int(req.get("max_tokens") or req.get("max_completion_tokens") or 0)
@@ -443,7 +465,7 @@ class ScriptedServer:
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",
             "created": int(time.time()),
-            "model": req.get("model") or self.model,
+            "model": (self.served_names or [req.get("model") or self.model])[0],
             "choices": [choice],
             "usage": usage,
             "prompt_logprobs": None,
@@ -507,6 +529,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--script", required=True, type=Path, help="JSON or YAML script file")
     p.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (0: any free port)")
     p.add_argument("--model", default="scripted", help="model name to report (default: scripted)")
+    p.add_argument("--served-model-name", nargs="+", help="serve only these names (as vLLM's); answers name the first")
     p.add_argument("--max-model-len", type=int, default=32768, help="context length to enforce")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--endpoint-file", type=Path, help="write the endpoint JSON here (as slurm/vllm.sbatch does)")
@@ -525,7 +548,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         srv = ScriptedServer(args.script, port=args.port, model=args.model, max_model_len=args.max_model_len,
                              return_token_ids=not args.old_vllm, tokenize_endpoint=not args.no_tokenize,
-                             api_key=args.api_key or os.environ.get("VLLM_API_KEY") or None)
+                             api_key=args.api_key or os.environ.get("VLLM_API_KEY") or None,
+                             served_names=args.served_model_name)
     except UserError as e:
         print(f"scripted_server: error: {e}", file=sys.stderr)
         return 2

@@ -35,6 +35,12 @@ def _get(url: str, key: str | None) -> int:
         return e.code
 
 
+def _body(url: str, key: str) -> bytes:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return r.read()
+
+
 def _answers(url: str, key: str) -> bool:
     try:
         return _get(url, key) == 200
@@ -52,9 +58,10 @@ def test_vllm_script_writes_and_removes_endpoint(tmp_path: Path) -> None:
     try:
         wait_for(ep.exists, proc, "the endpoint file")
         data = json.loads(ep.read_text())
-        assert set(data) == {"host", "port", "base_url", "model", "api_key", "model_version", "job_id",
+        assert set(data) == {"host", "port", "base_url", "model", "api_key", "model_version", "served_model", "job_id",
                              "started_at", "written_at"}
         assert data["model"] == "my-model" and data["job_id"] == "4242" and data["model_version"] == "my-model"
+        assert data["served_model"] is None  # one set of weights for the job's life: no versioned alias
         assert data["base_url"] == f"http://{data['host']}:{data['port']}/v1"
         assert ep.stat().st_mode & 0o777 == 0o600 and ep.parent.stat().st_mode & 0o777 == 0o700
         key = data["api_key"]
@@ -108,6 +115,12 @@ def test_vllm_script_switches_checkpoints(tmp_path: Path, switch: str) -> None:
         wait_for(ep.exists, proc, "the endpoint file")
         first = json.loads(ep.read_text())
         assert first["model"] == "policy" and first["model_version"] == f"{ckpts}/step-10@step-10"
+        # restart serves the weights' own alias first (answers name it); reload keeps its names: none
+        alias = f"policy@{ckpts}/step-10@step-10" if switch == "restart" else None
+        assert first["served_model"] == alias
+        names = [m["id"] for m in json.loads(_body(f"http://127.0.0.1:{first['port']}/v1/models",
+                                                    first["api_key"]))["data"]]
+        assert names == ([alias] if alias else []) + ["policy"]
         tmp = ckpts / ".latest.tmp"  # the trainer's atomic pointer update
         tmp.write_text("step-20\n")
         tmp.rename(ckpts / "latest")
@@ -116,6 +129,7 @@ def test_vllm_script_switches_checkpoints(tmp_path: Path, switch: str) -> None:
                  "the republished endpoint")  # reload publishes "switching OLD -> NEW" first
         second = json.loads(ep.read_text())
         assert second["model_version"].startswith(f"{ckpts}/step-20@files-")  # no step: a listing hash
+        assert second["served_model"] == (f"policy@{second['model_version']}" if switch == "restart" else None)
         assert second["port"] == first["port"] and second["api_key"] == first["api_key"]
         assert ep.stat().st_mode & 0o777 == 0o600
         # restart publishes the new version before the new server answers (clients retry meanwhile)

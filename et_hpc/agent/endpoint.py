@@ -56,6 +56,7 @@ class Endpoint(BaseModel):
     model: str | None = None
     job_id: str | None = None
     model_version: str | None = None
+    served_model: str | None = None  # the versioned alias (et_hpc.agent.served)
     api_key: str | None = Field(default=None, exclude=True, repr=False)
 
 
@@ -68,6 +69,7 @@ def endpoint_record(
     api_key: str | None = None,
     model_version: str | None = None,
     started_at: str | None = None,
+    served_model: str | None = None,
 ) -> dict:
     """The endpoint file's content, as every writer must produce it."""
     now = time.strftime("%Y-%m-%dT%H:%M:%S%z")
@@ -78,6 +80,7 @@ def endpoint_record(
         "model": model,
         "api_key": api_key,
         "model_version": model_version,
+        "served_model": served_model,
         "job_id": job_id,
         "started_at": started_at or now,
         "written_at": now,
@@ -240,7 +243,7 @@ def resolve_endpoint(
                 rec: dict[str, Any] = record or {}
                 job, version = rec.get("job_id"), rec.get("model_version")
                 return Endpoint(base_url=url, model=rec.get("model") or model,
-                                job_id=None if job is None else str(job),
+                                job_id=None if job is None else str(job), served_model=rec.get("served_model"),
                                 model_version=None if version is None else str(version), api_key=key)
         if time.monotonic() + poll_s > deadline:
             break

@@ -14,9 +14,13 @@ absent. ``capture_tokens`` (called by the loop at the end) turns the turns into 
 checks them against ``/tokenize`` of the whole conversation: ``tokens_source`` and ``token_drift``
 say how they were obtained and whether they agree. Token accounting never fails an episode.
 
-Policy versions: with an endpoint file, the file's ``model_version`` is read (stat-cached) before
-and after each turn's request into ``turn_versions``; a server republished at another address or
-with another key is followed on the next attempt. The API key is held in memory only.
+Policy versions (``et_hpc.agent.served``): when the endpoint names a versioned alias
+(``served_model``) each request asks for it, and each turn is stamped with the version its
+response's ``model`` names (``version_sources``: ``response``); a 404 "does not exist" for the
+alias means the weights switched: the endpoint is re-read and the same turn sent at once with the
+new alias (an event, not a failure). Without an alias, the file's ``model_version`` (stat-cached)
+read before and after the request (``endpoint``). ``turn_versions`` holds the pairs; a server
+republished at another address or key is followed on the next attempt. The key stays in memory.
 
 Many servers (``replicas``, from ``policy.endpoint_dir``; ``et_hpc.agent.replicas``): the episode
 gets a replica when the policy is made and keeps it for every turn. When a request to it fails
@@ -44,6 +48,11 @@ import openai
 from et_hpc.agent.base import DEFAULT_MAX_TOKENS, Action, ContextLengthError, PolicyError, TokenCapture, text_action
 from et_hpc.agent.endpoint import CLIENT, EndpointWatch, key_or_default, resolve_api_key
 from et_hpc.agent.protocols import TERMINAL_TOOL, Mode, ToolArgsError, parse_tool_arguments
+from et_hpc.agent.replies import error_text as _error_text
+from et_hpc.agent.replies import keep_reasoning as _keep_reasoning
+from et_hpc.agent.replies import malformed as _malformed
+from et_hpc.agent.replies import retry_after as _retry_after
+from et_hpc.agent.served import ENDPOINT, MAX_SWITCHES, RESPONSE, ServedVersions
 
 if TYPE_CHECKING:
     from et_hpc.agent.loop import Turn
@@ -71,57 +80,6 @@ class _Retryable(Exception):
         self.retry_after = retry_after
         self.dead = dead  # a sign the server is down (connection, time-out, 5xx): counts towards failover
         self.known = known  # the replica is known to be dead already: fail over without trying it
-
-
-def _error_text(e: openai.APIStatusError) -> str:
-    body = e.body
-    if isinstance(body, dict):
-        inner = body.get("error", body)
-        if isinstance(inner, dict) and inner.get("message"):
-            return str(inner["message"])
-        if isinstance(inner, str):
-            return inner
-    return str(e.message or e)
-
-
-def _retry_after(e: openai.APIStatusError) -> float | None:
-    try:
-        val = e.response.headers.get("retry-after")
-        return float(val) if val is not None else None
-    except (TypeError, ValueError, AttributeError):
-        return None
-
-
-def _malformed(resp: Any) -> str | None:
-    """What makes a chat completion unusable (the client does not validate it), or None."""
-    choices = getattr(resp, "choices", None)
-    if not isinstance(choices, list) or not hasattr(choices[0], "message"):
-        return "choices is not a list of choice objects"
-    msg = choices[0].message
-    if not hasattr(msg, "content") or not isinstance(getattr(msg, "content", None), (str, type(None))):
-        return "choices[0].message has no text content"
-    calls = getattr(msg, "tool_calls", None)
-    if calls is not None:
-        if not isinstance(calls, list):
-            return "tool_calls is not a list"
-        for c in calls:
-            fn = getattr(c, "function", None)
-            if not isinstance(getattr(fn, "name", None), str) or \
-                    not isinstance(getattr(fn, "arguments", None), (str, type(None))):
-                return "a tool call has no function name and arguments"
-    return None
-
-
-def _keep_reasoning(message: dict[str, Any], msg: Any) -> None:
-    """Keep the model's reasoning (``reasoning_content``, or vLLM's newer ``reasoning``) in the history,
-    as the chat template re-renders it: dropping it would make the next prompt differ from the tokens sampled."""
-    for key in ("reasoning_content", "reasoning"):
-        val = getattr(msg, key, None)
-        if val is None:
-            val = (getattr(msg, "model_extra", None) or {}).get(key)
-        if isinstance(val, str) and val:
-            message["reasoning_content"] = val
-            return
 
 
 # PolicyConfig fields that OpenAIPolicy takes as they are, by the same name
@@ -206,8 +164,11 @@ class OpenAIPolicy:
         # (they differ when the server switched checkpoints during it); None without a file.
         self._watch = EndpointWatch(endpoint_file) if endpoint_file is not None else None
         self._served = {"base_url": base_url, "api_key": self._api_key}  # what the client talks to
+        self.aliases = ServedVersions()  # versioned aliases: what answered each turn
         self.start_version = self._version()
         self.turn_versions: list[tuple[str | None, str | None]] = []
+        self.version_sources: list[str] = []  # per turn: "response" or "endpoint"
+        self._answered_by: str | None = None  # the model a token-in completion named
         self._tin: Any = None  # token_in: the episode's TokenIn state
 
     @classmethod
@@ -237,10 +198,29 @@ class OpenAIPolicy:
             self._replica = None
         self.client.close()
 
-    def _version(self) -> str | None:
+    def _record(self) -> dict | None:
+        """The endpoint's current record (the file's, or the episode's replica's), learnt for its alias."""
         if self._replicas is not None and self._replica is not None:
-            return self._replicas.version(self._replica)
-        return self._watch.version() if self._watch else None
+            r = self._replicas.current(self._replica)
+            rec: dict | None = {"model": r.model, "model_version": r.model_version, "served_model": r.served_model}
+        else:
+            rec = self._watch.current() if self._watch else None
+        self.aliases.learn(rec)
+        return rec
+
+    def _version(self) -> str | None:
+        v = (self._record() or {}).get("model_version")
+        return None if v is None else str(v)
+
+    def _stamp(self, before: str | None, answered_by: object) -> None:
+        """The turn's version: what its response names, else the endpoint's around the request."""
+        label = self.aliases.label(answered_by, self._record)
+        if label is None:
+            self.turn_versions.append((before, self._version()))
+            self.version_sources.append(ENDPOINT)
+        else:
+            self.turn_versions.append((label, label))
+            self.version_sources.append(RESPONSE)
 
     def _inflight(self) -> contextlib.AbstractContextManager:
         if self._replicas is not None and self._replica is not None:
@@ -271,7 +251,7 @@ class OpenAIPolicy:
     # -- retries -----------------------------------------------------------------------------
     def _call(self, what: str, fn: Callable[[], Any]) -> Any:
         start = time.monotonic()
-        attempt = fails = moves = 0
+        attempt = fails = moves = switches = 0
         last_500: str | None = None
         while True:
             self.requests += 1
@@ -281,6 +261,11 @@ class OpenAIPolicy:
             except openai.APIStatusError as e:
                 text = _error_text(e)
                 code = e.status_code
+                new = self.aliases.switched(code, text, self._record) if switches < MAX_SWITCHES else None
+                if new is not None:  # the weights switched under the alias sent: the same request, at once
+                    switches += 1
+                    self.events.append(f"version switch: {self.aliases.sent} -> {new} (HTTP {code}: {text})")
+                    continue
                 if 400 <= code < 500 and code not in (408, 409, 429) and _CONTEXT_RE.search(text):
                     raise ContextLengthError(f"{what}: server says the context is too long ({code}): {text}") from None
                 if code == 500 and text == last_500:
@@ -368,6 +353,7 @@ class OpenAIPolicy:
 
         def create() -> Any:
             self._follow_endpoint()
+            kwargs["model"] = self.aliases.request_name(model)
             resp = self.client.chat.completions.create(**kwargs)
             if not getattr(resp, "choices", None):
                 raise _Retryable("the server returned no choices")
@@ -379,7 +365,7 @@ class OpenAIPolicy:
         retries_before = self.retries
         before = self._version()
         resp = self._call("chat completion", create)
-        self.turn_versions.append((before, self._version()))
+        self._stamp(before, getattr(resp, "model", None))
         action = self._to_action(resp)
         action.retries = self.retries - retries_before
         if self.return_token_ids:
@@ -394,11 +380,16 @@ class OpenAIPolicy:
     def _post_json(self, path: str, body: dict[str, Any]) -> Any:
         def post() -> Any:
             self._follow_endpoint()
+            if "model" in body:
+                body["model"] = self.aliases.request_name(body["model"])
             r = self.client.post(self._root() + path, cast_to=httpx.Response, body=body, options={"max_retries": 0})
             try:
-                return r.json()
+                data = r.json()
             except ValueError:
                 raise _Retryable(f"{path}: the answer is not JSON") from None
+            if path.endswith("/completions") or path == "/completion":
+                self._answered_by = data.get("model") if isinstance(data, dict) else None
+            return data
 
         return self._call(f"POST {path}", post)
 
@@ -424,6 +415,7 @@ class OpenAIPolicy:
             params["grammar"] = TEXT_GRAMMAR
         retries_before = self.retries
         before = self._version()
+        self._answered_by = None
         try:
             prompt = tin.next_prompt(messages)
             text, ids, finish, usage = tin.complete(prompt, params)
@@ -431,7 +423,7 @@ class OpenAIPolicy:
             raise PolicyError(f"token-in: {e}") from None
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise PolicyError(f"token-in: unusable answer from the server: {type(e).__name__}: {e}") from None
-        self.turn_versions.append((before, self._version()))
+        self._stamp(before, self._answered_by)
         tin.prompt, tin.completion, tin.finish, tin.n_messages = prompt, ids, finish, len(messages)
         action = text_action(text) if self.mode == "text" else self._tool_action(parse_hermes(text))
         action.usage = usage
@@ -447,8 +439,9 @@ class OpenAIPolicy:
             if not self._replicas.usable(r):
                 raise _Retryable(f"found dead ({r.why})" if r.state == "dead" else r.why or r.state, dead=True, known=True)
             rec: dict | None = {"base_url": r.base_url, "api_key": r.api_key}
+            self.aliases.learn({"model": r.model, "model_version": r.model_version, "served_model": r.served_model})
         else:
-            rec = self._watch.current() if self._watch else None
+            rec = self._record()
         if rec is None:
             return
         old, self._served = self._served, rec

@@ -2,7 +2,7 @@
 
 ``policy.endpoint_dir`` names a directory where every server job writes its own endpoint file
 (``<dir>/<job id>.json``, the format of ``et_hpc.agent.endpoint``: written atomically, mode 0600,
-with the server's key and ``model_version``). ``replica_set(dir)`` returns the process's one
+with the server's key, ``model_version`` and ``served_model``). ``replica_set(dir)`` returns the process's one
 ``ReplicaSet`` for that directory: every episode and thread of the process shares it.
 
 Listing is cheap: the directory is scanned at most every ``refresh_s`` seconds and a file is read
@@ -61,6 +61,7 @@ class Replica:
     base_url: str
     model: str | None = None
     model_version: str | None = None
+    served_model: str | None = None  # the versioned alias the server also answers to (et_hpc.agent.served)
     job_id: str | None = None
     api_key: str = field(default=NO_KEY, repr=False)
     state: str = NEW  # new (not probed yet), live, dead, gone (its file was removed)
@@ -160,6 +161,7 @@ class ReplicaSet:
         job, version = data.get("job_id"), data.get("model_version")
         fields = dict(base_url=str(data["base_url"]).rstrip("/"), model=data.get("model"),
                       model_version=None if version is None else str(version),
+                      served_model=data["served_model"] if isinstance(data.get("served_model"), str) else None,
                       job_id=None if job is None else str(job),
                       api_key=resolve_api_key(self._api_key, self._api_key_env, data))
         if rep is None:

@@ -121,8 +121,9 @@ def resolve_policy_config(cfg: PolicyConfig) -> PolicyConfig:
 
 def policy_version_fields(policy: Any) -> dict[str, Any]:
     """``policy_version`` (at the first turn), ``policy_versions`` (each change, in order) and
-    ``crossed_version`` from what the policy saw before and after each turn's request (an episode
-    without turns: the version when the policy was made)."""
+    ``crossed_version`` from each turn's version (the one its response named, else the endpoint's
+    before and after the request; an episode without turns: the version when the policy was made),
+    and ``version_source`` (``response``, ``endpoint`` or ``mixed``)."""
     seen: list[str] = []
     pairs = getattr(policy, "turn_versions", None) or [(getattr(policy, "start_version", None), None)]
     for v in [v for pair in pairs for v in pair]:
@@ -130,7 +131,10 @@ def policy_version_fields(policy: Any) -> dict[str, Any]:
             seen.append(v)
     if not seen:
         return {}
-    return {"policy_version": seen[0], "policy_versions": seen, "crossed_version": len(set(seen)) > 1}
+    sources = set(getattr(policy, "version_sources", None) or [])  # "response" / "endpoint" per turn
+    source = (sources.pop() if len(sources) == 1 else "mixed") if sources else "endpoint"
+    return {"policy_version": seen[0], "policy_versions": seen, "crossed_version": len(set(seen)) > 1,
+            "version_source": source}
 
 
 def episode_budgets(budgets: BudgetConfig, task: Task) -> BudgetConfig:

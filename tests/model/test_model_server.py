@@ -69,7 +69,9 @@ def test_serve_command_publishes_an_endpoint_file(tmp_path):
                        for pid in os.listdir("/proc") if pid.isdigit() and Path(f"/proc/{pid}/cmdline").exists())
         assert httpx.get(rec["base_url"] + "/models", timeout=10).status_code == 401
         ok = httpx.get(rec["base_url"] + "/models", headers={"Authorization": f"Bearer {key}"}, timeout=10)
-        assert ok.status_code == 200 and ok.json()["data"][0]["id"] == rec["model"]
+        # its one alias is the version: every answer names the weights that gave it
+        assert rec["served_model"] == rec["model_version"]
+        assert ok.status_code == 200 and ok.json()["data"][0]["id"] == rec["served_model"]
     finally:
         p.send_signal(signal.SIGTERM)
         out = p.communicate(timeout=60)[0]
@@ -124,7 +126,7 @@ def test_real_model_episodes_through_run(served, demo_images, tmp_path, mode, to
     for r in recs:
         assert r.status == "ok", (r.status, r.error)  # the model's mistakes are its own: no policy_error
         assert r.reward is not None and r.turns >= 1 and r.model == served.alias
-        assert r.policy_version == served.version
+        assert r.policy_version == served.version and r.version_source == "response"
         if token_in:
             assert (r.tokens_source, r.token_drift) == ("server-exact", None)
         else:
