@@ -125,10 +125,8 @@ def _keep_reasoning(message: dict[str, Any], msg: Any) -> None:
             return
 
 
-def _config_params(cls: type, cfg: PolicyConfig) -> list[str]:
-    """Constructor parameters of ``cls`` that are fields of ``cfg`` (taken by the same name)."""
-    fields = type(cfg).model_fields
-    return [k for k in inspect.signature(cls.__init__).parameters if k in fields]
+def _config_params(cls: type, cfg: PolicyConfig) -> list[str]:  # constructor parameters that are fields of cfg
+    return [k for k in inspect.signature(cls.__init__).parameters if k in type(cfg).model_fields]
 
 
 class OpenAIPolicy:
@@ -215,9 +213,8 @@ class OpenAIPolicy:
     @classmethod
     def from_config(cls, cfg: PolicyConfig, *, max_tokens: int | None = None,
                     sleep: Callable[[float], None] = time.sleep, rng: random.Random | None = None) -> OpenAIPolicy:
-        """The policy ``cfg`` describes: every constructor parameter named like a ``PolicyConfig``
-        field takes that field; the key and replicas are resolved here. ``max_tokens`` applies when
-        ``cfg`` leaves it unset (then DEFAULT_MAX_TOKENS)."""
+        """The policy ``cfg`` describes (each parameter named like a field takes it; ``max_tokens``:
+        when ``cfg`` leaves it unset)."""
         replicas = None
         if cfg.endpoint_dir is not None:
             from et_hpc.agent.replicas import replica_set
