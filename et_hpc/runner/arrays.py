@@ -93,11 +93,12 @@ class LocalArray:
              on_poll: OnPoll | None = None) -> tuple[dict[str, str], bool]:
         end = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
+            done = self.ended()  # before the states: a task ending in between is not left "RUNNING"
             states = self.states()
             if on_poll:
                 on_poll(states)
-            if self.ended() or (end is not None and time.monotonic() >= end):
-                return states, self.ended()
+            if done or (end is not None and time.monotonic() >= end):
+                return states, done
             left = poll_s if end is None else max(0.0, min(poll_s, end - time.monotonic()))
             for t in self._threads:  # in short slices, so signals are handled
                 t.join(min(left, 0.5))
