@@ -34,6 +34,7 @@ does the turn fail with ``PolicyError``. ``turn_versions`` come from the serving
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import random
 import re
@@ -82,9 +83,8 @@ class _Retryable(Exception):
         self.known = known  # the replica is known to be dead already: fail over without trying it
 
 
-# PolicyConfig fields that OpenAIPolicy takes as they are, by the same name
-_FROM_CONFIG = ("mode", "constrain", "token_in", "temperature", "top_p", "seed", "logprobs", "return_token_ids", "request_timeout_s",
-                "max_retries", "retry_budget_s", "backoff_base_s", "backoff_max_s", "endpoint_file", "failover_after")
+def _config_params(cls: type, cfg: PolicyConfig) -> list[str]:  # constructor parameters that are fields of cfg
+    return [k for k in inspect.signature(cls.__init__).parameters if k in type(cfg).model_fields]
 
 
 class OpenAIPolicy:
@@ -172,7 +172,10 @@ class OpenAIPolicy:
         self._tin: Any = None  # token_in: the episode's TokenIn state
 
     @classmethod
-    def from_config(cls, cfg: PolicyConfig) -> OpenAIPolicy:
+    def from_config(cls, cfg: PolicyConfig, *, max_tokens: int | None = None,
+                    sleep: Callable[[float], None] = time.sleep, rng: random.Random | None = None) -> OpenAIPolicy:
+        """The policy ``cfg`` describes (each parameter named like a field takes it; ``max_tokens``:
+        when ``cfg`` leaves it unset)."""
         replicas = None
         if cfg.endpoint_dir is not None:
             from et_hpc.agent.replicas import replica_set
@@ -182,14 +185,10 @@ class OpenAIPolicy:
             from et_hpc.errors import UserError
 
             raise UserError("the openai policy needs policy.base_url (or an endpoint file from slurm/vllm.sbatch)")
-        return cls(
-            cfg.base_url,
-            cfg.model,
-            api_key=resolve_api_key(cfg.key_value(), cfg.api_key_env),
-            max_tokens=cfg.max_tokens or DEFAULT_MAX_TOKENS,
-            replicas=replicas,
-            **{k: getattr(cfg, k) for k in _FROM_CONFIG},
-        )
+        explicit = {"api_key": resolve_api_key(cfg.key_value(), cfg.api_key_env), "replicas": replicas,
+                    "max_tokens": cfg.max_tokens or max_tokens or DEFAULT_MAX_TOKENS, "sleep": sleep, "rng": rng}
+        same = {k: getattr(cfg, k) for k in _config_params(cls, cfg) if k not in explicit}
+        return cls(**same, **explicit)
 
     def close(self) -> None:
         """Close the HTTP connections and give the replica back (the policy is unusable afterwards)."""

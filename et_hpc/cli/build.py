@@ -14,9 +14,11 @@ from typing import Any
 
 from et_hpc.cli.common import add_command, add_source_args, check_base_once, load_source
 from et_hpc.errors import UserError
-from et_hpc.host.slurm import SlurmConfig, submitit_executor
-from et_hpc.images.slurm_build import BuildChunk  # noqa: F401  (submitit pickles name this path too)
+from et_hpc.host.slurm import SlurmConfig
+from et_hpc.images.slurm_build import BuildChunk  # submitit pickles name this path too
 from et_hpc.images.store import ImageResult, ImageStore, default_jobs
+from et_hpc.runner.arrays import Array, ArraySpec
+from et_hpc.runner.executors import get_executor
 from et_hpc.util import format_table, one_line, progress_bar
 
 _check_base = check_base_once  # its old name
@@ -123,8 +125,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     elif args.slurm:
         results = build_on_slurm(store, tasks, args)
     else:
-        results = store.ensure_many(tasks, jobs=args.jobs or default_jobs(), progress=True,
-                                    retry_failed=args.retry_failed)
+        results = build_here(store, tasks, args)
     return report(results, res.errors, time.monotonic() - t0, args)
 
 
@@ -176,16 +177,10 @@ def build_on_slurm(store: ImageStore, tasks: list[Any], args: argparse.Namespace
     jobs_per_node = max(1, args.cpus // 2)
     slurm_cfg = SlurmConfig(partition=args.partition, time_min=time_min, cpus_per_task=args.cpus, mem_gb=mem_gb,
                             array_parallelism=args.array_parallelism)
-    ex = submitit_executor(slurm_cfg, store.cache_dir / "slurm" / "%j", "et-hpc-build")
-    try:
-        jobs = ex.submit_array([BuildChunk(store.cache_dir, store.settings, store.base_map, c,
-                                           args.retry_failed, jobs_per_node) for c in chunks])
-    except UserError:
-        raise
-    except Exception as e:  # sbatch refused (bad partition, limits): one line
-        msg = str(e).strip().splitlines()
-        raise UserError(f"sbatch refused the build array: {msg[-1] if msg else e}") from None
-    ids = [str(j.job_id) for j in jobs]
+    arr = get_executor("slurm").submit_array(
+        [BuildChunk(store.cache_dir, store.settings, store.base_map, c, args.retry_failed, jobs_per_node) for c in chunks],
+        ArraySpec(folder=store.cache_dir / "slurm", name="et-hpc-build", slurm=slurm_cfg, what="build array"))
+    ids = arr.ids
     print(f"submitted Slurm array {ids[0].split('_')[0]}: {len(chunks)} array tasks for {len(todo)} images "
           f"(logs in {store.cache_dir / 'slurm'})", file=sys.stderr)
 
@@ -205,7 +200,7 @@ def build_on_slurm(store: ImageStore, tasks: list[Any], args: argparse.Namespace
         bar.refresh()
 
     try:
-        states, all_ended = watch.wait_tasks(ids, poll_s=3.0, timeout_s=deadline_s, on_poll=on_poll)
+        states, all_ended = arr.wait(poll_s=3.0, timeout_s=deadline_s, on_poll=on_poll)
     except KeyboardInterrupt:
         bar.close()
         print(f"et-hpc: stopped waiting; the array keeps running (scancel {ids[0].split('_')[0]} to stop it)",
@@ -214,30 +209,53 @@ def build_on_slurm(store: ImageStore, tasks: list[Any], args: argparse.Namespace
     bar.close()
 
     by_id: dict[str, ImageResult] = {}
-    for job, chunk in zip(jobs, chunks):
-        st = states.get(str(job.job_id), watch.UNKNOWN)
-        got: list[dict] | None = None
-        if watch.ended(st):
-            try:
-                got = job.result()
-            except Exception as e:  # killed, timed out, or crashed: the cache tells what got built
-                log.info("array task %s: %s", job.job_id, str(e).strip().splitlines()[-1:] or e)
-        if got:
-            for d in got:
-                r = ImageResult(**d)
-                if r.status == "failed" and st not in watch.DONE:
-                    r.reason = f"{r.reason} (Slurm array task {job.job_id} ended {st})"
-                by_id[r.task_id] = r
-            continue
-        for t in chunk:
-            r = store.lookup(t)
-            if r.status == "missing":
-                r = r.model_copy(update={"status": "failed", "reason": (
-                    f"Slurm array task {job.job_id} ended {st} before building it (log: {job.paths.stderr})"
-                    if watch.ended(st) else
-                    f"still building in Slurm array task {job.job_id} ({st}) when the wait ended; rerun to collect")})
-            by_id[t.id] = r
+    for i, chunk in enumerate(chunks):
+        by_id.update(_collect(store, arr, i, chunk, states.get(ids[i], watch.UNKNOWN)))
     if not all_ended:
         print(f"et-hpc: gave up waiting after {deadline_s / 60:.0f} min (--deadline); the array keeps running",
               file=sys.stderr)
     return [by_id.get(t.id) or first[t.id] for t in tasks]
+
+
+def _collect(store: ImageStore, arr: Array, i: int, chunk: list[Any], st: str) -> dict[str, ImageResult]:
+    """The results of array task ``i`` (in state ``st``): what it returned, else what the cache says."""
+    from et_hpc.host import slurm as watch
+
+    tid = arr.ids[i]
+    got: list[dict] | None = None
+    if watch.ended(st):
+        try:
+            got = arr.result(i)
+        except Exception as e:  # killed, timed out, or crashed: the cache tells what got built
+            log.info("array task %s: %s", tid, str(e).strip().splitlines()[-1:] or e)
+    out: dict[str, ImageResult] = {}
+    if got:
+        for d in got:
+            r = ImageResult(**d)
+            if r.status == "failed" and st not in watch.DONE:
+                r.reason = f"{r.reason} (Slurm array task {tid} ended {st})"
+            out[r.task_id] = r
+        return out
+    for t in chunk:
+        r = store.lookup(t)
+        if r.status == "missing":
+            r = r.model_copy(update={"status": "failed", "reason": (
+                f"Slurm array task {tid} ended {st} before building it (log: {arr.log_path(i)})"
+                if watch.ended(st) else
+                f"still building in Slurm array task {tid} ({st}) when the wait ended; rerun to collect")})
+        out[t.id] = r
+    return out
+
+
+def build_here(store: ImageStore, tasks: list[Any], args: argparse.Namespace) -> list[ImageResult]:
+    """Every task's image built on this node, as one in-process task of the local executor."""
+    chunk = BuildChunk(store.cache_dir, store.settings, store.base_map, tasks, args.retry_failed,
+                       args.jobs or default_jobs())
+    chunk.progress, chunk.store = True, store
+    arr = get_executor("local").submit_array([chunk], ArraySpec(folder=store.cache_dir / "slurm", name="build"))
+    try:
+        arr.wait(poll_s=1.0)
+    except KeyboardInterrupt:  # the builds got the signal too: let them end and the index be saved
+        arr.stop(60.0)
+        raise
+    return [ImageResult(**d) for d in arr.result(0)]

@@ -1,6 +1,7 @@
 """One episode end to end: sandbox up, agent loop, scoring in the same instance, sandbox down.
 
-``run_episode(task, sample, cfg, image)`` never raises for infrastructure trouble: a sandbox that
+``run_episode(task, sample, cfg, image)`` (``cfg``: an ``EpisodeConfig``, or a run config, which
+extends it) never raises for infrastructure trouble: a sandbox that
 will not start, a policy server that keeps failing, or scoring that breaks all become an
 ``EpisodeRecord`` with an error status and ``reward=None`` (never reward 0). Only a reward that
 came out of the task's final tests is recorded as a reward.
@@ -33,20 +34,18 @@ import platform
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from et_hpc import __version__
 from et_hpc.agent.loop import AgentResult, BudgetConfig, run_agent
 from et_hpc.agent.policies import PolicyConfig, make_policy
+from et_hpc.episode.config import EpisodeConfig
 from et_hpc.errors import InfraError, UserError
 from et_hpc.record import EpisodeRecord, TestResult, Timings
 from et_hpc.sandbox.scoring import GONE_NOTE, score
 from et_hpc.sandbox.warm import AGENT_UMASK, Ready, SandboxSpec, Ticket, start_ready  # noqa: F401 - AGENT_UMASK re-exported
 from et_hpc.sandbox.watchdog import PHASE_SCORING, Watchdog
 from et_hpc.tasks.model import Task
-
-if TYPE_CHECKING:
-    from et_hpc.runner.config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +152,7 @@ def _slurm_ids() -> tuple[str | None, int | None]:
     return job, int(task) if task and task.isdigit() else None
 
 
-def run_episode(task: Task, sample: int, cfg: RunConfig, image: Any, *, stop: threading.Event | None = None,
+def run_episode(task: Task, sample: int, cfg: EpisodeConfig, image: Any, *, stop: threading.Event | None = None,
                 warm: Ticket | None = None) -> EpisodeRecord:
     """Run one (task, sample) unit of a run and return its record (see the module docstring).
 
@@ -267,7 +266,7 @@ def run_episode(task: Task, sample: int, cfg: RunConfig, image: Any, *, stop: th
     return record(status, **kw)
 
 
-def sandbox_spec(task: Task, cfg: RunConfig, image: Any) -> SandboxSpec | None:
+def sandbox_spec(task: Task, cfg: EpisodeConfig, image: Any) -> SandboxSpec | None:
     """What the episode's sandbox is made of (None without an image): the key of warm sandboxes."""
     path = getattr(image, "path", None)
     if path is None:
@@ -348,7 +347,7 @@ def _drive(task, setup, policy, pcfg, budgets, cfg, stop, timings) -> tuple[str,
             timings["peak_mem_mb"], timings["peak_pids"] = round(wd.peak_kb / 1024, 3), wd.peak_pids
 
 
-def final_score(sandbox: Any, wd: Watchdog | None, task: Task, cfg: RunConfig) -> tuple[Any, list[str]]:
+def final_score(sandbox: Any, wd: Watchdog | None, task: Task, cfg: EpisodeConfig) -> tuple[Any, list[str]]:
     """Score the state in ``sandbox`` with ``task``'s final tests, as every episode is scored (also
     what 'et-hpc rescore' runs on a kept state): the watchdog switched to its scoring phase, then
     stopped, a kill during the tests blamed on the state. Returns (score result, watchdog events)."""

@@ -63,12 +63,12 @@ from pydantic import Field
 from et_hpc.agent.base import DEFAULT_MAX_TOKENS
 from et_hpc.agent.loop import BudgetConfig
 from et_hpc.agent.policies import PolicyConfig
+from et_hpc.episode.config import EpisodeConfig
 from et_hpc.errors import UserError
 from et_hpc.record import EpisodeRecord, solved
-from et_hpc.runner.config import RunConfig, SandboxConfig
 from et_hpc.runs.export import atropos_group, validate_atropos_group
 from et_hpc.runs.store import RunStore, Store
-from et_hpc.sandbox.config import DEFAULT_OVERLAY_MB
+from et_hpc.sandbox.config import DEFAULT_OVERLAY_MB, SandboxConfig
 
 log = logging.getLogger(__name__)
 
@@ -241,8 +241,9 @@ class EndlessTerminalsEnv(BaseEnv):
         return task
 
     # --- episodes ------------------------------------------------------------------------------
-    def run_config(self, run_name: str | None = None) -> RunConfig:
-        """The et-hpc run config of this environment's episodes: the model server of
+    def run_config(self, run_name: str | None = None) -> EpisodeConfig:
+        """The episode config of this environment's episodes (no run config: the episodes are
+        Atropos's, not a run's): the model server of
         ``--env.endpoint_file``/``--env.endpoint_dir`` (et-hpc's client: replicas, failover, the
         file's key, policy versions), else of ``--openai.*``."""
         c = self.config
@@ -263,9 +264,9 @@ class EndlessTerminalsEnv(BaseEnv):
         )
         budgets = BudgetConfig(max_turns=c.max_agent_turns, wall_time_s=c.wall_time_s, command_timeout_s=c.command_timeout_s,
                           max_tokens_per_turn=c.max_tokens_per_turn, context_tokens=max(c.max_token_length, 1024))
-        return RunConfig(name=run_name or c.run_name, store=Path(c.store).expanduser() if c.store else None, samples=c.group_size,
-                         policy=policy, budgets=budgets, scoring_timeout_s=c.test_timeout_s,
-                         sandbox=SandboxConfig(overlay_mb=c.overlay_mb))
+        return EpisodeConfig(name=run_name or c.run_name, store=Path(c.store).expanduser() if c.store else None,
+                             policy=policy, budgets=budgets, scoring_timeout_s=c.test_timeout_s,
+                             sandbox=SandboxConfig(overlay_mb=c.overlay_mb))
 
     def _samples(self, store: RunStore, task_id: str, n: int) -> list[int]:
         key = (str(store.path), task_id)
@@ -274,7 +275,7 @@ class EndlessTerminalsEnv(BaseEnv):
             self._next_sample[key] = first + n
         return list(range(first, first + n))
 
-    def _episode(self, task: Any, sample: int, cfg: RunConfig) -> EpisodeRecord:
+    def _episode(self, task: Any, sample: int, cfg: EpisodeConfig) -> EpisodeRecord:
         from et_hpc.episode.run import run_episode
 
         return run_episode(task, sample, cfg, self.images[task.id], stop=self._stop)
@@ -327,7 +328,7 @@ class EndlessTerminalsEnv(BaseEnv):
                          group.group_id)
             raise
 
-    def _run_member(self, group: _GroupRun, i: int, sample: int, cfg: RunConfig, finished: Any) -> None:
+    def _run_member(self, group: _GroupRun, i: int, sample: int, cfg: EpisodeConfig, finished: Any) -> None:
         """One member of ``group`` in a pool thread; the last member to end writes the group.
 
         A group that Atropos cancelled, or that a stop reached, before any member started is

@@ -12,8 +12,9 @@ SIGTERM/SIGINT, ``--target-groups N`` (the stream holds N groups).
 A reaper thread removes, every half lease, the sandboxes of workers on this node that died without
 stopping them (et_hpc.sandbox.reaper.start_reaping; the workers run one too).
 
-On stop it writes the stop file (workers give their units back to the queue), waits up to
-``stop_grace_s`` for the workers to exit, and cancels (its own) array tasks that are still there.
+The workers are one array of the run's executor (et_hpc.runner.arrays). On stop it writes the
+stop file (workers give their units back to the queue), waits up to ``stop_grace_s`` for the
+workers to exit, and cancels (its own) array tasks that are still there.
 The queue stays: running the same command again continues it, epochs included. If the
 controller itself dies, the workers finish what is queued and keep their leases honest; a new
 controller picks up from the queue's state.
@@ -22,7 +23,6 @@ controller picks up from the queue's state.
 from __future__ import annotations
 
 import logging
-import subprocess
 import sys
 import threading
 import time
@@ -32,7 +32,9 @@ from typing import Any
 from et_hpc.errors import UserError
 from et_hpc.rollouts.queue import WorkQueue
 from et_hpc.rollouts.worker import Worker, reap_interval
+from et_hpc.runner.arrays import Array, ArraySpec
 from et_hpc.runner.config import RunConfig
+from et_hpc.runner.executors import get_executor
 from et_hpc.runner.plan import save_run_json
 
 log = logging.getLogger(__name__)
@@ -86,55 +88,37 @@ class Controller:
         self.queue = WorkQueue(self.run_dir, lease_s=self.opts.lease_s)
         self.progress = progress
         self.stop = threading.Event()
-        self.job_ids: list[str] = []
-        self._local: tuple[threading.Thread, threading.Event] | None = None
+        self.workers: Array | None = None
+        self._asked = -1e9  # when the executor was last asked whether the workers ended
 
     def slots(self) -> int:
         per = self.cfg.node_concurrency()
-        return per * (self.opts.workers if self.cfg.executor == "slurm" else 1)
+        return per * (1 if get_executor(self.cfg.executor).in_process else self.opts.workers)
 
     def start_workers(self) -> None:
-        if self.cfg.executor == "local":
-            wstop = threading.Event()
-            w = Worker(self.cfg, self.run_dir, self.tasks, self.images, 0)
-            t = threading.Thread(target=w.run, args=(wstop,), name="worker", daemon=True)
-            t.start()
-            self._local = (t, wstop)
-            return
-        from et_hpc.runner.slurm import load_jobs, make_executor, save_jobs
-
-        ex = make_executor(self.cfg, self.run_dir)
-        try:
-            jobs = ex.submit_array([Worker(self.cfg, self.run_dir, self.tasks, self.images, i)
-                                    for i in range(self.opts.workers)])
-        except Exception as e:  # sbatch refused: say why, in one line
-            msg = str(e).strip().splitlines()
-            raise UserError(f"sbatch refused the worker array: {msg[-1] if msg else e}") from None
-        self.job_ids = [str(j.job_id) for j in jobs]
-        data = load_jobs(self.run_dir)
-        attempt = 1 + max((s["attempt"] for s in data["submissions"]), default=0)
-        data["submissions"].append({"attempt": attempt, "array_id": self.job_ids[0].split("_")[0],
-                                    "tasks": len(jobs), "job_ids": self.job_ids, "units": 0,
-                                    "continuous": True, "submitted_at": time.time(),
-                                    "folder": str(self.run_dir / "slurm")})
-        save_jobs(self.run_dir, data)
-        print(f"submitted {len(jobs)} continuous workers: array {self.job_ids[0].split('_')[0]}",
-              file=sys.stderr, flush=True)
+        """The workers as one array of the run's executor: one in this process (local), else
+        ``continuous.workers`` array tasks, recorded in the run's jobs.json."""
+        ex = get_executor(self.cfg.executor)
+        n = 1 if ex.in_process else self.opts.workers
+        spec = ArraySpec(folder=self.run_dir / "slurm", name=f"et-hpc-{self.cfg.run_name()}", slurm=self.cfg.slurm,
+                         what="worker array", run_dir=self.run_dir, record={"units": 0, "continuous": True})
+        self.workers = ex.submit_array([Worker(self.cfg, self.run_dir, self.tasks, self.images, i) for i in range(n)],
+                                       spec)
+        if not self.workers.in_process:
+            print(f"submitted {n} continuous workers: array {self.workers.ids[0].split('_')[0]}",
+                  file=sys.stderr, flush=True)
 
     def workers_ended(self, every_s: float = 0.0) -> bool:
-        """True when no worker is left (Slurm is asked at most every ``every_s``)."""
-        if self._local is not None:
-            return not self._local[0].is_alive()
-        if not self.job_ids:
+        """True when no worker is left (an executor running them elsewhere is asked at most every ``every_s``)."""
+        if self.workers is None:
             return True
+        if self.workers.in_process:
+            return self.workers.ended()
         now = time.monotonic()
-        if now - getattr(self, "_asked", -1e9) < every_s:
+        if now - self._asked < every_s:
             return False
         self._asked = now
-        from et_hpc.host import slurm as watch
-
-        states = watch.task_states(self.job_ids)
-        return all(watch.ended(s) for s in states.values())
+        return self.workers.ended()
 
     def refill(self) -> None:
         low = self.opts.queue_low_water or max(2 * self.slots(), 2)
@@ -154,7 +138,7 @@ class Controller:
         # the sandboxes of Slurm workers on this node that died (SIGKILL, OOM) go within one lease
         # period (a local worker runs in this process and reaps for it)
         reaping = threading.Event()
-        if self.cfg.executor == "slurm":
+        if self.workers is not None and not self.workers.in_process:
             start_reaping(reaping, reap_interval(self.opts.lease_s))
         t0 = time.monotonic()
         start_pub = self.queue.published()
@@ -202,17 +186,9 @@ class Controller:
         """Workers give their units back and exit; what is still there after the grace is cancelled."""
         if not self.queue.stopped():
             self.queue.request_stop("controller stopping")
-        end = time.monotonic() + self.opts.stop_grace_s
-        if self._local is not None:
-            t, wstop = self._local
-            wstop.set()
-            t.join(self.opts.stop_grace_s)
-        else:
-            while self.job_ids and time.monotonic() < end and not self.workers_ended():
-                time.sleep(min(2.0, self.opts.poll_s))
-            if self.job_ids and not self.workers_ended():
-                log.warning("workers still running after %.0f s: cancelling them", self.opts.stop_grace_s)
-                subprocess.run(["scancel", *self.job_ids], capture_output=True, timeout=60)
+        if self.workers is not None:
+            # in process: told to stop, joined for the grace; elsewhere: waited for, then cancelled
+            self.workers.stop(self.opts.stop_grace_s, poll_s=min(2.0, self.opts.poll_s))
         try:
             self.queue.sweep()
         except OSError:

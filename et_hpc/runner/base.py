@@ -5,16 +5,18 @@ Backends: ``local.LocalExecutor`` (threads on this machine) and ``slurm.SlurmExe
 arrays, then waiting for them); ``executors.get_executor(name)`` picks one. Executors report
 progress through callbacks and never print: ``notify`` gets one human line per event worth
 telling (the command line writes them to stderr), ``progress(done_units, array_counts)`` the
-count of units stored so far.
+count of units stored so far. ``submit_array(tasks, spec)`` starts any array of tasks (a run's
+chunks, continuous workers, image builds) and returns what watches it (et_hpc.runner.arrays).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from et_hpc.runner.arrays import Array, ArraySpec, ArrayTask
     from et_hpc.runner.plan import Plan
 
 Notify = Callable[[str], None]
@@ -33,6 +35,9 @@ class Outcome:
 
 class Executor(Protocol):
     name: str
+    in_process: bool  # its arrays' tasks run in this process (local) or as processes of their own
 
     def run(self, plan: Plan, store: Any, *, detach: bool = False, notify: Notify | None = None,
             progress: Progress | None = None) -> Outcome: ...
+
+    def submit_array(self, tasks: Sequence[ArrayTask], spec: ArraySpec) -> Array: ...

@@ -8,17 +8,13 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from et_hpc.agent.loop import BudgetConfig
-from et_hpc.agent.policies import PolicyConfig
+from et_hpc.episode.config import EpisodeConfig
 from et_hpc.errors import UserError
 from et_hpc.host.slurm import SlurmConfig, SlurmOptions  # noqa: F401  (their old home is here)
-from et_hpc.paths import store_dir
 from et_hpc.sandbox.config import SandboxConfig, SandboxOptions  # noqa: F401
 from et_hpc.tasks.loader import TaskSelection, TaskSelectionConfig  # noqa: F401
-
-_NAME_RE = re.compile(r"^[A-Za-z0-9._-]+$")
 
 
 class ContinuousConfig(BaseModel):
@@ -42,17 +38,14 @@ class ContinuousConfig(BaseModel):
 ContinuousOptions = ContinuousConfig  # its old name
 
 
-class RunConfig(BaseModel):
+class RunConfig(EpisodeConfig):
+    """An episode config (policy, budgets, sandbox, scoring: et_hpc.episode.config) plus the keys
+    of many episodes: which tasks, how many samples each, where and how they run."""
+
     model_config = ConfigDict(extra="forbid")
 
-    name: str | None = None
-    store: Path | None = None
     tasks: TaskSelectionConfig = Field(default_factory=TaskSelectionConfig)
     samples: int = Field(default=1, ge=1)  # episodes per task (group size)
-    policy: PolicyConfig = Field(default_factory=PolicyConfig)
-    budgets: BudgetConfig = Field(default_factory=BudgetConfig)
-    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
-    scoring_timeout_s: float = Field(default=120.0, gt=0)
     executor: Literal["local", "slurm"] = "local"
     concurrency: int | None = Field(default=None, ge=1)  # episodes at once per node
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
@@ -60,14 +53,8 @@ class RunConfig(BaseModel):
     retry_errors: bool = False  # rerun units whose stored record is an error
     retries: int = Field(default=1, ge=0)  # reruns, at once, of an episode that ended with an error status
     strict: bool = False  # refuse to start when any task image is missing or failed to build
-    unit_runner: str = Field(default="et_hpc.runner.local:episode_runner", description="module:function")
-
-    @field_validator("name")
-    @classmethod
-    def _check_name(cls, v: str | None) -> str | None:
-        if v is not None and not _NAME_RE.match(v):
-            raise ValueError("use only letters, digits, '.', '_' and '-'")
-        return v
+    # default (unset): the episode itself (et_hpc.runner.local.episode_runner); tests name doubles here
+    unit_runner: str | None = Field(default=None, description="module:function")
 
     def run_name(self) -> str:
         if self.name:
@@ -75,9 +62,6 @@ class RunConfig(BaseModel):
         src = self.tasks.source or (str(self.tasks.tasks_dir) if self.tasks.tasks_dir else "tasks")
         base = Path(src.rstrip("/")).name or "tasks"
         return re.sub(r"[^A-Za-z0-9._-]+", "-", f"{base}-{self.policy.kind}")
-
-    def run_dir(self) -> Path:
-        return Path(self.store or store_dir()).expanduser() / self.run_name()
 
     def node_concurrency(self, cores: int | None = None, mem_gb: float | None = None) -> int:
         """Episodes at once on one node: the configured value, else min(cores*2, mem_gb/2)."""

@@ -22,7 +22,7 @@ import logging
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +31,7 @@ from tqdm import tqdm
 from et_hpc.errors import UserError
 from et_hpc.host import slurm as watch
 from et_hpc.record import EpisodeRecord, write_failed_record
+from et_hpc.runner.arrays import ArraySpec, ArrayTask, LocalArray
 from et_hpc.runner.base import Notify, Outcome, Progress
 from et_hpc.runner.config import RunConfig
 from et_hpc.runner.plan import OK, Plan, Unit, open_store, rec_get, rec_passed
@@ -48,7 +49,7 @@ WorkItem = tuple[Any, int, Any]  # (task, sample, image)
 
 def episode_runner(task: Any, sample: int, cfg: RunConfig, image: Any, stop: threading.Event,
                    warm: Any = None) -> Any:
-    """The default unit runner: one real episode via ``et_hpc.episode.run_episode``.
+    """The default unit runner: one real episode (``et_hpc.episode.run.run_episode``), called directly.
 
     ``warm``: a reserved warm sandbox (et_hpc.sandbox.warm.Ticket), passed only to runners that
     set ``uses_warm_pool``; other unit runners are called as ``(task, sample, cfg, image, stop)``.
@@ -59,6 +60,7 @@ def episode_runner(task: Any, sample: int, cfg: RunConfig, image: Any, stop: thr
 
 
 episode_runner.uses_warm_pool = True  # type: ignore[attr-defined]
+EPISODE_RUNNER = "et_hpc.runner.local:episode_runner"  # its name in configs written before it was the default
 
 
 class Warming:
@@ -111,8 +113,11 @@ class Warming:
             pool.close()
 
 
-def resolve_runner(spec: str) -> UnitRunner:
-    """``"package.module:function"`` -> the function."""
+def resolve_runner(spec: str | None) -> UnitRunner:
+    """The unit runner a run config names: unset (the default) is the episode itself
+    (:func:`episode_runner`); ``"package.module:function"`` is that function."""
+    if spec is None or spec == EPISODE_RUNNER:
+        return episode_runner
     mod, sep, attr = spec.partition(":")
     if not sep:
         raise UserError(f"unit_runner {spec!r}: expected 'module:function'")
@@ -318,7 +323,7 @@ def run_local(plan: Plan, runner: UnitRunner | None = None, *, store: Any = None
     store = store if store is not None else open_store(plan.run_dir)
     stop = stop or threading.Event()
     items = work_items(plan, plan.units)
-    if items and cfg.unit_runner == RunConfig.model_fields["unit_runner"].default:
+    if items and cfg.unit_runner in (None, EPISODE_RUNNER):
         from et_hpc.paths import scratch_dir
 
         scratch_dir()  # a scratch directory we must not use: one line and exit 2 before any episode
@@ -336,6 +341,11 @@ class LocalExecutor:
     """Runs the plan's units on this machine (``run_local``); Ctrl-C or SIGTERM stops it cleanly."""
 
     name = "local"
+    in_process = True  # its arrays' tasks run in this process
+
+    def submit_array(self, tasks: Sequence[ArrayTask], spec: ArraySpec) -> LocalArray:
+        """Each task's ``run(stop)`` in a thread of this process (``spec`` names the threads)."""
+        return LocalArray(tasks, spec.name)
 
     def run(self, plan: Plan, store: Any, *, detach: bool = False, notify: Notify | None = None,
             progress: Progress | None = None) -> Outcome:

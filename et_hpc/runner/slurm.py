@@ -23,6 +23,7 @@ import math
 import os
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from submitit.helpers import Checkpointable, DelayedSubmission
 from et_hpc.errors import UserError
 from et_hpc.host import slurm as watch
 from et_hpc.host.slurm import submitit_executor
+from et_hpc.runner.arrays import ArraySpec, SlurmArray
 from et_hpc.runner.base import Notify, Outcome, Progress
 from et_hpc.runner.config import RunConfig
 from et_hpc.runner.local import ExecResult, UnitPool, WorkItem, resolve_runner, stop_on_signals, work_items
@@ -222,10 +224,6 @@ def check_fits(n_units: int, units_per_task: int, limits: SubmitLimits) -> int:
                     f"--set slurm.units_per_task={fit}")
 
 
-def make_executor(cfg: RunConfig, run_dir: Path) -> Any:
-    return submitit_executor(cfg.slurm, run_dir / "slurm" / "%j", f"et-hpc-{cfg.run_name()}")
-
-
 KEY_ENV = "ET_HPC_POLICY_API_KEY"
 
 
@@ -247,6 +245,31 @@ def chunked(seq: list[Any], n: int) -> list[list[Any]]:
     return [seq[i:i + n] for i in range(0, len(seq), n)]
 
 
+def submit_array(tasks: Sequence[Any], spec: ArraySpec) -> SlurmArray:
+    """Submit ``tasks`` as one submitit array (sbatch refusing it: one-line ``UserError``); with
+    ``spec.run_dir``, append the submission to that run's ``jobs.json``."""
+    ex = submitit_executor(spec.slurm, spec.folder / "%j", spec.name)
+    try:
+        arr = SlurmArray(ex.submit_array(list(tasks)))
+    except UserError:
+        raise
+    except Exception as e:  # sbatch refused (bad partition, limits): say why, in one line
+        msg = str(e).strip().splitlines()
+        raise UserError(f"sbatch refused the {spec.what}: {msg[-1] if msg else e}") from None
+    if spec.run_dir is not None:
+        jobs_file = load_jobs(spec.run_dir)
+        attempt = spec.record.get("attempt") or next_attempt(jobs_file)
+        jobs_file["submissions"].append({"attempt": attempt, "array_id": arr.array_id, "tasks": len(arr.ids),
+                                         "job_ids": arr.ids, **{k: v for k, v in spec.record.items() if k != "attempt"},
+                                         "submitted_at": time.time(), "folder": str(spec.folder)})
+        save_jobs(spec.run_dir, jobs_file)  # after each array, so a failure later keeps the earlier ids
+    return arr
+
+
+def next_attempt(jobs_file: dict[str, Any]) -> int:
+    return 1 + max((s["attempt"] for s in jobs_file["submissions"]), default=0)
+
+
 def submit(plan: Plan) -> list[dict[str, Any]]:
     """Submit the plan's units as one or more arrays; returns (and saves) the submissions."""
     cfg, run_dir = plan.cfg, plan.run_dir
@@ -255,26 +278,13 @@ def submit(plan: Plan) -> list[dict[str, Any]]:
         return []
     limits = submit_limits(cfg)
     check_fits(len(plan.units), cfg.slurm.units_per_task, limits)
-    per_array = limits.max_array_size
     cfg = key_by_reference(cfg)
-    ex = make_executor(cfg, run_dir)
-    jobs_file = load_jobs(run_dir)
-    attempt = 1 + max((s["attempt"] for s in jobs_file["submissions"]), default=0)
-    subs = []
-    for group in chunked(chunks, per_array):
-        try:
-            jobs = ex.submit_array([ChunkJob(cfg, run_dir, c, plan.planned_at) for c in group])
-        except Exception as e:  # sbatch refused: say why, in one line
-            msg = str(e).strip().splitlines()
-            raise UserError(f"sbatch refused the array: {msg[-1] if msg else e}") from None
-        array_id = str(jobs[0].job_id).split("_")[0]
-        subs.append({"attempt": attempt, "array_id": array_id, "tasks": len(group),
-                     "job_ids": [str(j.job_id) for j in jobs],  # a one-task array is a plain job
-                     "units": sum(len(c) for c in group), "submitted_at": time.time(),
-                     "folder": str(run_dir / "slurm")})
-        jobs_file["submissions"].append(subs[-1])
-        save_jobs(run_dir, jobs_file)  # after each array, so a failure later keeps the earlier ids
-    return subs
+    attempt = next_attempt(load_jobs(run_dir))
+    for group in chunked(chunks, limits.max_array_size):
+        spec = ArraySpec(folder=run_dir / "slurm", name=f"et-hpc-{cfg.run_name()}", slurm=cfg.slurm, run_dir=run_dir,
+                         record={"attempt": attempt, "units": sum(len(c) for c in group)})
+        submit_array([ChunkJob(cfg, run_dir, c, plan.planned_at) for c in group], spec)
+    return [s for s in load_jobs(run_dir)["submissions"] if s["attempt"] == attempt]
 
 
 def task_ids(subs: list[dict[str, Any]]) -> list[str]:
@@ -331,6 +341,10 @@ class SlurmExecutor:
     """Submits the plan as arrays (``submit``), then waits for them unless ``detach``."""
 
     name = "slurm"
+    in_process = False  # its arrays' tasks run in this process
+
+    def submit_array(self, tasks: Sequence[Any], spec: ArraySpec) -> SlurmArray:
+        return submit_array(tasks, spec)
 
     def run(self, plan: Plan, store: Any, *, detach: bool = False, notify: Notify | None = None,
             progress: Progress | None = None) -> Outcome:
