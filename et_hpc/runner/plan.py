@@ -101,10 +101,7 @@ class Plan:
 
 
 def load_run_tasks(cfg: RunConfig) -> tuple[list[Any], list[str]]:
-    try:
-        from et_hpc.tasks.loader import load_tasks  # type: ignore[attr-defined]
-    except ImportError:
-        raise UserError("this et-hpc has no task loader (et_hpc.tasks.loader); cannot load tasks") from None
+    from et_hpc.tasks.loader import load_tasks
     sel = cfg.tasks
     source = sel.source or (str(sel.tasks_dir) if sel.tasks_dir else None)
     if not source:
@@ -120,7 +117,7 @@ def image_missing(img: Any) -> str | None:
     if img is None:
         return "not built"
     status = str(getattr(img, "status", "") or "")
-    if status in ("missing", "failed", "error", "unbuildable"):
+    if status in ("missing", "failed"):
         why = getattr(img, "reason", None) or ("not built" if status == "missing" else f"build {status}")
     else:
         path = getattr(img, "path", None)
@@ -133,14 +130,11 @@ def image_missing(img: Any) -> str | None:
 
 def build_failed(img: Any) -> bool:
     """The image is missing because its build failed or cannot start (not: was never tried)."""
-    return img is not None and str(getattr(img, "status", "") or "") in ("failed", "error", "unbuildable")
+    return img is not None and str(getattr(img, "status", "") or "") == "failed"
 
 
 def default_image_lookup() -> Callable[[Any], Any]:
-    try:
-        from et_hpc.images.store import ImageStore  # type: ignore[attr-defined]
-    except ImportError:
-        raise UserError("this et-hpc has no image store (et_hpc.images.store); cannot check task images") from None
+    from et_hpc.images.store import ImageStore
     return ImageStore().lookup
 
 
