@@ -12,7 +12,7 @@ written (e.g. compact JSON the chat template re-renders differently).
 
 Tokens behave like vLLM's (field names and placement from vllm-project/vllm at commit 002032ee,
 ``vllm/entrypoints/openai/chat_completion/protocol.py`` and ``.../serve/tokenize/protocol.py``):
-prompts are rendered with the ChatML template of ``et_hpc.scripted_tokenizer`` and tokenized
+prompts are rendered with the ChatML template of ``et_hpc.testing.scripted_tokenizer`` and tokenized
 byte-level; ``usage`` counts those tokens; a request with ``return_token_ids`` gets the prompt's ids
 at the top level (``prompt_token_ids``) and the completion's on each choice (``choices[].token_ids``,
 ending with ``<|im_end|>`` unless cut by length); ``logprobs`` gives
@@ -52,7 +52,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from et_hpc import scripted_tokenizer as tk
+from et_hpc.testing import scripted_tokenizer as tk
 
 log = logging.getLogger(__name__)
 
