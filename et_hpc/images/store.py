@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from et_hpc import paths
 from et_hpc.errors import UserError
-from et_hpc.host import slurm as watch
+from et_hpc.host import slurm
 from et_hpc.host.apptainer import exe as apptainer_exe
 from et_hpc.images import keys
 from et_hpc.images.build import (  # noqa: F401  (failure_reason, interrupted, retarget_files: re-exported)
@@ -395,7 +395,7 @@ class ImageStore:
                 self.failed_path(key).unlink(missing_ok=True)
                 return ImageResult(task_id=tid, key=key, status="built", path=sif, digest=digest, log_path=logf)
             tail = file_tail(logf, s.keep_failed_logs_lines, raw=True)
-            if reason is None and (interrupted(rc, tail) or watch.slurm_job_ending()):
+            if reason is None and (interrupted(rc, tail) or slurm.slurm_job_ending()):
                 # Killed from outside (scancel, preemption, OOM, Ctrl-C): not the recipe's fault, so no
                 # failure record; the next ensure builds again.
                 log.warning("%s: build of %s was interrupted (exit %s); not recorded as failed", tid, key[:12], rc)
