@@ -1,21 +1,12 @@
-"""Groups of a run: what was sampled together, and which groups a trainer gets.
+"""Groups of a run: what was sampled together (the one definition; exports and summaries use it).
 
-The one place groups are defined (exports and ``store summary`` use it). A group is what
-was sampled together, key ``(run_name, group_id)``: a batch run's samples of one task
-(``group_id = task_id``), one unit of a continuous run (``<task_id>@e<epoch>``), one
-``collect_trajectories`` call of the Atropos environment (``<task_id>@s<first sample>``). Rows
-written before schema version 4 whose ``group_id`` is just their ``task_id`` keep the older rule,
-key ``(run_name, task_id, policy_version)`` (``policy_version`` None when the server names none):
-those writers did not tell groups apart (``legacy_group``). GRPO-style trainers
-normalise rewards within a group, so a member that failed for reasons outside the agent's reach
-(any non-``ok`` status) biases the rest. ``select_groups`` decides what a trainer gets:
-
-- ``on_error="mask"`` (default): a group with any error member is left out whole;
-- ``on_error="keep-ok"``: its ``ok`` members are kept (the group is shorter);
-- ``drop_zero_variance=True``: groups whose kept scores are all equal (no signal) are left out.
-
-Counts (``GroupCounts``): ``complete`` groups have only ``ok`` members, ``masked`` groups have at
-least one error member, ``zero_variance`` groups are complete with all scores equal.
+A group's key is ``(run_name, group_id)``: a batch run's samples of one task, one unit of a
+continuous run (``<task_id>@e<epoch>``), one Atropos ``collect_trajectories`` call
+(``<task_id>@s<first sample>``). Rows from before schema version 4 keep the older key
+``(run_name, task_id, policy_version)`` (``legacy_group``). ``select_groups`` decides what a
+trainer gets: ``on_error="mask"`` leaves out a group with any non-``ok`` member, ``"keep-ok"``
+keeps its ``ok`` members; ``drop_zero_variance`` leaves out groups whose scores are all equal.
+``GroupCounts``: complete (only ``ok``), masked (an error member), zero_variance (complete, equal).
 """
 
 from __future__ import annotations
