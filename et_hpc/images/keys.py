@@ -156,7 +156,7 @@ _CODE_SIG: str | None = None
 # The modules whose code decides a recipe's key: parsing, normalising and resolving bases (under
 # tasks/) and the modules of images/ that compute the key. A test checks this list against the
 # modules that run while keys are computed.
-KEY_CODE = ("tasks/recipe.py", "tasks/dockerfile.py", "tasks/bases.py", "tasks/files.py", "tasks/model.py",
+KEY_CODE = ("tasks/recipe.py", "tasks/dockerfile.py", "tasks/base_names.py", "tasks/files.py", "tasks/model.py",
             "images/store.py", "images/keys.py")
 
 

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict
 
 from et_hpc.errors import TaskError, UserError
 from et_hpc.tasks import dataset, filters
-from et_hpc.tasks.bases import default_base_map
+from et_hpc.tasks.base_names import default_base_map
 from et_hpc.tasks.folder import is_task_folder, load_task_folder  # noqa: F401  (re-exported)
 from et_hpc.tasks.model import Task
 from et_hpc.util import progress_bar

@@ -11,7 +11,7 @@ from pathlib import Path
 import et_hpc
 from et_hpc.images import keys
 from et_hpc.images.store import ImageStore
-from et_hpc.tasks.bases import default_base_map
+from et_hpc.tasks.base_names import default_base_map
 from et_hpc.tasks.loader import load_tasks
 from et_hpc.tasks.recipe import normalise
 
