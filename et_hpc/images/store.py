@@ -1,22 +1,12 @@
 """ImageStore: content-addressed task images, built rootless once into a shared cache.
 
-The key of an image is the sha256 of (store format, the normalised def text, the digest of the
-base SIF it starts from, the content of every file it copies in). Layout under the cache dir::
-
-    images/<key[:2]>/<key>.sif    the image (appears by atomic rename, never half)
-    images/<key[:2]>/<key>.json   metadata: task ids, built_at, host, seconds, digest, rewrites
-    failed/<key>.json             a failed build: one-line reason and the log tail
-    logs/<key>.log                the last build log (rewrites at the top)
-    locks/<key>.lock              held while a build runs (see ``lock.py``)
-
-Many processes on many nodes may ``ensure`` the same key at once: one builds, the others wait
-for the lock and then find the image. ``lookup`` never builds and is cheap (per-file and base
-digests are cached by path, size and mtime).
-
-An image is checked against the sha256 recorded at build time before it is handed out: cheaply
-(size, mtime and inode as recorded) and in full when those changed. One that no longer matches
-(someone with write access to the cache swapped it) is refused as ``missing`` with a one-line
-reason; ``et-hpc build`` rebuilds it.
+Layout under the cache dir: ``images/<key[:2]>/<key>.sif`` (appears by atomic rename) and
+``.json`` (task ids, host, seconds, digest), ``failed/<key>.json`` (one-line reason, log tail),
+``logs/<key>.log``, ``locks/<key>.lock`` (held while a build runs). Keys: ``keys.py``; the build
+steps: ``build.py``. Many processes may ``ensure`` one key at once: one builds, the others wait
+for the lock and find the image. ``lookup`` never builds and is cheap. An image whose size,
+mtime or inode changed since its build is checked against its recorded sha256; one that no
+longer matches is refused as ``missing`` with a one-line reason.
 """
 
 from __future__ import annotations

@@ -1,29 +1,12 @@
 """The run store: episode records as parquet shards in one directory per run, on a shared filesystem.
 
-Layout::
-
-    <root>/<run_name>/
-        run.json                                   run config and plan, written at plan time
-        part-<utc time>-<host>-<pid>-<rand>.parquet  one finished episode or a small batch each
-        .tmp-part-...parquet                       a shard being written (never read)
-
-Writing needs no lock, so any number of processes on any number of nodes can write into one run
-at once: each shard is written under a hidden ``.tmp-`` name in the run directory, fsynced, then
-renamed to its ``part-`` name (rename within a directory is atomic, also on NFS/Lustre). Readers
-list only ``part-*.parquet``, so they never see a half-written file. Because names start with
-``.``/``_`` or ``part-``, plain ``pyarrow.dataset.dataset(run_dir)``, ``pandas.read_parquet(run_dir)``
-and ``datasets.load_dataset("parquet", data_files=".../part-*.parquet")`` read a run as-is.
-
-Duplicates are expected and handled by readers, not prevented by writers:
-
-- a process that crashed after writing its shard but before recording progress redoes the unit,
-  so a unit ``(task_id, sample)`` can have several records;
-- ``compact`` writes the merged shard first and deletes its inputs afterwards, so a reader that
-  lists files between the two steps sees some episodes twice (same ``episode_id``).
-
-``RunStore.read()`` therefore returns one row per unit by default: an ``ok`` record beats an error
-record, and among equals the newest ``created_at`` wins (which also collapses exact duplicates).
-Groups and their selection: see ``groups.py``; compaction: ``compaction.py``.
+``<root>/<run_name>/`` holds ``run.json`` (config and plan) and ``part-*.parquet`` shards. Writing
+needs no lock: a shard is written under a hidden ``.tmp-`` name, fsynced and renamed (atomic, also
+on NFS/Lustre), so any number of writers may share a run and readers never see half a file;
+pyarrow, pandas and ``datasets`` read a run directory as-is. Duplicates (a unit redone after a
+crash, a compaction between its two steps) are resolved by readers: ``RunStore.read()`` returns
+one row per unit, ``ok`` before errors, then the newest ``created_at``. Shards and ``run.json``:
+``shards.py``; groups: ``groups.py``; compaction: ``compaction.py``; the layout: docs/store.md.
 """
 
 from __future__ import annotations
