@@ -23,7 +23,7 @@ from pathlib import Path
 from et_hpc.agent.loop import BudgetConfig, run_agent
 from et_hpc.agent.openai_policy import OpenAIPolicy
 from et_hpc.sandbox.shell import Shell
-from et_hpc.scripted_server import ScriptedServer
+from et_hpc.testing.scripted_server import ScriptedServer
 
 
 def script(turns: int) -> dict:

@@ -21,7 +21,7 @@ import time
 from et_hpc.agent.loop import BudgetConfig, run_agent
 from et_hpc.agent.openai_policy import OpenAIPolicy
 from et_hpc.sandbox.shell import Shell
-from et_hpc.scripted_server import ScriptedServer
+from et_hpc.testing.scripted_server import ScriptedServer
 
 VARIANTS = {
     "off": ({}, {"return_token_ids": False}),

@@ -16,7 +16,7 @@ PKG = Path(__file__).resolve().parent.parent / "et_hpc"
 # Module (or package prefix) -> layer. An import may point to its own layer or a lower one.
 LAYERS: dict[str, int] = {
     # L0 contracts: errors, where things live, the episode record, small utilities
-    "et_hpc": 0, "et_hpc._moved": 0, "et_hpc.errors": 0, "et_hpc.paths": 0, "et_hpc.record": 0, "et_hpc.util": 0,
+    "et_hpc": 0, "et_hpc._moved": 0, "et_hpc.compat": 0, "et_hpc.errors": 0, "et_hpc.paths": 0, "et_hpc.record": 0, "et_hpc.util": 0,
     # L1 thin wrappers over the host's tools; the run store and what reads it
     "et_hpc.host": 1, "et_hpc.runs": 1, "et_hpc.store": 1,  # store: a shim (runs/store.py)
     # L2 tasks: the model, the sources, recipes (def and Dockerfile) and base names
@@ -24,7 +24,7 @@ LAYERS: dict[str, int] = {
     # L3 images built from recipes; sandboxes started from images
     "et_hpc.images": 3, "et_hpc.sandbox": 3,
     # L4 the agent (policies, loop, endpoints) and the scripted server that stands in for a model
-    "et_hpc.agent": 4, "et_hpc.scripted_server": 4, "et_hpc.scripted_tokenizer": 4,
+    "et_hpc.agent": 4, "et_hpc.testing": 4, "et_hpc.scripted_server": 4, "et_hpc.scripted_tokenizer": 4,
     # ... and the CPU model server that serves a real one (its endpoint file is the agent's format)
     "et_hpc.model": 4,
     # L5 one episode: sandbox + agent + scoring; the task check built on it

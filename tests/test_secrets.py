@@ -92,7 +92,7 @@ SLURM = ["--executor", "slurm", "--set", "slurm.cpus_per_task=1", "--set", "slur
 
 @pytest.mark.slurm
 def test_key_from_run_config_through_slurm(demo_image, tmp_path: Path) -> None:
-    from et_hpc.scripted_server import ScriptedServer
+    from et_hpc.testing.scripted_server import ScriptedServer
 
     with ScriptedServer(SCRIPT, api_key=SECRET) as srv:
         cfg = tmp_path / "secret-config.yaml"  # the user's own file: the one place the key may be
@@ -110,7 +110,7 @@ def test_key_from_run_config_through_slurm(demo_image, tmp_path: Path) -> None:
 
 @pytest.mark.slurm
 def test_key_from_endpoint_file_through_slurm(demo_image, tmp_path: Path) -> None:
-    from et_hpc.scripted_server import ScriptedServer
+    from et_hpc.testing.scripted_server import ScriptedServer
 
     ep = tmp_path / "private" / "endpoint.json"
     with ScriptedServer(SCRIPT, api_key=SECRET) as srv:
@@ -125,7 +125,7 @@ def test_key_from_endpoint_file_through_slurm(demo_image, tmp_path: Path) -> Non
 
 
 def test_key_from_environment_local(demo_image, tmp_path: Path) -> None:
-    from et_hpc.scripted_server import ScriptedServer
+    from et_hpc.testing.scripted_server import ScriptedServer
 
     with ScriptedServer(SCRIPT, api_key=SECRET) as srv:
         _run(tmp_path, "env", "--set", "policy.kind=openai", "--set", f"policy.base_url={srv.base_url}",
@@ -135,7 +135,7 @@ def test_key_from_environment_local(demo_image, tmp_path: Path) -> None:
 
 def test_wrong_key_is_a_policy_error_not_a_zero(demo_image, tmp_path: Path) -> None:
     from et_hpc.runs.store import open_run
-    from et_hpc.scripted_server import ScriptedServer
+    from et_hpc.testing.scripted_server import ScriptedServer
 
     with ScriptedServer(SCRIPT, api_key=SECRET) as srv:
         _run(tmp_path, "bad", "--set", "policy.kind=openai", "--set", f"policy.base_url={srv.base_url}",

@@ -30,7 +30,7 @@ from et_hpc import paths
 from et_hpc.errors import UserError
 from et_hpc.host import apptainer
 from et_hpc.host.doctor import OK, WARN, Check
-from et_hpc.tasks.bases import ALIASES, DEFAULT_NAME, base_dir, base_path, default_base_map  # noqa: F401
+from et_hpc.tasks.base_names import ALIASES, DEFAULT_NAME, base_dir, base_path, default_base_map  # noqa: F401
 from et_hpc.util import atomic_write_text, sha256_file
 
 log = logging.getLogger(__name__)

@@ -126,13 +126,6 @@ class BuildLock:
         self.acquired_at = info.taken_at
         return True
 
-    def try_acquire(self) -> bool:
-        """One attempt, no waiting and no takeover."""
-        if self._try_create():
-            self._start_heartbeat()
-            return True
-        return False
-
     def acquire(self) -> BuildLock:
         t0 = time.monotonic()
         seen_key: tuple | None = None

@@ -1,22 +1,12 @@
 """ImageStore: content-addressed task images, built rootless once into a shared cache.
 
-The key of an image is the sha256 of (store format, the normalised def text, the digest of the
-base SIF it starts from, the content of every file it copies in). Layout under the cache dir::
-
-    images/<key[:2]>/<key>.sif    the image (appears by atomic rename, never half)
-    images/<key[:2]>/<key>.json   metadata: task ids, built_at, host, seconds, digest, rewrites
-    failed/<key>.json             a failed build: one-line reason and the log tail
-    logs/<key>.log                the last build log (rewrites at the top)
-    locks/<key>.lock              held while a build runs (see ``lock.py``)
-
-Many processes on many nodes may ``ensure`` the same key at once: one builds, the others wait
-for the lock and then find the image. ``lookup`` never builds and is cheap (per-file and base
-digests are cached by path, size and mtime).
-
-An image is checked against the sha256 recorded at build time before it is handed out: cheaply
-(size, mtime and inode as recorded) and in full when those changed. One that no longer matches
-(someone with write access to the cache swapped it) is refused as ``missing`` with a one-line
-reason; ``et-hpc build`` rebuilds it.
+Layout under the cache dir: ``images/<key[:2]>/<key>.sif`` (appears by atomic rename) and
+``.json`` (task ids, host, seconds, digest), ``failed/<key>.json`` (one-line reason, log tail),
+``logs/<key>.log``, ``locks/<key>.lock`` (held while a build runs). Keys: ``keys.py``; the build
+steps: ``build.py``. Many processes may ``ensure`` one key at once: one builds, the others wait
+for the lock and find the image. ``lookup`` never builds and is cheap. An image whose size,
+mtime or inode changed since its build is checked against its recorded sha256; one that no
+longer matches is refused as ``missing`` with a one-line reason.
 """
 
 from __future__ import annotations
@@ -25,15 +15,8 @@ import hashlib
 import json
 import logging
 import os
-import re
-import shlex
-import shutil
-import signal
 import socket
-import subprocess
-import sys
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -45,34 +28,30 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from et_hpc import paths
 from et_hpc.errors import UserError
-from et_hpc.host import slurm as watch
-from et_hpc.host.apptainer import clean_env as apptainer_clean_env
+from et_hpc.host import slurm
 from et_hpc.host.apptainer import exe as apptainer_exe
+from et_hpc.images import keys
+from et_hpc.images.build import (  # noqa: F401  (failure_reason, interrupted, retarget_files: re-exported)
+    BUILD_CA_PATH,
+    HOST_CA_BUNDLE,
+    _fsync_file,
+    _now,
+    _rmtree,
+    default_jobs,
+    failure_reason,
+    interrupted,
+    retarget_files,
+    run_build,
+    stage,
+    with_build_ca,
+)
+from et_hpc.images.keys import FORMAT, DigestCache, LookupIndex
 from et_hpc.images.lock import BuildLock, LockInfo, LockTimeout
 from et_hpc.util import atomic_write_text, file_tail, fsync_dir, progress_bar, sha256_file
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
 Status = Literal["built", "cached", "failed", "missing"]
-
-
-HOST_CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
-BUILD_CA_PATH = "/tmp/.et-hpc-build-ca.crt"  # where the bundle is bound during %post
-_CA_EXPORTS = (
-    f"if [ -r {BUILD_CA_PATH} ]; then export PIP_CERT={BUILD_CA_PATH} SSL_CERT_FILE={BUILD_CA_PATH} "
-    f"REQUESTS_CA_BUNDLE={BUILD_CA_PATH} CURL_CA_BUNDLE={BUILD_CA_PATH} GIT_SSL_CAINFO={BUILD_CA_PATH}; fi"
-)
-
-
-def with_build_ca(text: str) -> str:
-    """Make the first line of ``%post`` point pip, curl, requests and git at the bound CA bundle."""
-    lines = text.splitlines(keepends=True)
-    for i, ln in enumerate(lines):
-        if ln.lstrip().startswith("%post") and (ln.strip() == "%post" or ln.strip()[5:6].isspace()):
-            lines.insert(i + 1, f"    {_CA_EXPORTS}\n")
-            return "".join(lines)
-    return text
 
 
 class ImageStoreConfig(BaseModel):
@@ -123,155 +102,6 @@ class ImageResult(BaseModel):
     seconds: float = 0.0
 
 
-def _stat_key(st: os.stat_result) -> tuple[int, int, int]:
-    return (st.st_size, st.st_mtime_ns, st.st_ino)
-
-
-class _DigestCache:
-    """sha256 of files and trees, memoised by (path, size, mtime, inode)."""
-
-    def __init__(self) -> None:
-        self._memo: dict[str, tuple[tuple[int, int, int], str]] = {}
-        self._lock = threading.Lock()
-
-    def file(self, path: Path) -> str:
-        st = os.stat(path)
-        k = str(path)
-        sk = _stat_key(st)
-        with self._lock:
-            hit = self._memo.get(k)
-        if hit and hit[0] == sk:
-            return hit[1]
-        digest = sha256_file(path)
-        with self._lock:
-            self._memo[k] = (sk, digest)
-        return digest
-
-    def entry(self, path: Path) -> str:
-        """Digest of a file or a directory tree (names, contents, executable bits, symlinks)."""
-        path = Path(path)
-        if path.is_symlink():
-            return "link:" + os.readlink(path)
-        if path.is_dir():
-            h = hashlib.sha256()
-            for root, dirs, files in os.walk(path):
-                dirs.sort()
-                for name in sorted(files + [d for d in dirs if os.path.islink(os.path.join(root, d))]):
-                    p = Path(root, name)
-                    h.update(f"{p.relative_to(path)}\0{self.entry(p)}\0{self._mode(p)}\n".encode())
-                for d in dirs:
-                    h.update(f"{Path(root, d).relative_to(path)}/\n".encode())
-            return "tree:" + h.hexdigest()
-        return self.file(path) + f":{self._mode(path)}"
-
-    @staticmethod
-    def _mode(p: Path) -> str:
-        try:
-            return "x" if os.lstat(p).st_mode & 0o111 else "-"
-        except OSError:
-            return "?"
-
-
-def _stat_list(p: Path) -> list[int] | None:
-    try:
-        st = os.stat(p)
-    except OSError:
-        return None
-    return [st.st_size, st.st_mtime_ns, st.st_ino]
-
-
-class LookupIndex:
-    """Recipe path -> image key, valid while the recipe, its context dir, copied files and base are
-    unchanged (size, mtime, inode) and the normalising code is the same. Lets a fresh process look up
-    thousands of tasks without normalising and hashing; a miss just falls back to the full path."""
-
-    RACY_S = 2.0  # files changed this recently may change again within the same mtime tick
-
-    def __init__(self, path: Path, sig: str) -> None:
-        self.path, self.sig = path, sig
-        self._entries: dict[str, dict] | None = None
-        self._dirty = False
-        self._lock = threading.Lock()
-
-    def _load(self) -> dict[str, dict]:
-        if self._entries is None:
-            try:
-                data = json.loads(self.path.read_text())
-                self._entries = data["entries"] if data.get("sig") == self.sig else {}
-            except (OSError, ValueError, KeyError, TypeError):
-                self._entries = {}
-        return self._entries
-
-    @staticmethod
-    def _id(task: Any) -> str | None:
-        r = getattr(task, "recipe", None)
-        return f"{r.kind}:{r.path}:{r.context_dir}" if r is not None and hasattr(r, "path") else None
-
-    def key(self, task: Any) -> str | None:
-        tid = self._id(task)
-        if tid is None:
-            return None
-        with self._lock:
-            ent = self._load().get(tid)
-        if not ent:
-            return None
-        for p, want in ent["stats"]:
-            if _stat_list(Path(p)) != want:
-                return None
-        return ent["key"]
-
-    def remember(self, task: Any, recipe: Any, key: str) -> None:
-        tid = self._id(task)
-        if tid is None:
-            return
-        r = task.recipe
-        paths = [Path(r.path), Path(r.context_dir)] + [Path(src) for src, _ in recipe.files]
-        if getattr(recipe, "base", None):
-            paths.append(Path(recipe.base))
-        stats = []
-        now = time.time_ns()
-        for p in paths:
-            st = _stat_list(p)
-            if st is None or now - st[1] < self.RACY_S * 1e9 or (p.is_dir() and p not in paths[:2]):
-                return  # missing, too fresh to trust, or a copied directory tree: always recompute
-            stats.append([str(p), st])
-        with self._lock:
-            self._load()[tid] = {"key": key, "stats": stats}
-            self._dirty = True
-
-    def save(self) -> None:
-        with self._lock:
-            if not self._dirty or self._entries is None:
-                return
-            try:
-                atomic_write_text(self.path, json.dumps({"sig": self.sig, "entries": self._entries}))
-                self._dirty = False
-            except OSError as e:
-                log.debug("lookup index not saved: %s", e)
-
-
-_CODE_SIG: str | None = None
-# The modules whose code decides a recipe's key: parsing, normalising and resolving bases (under
-# tasks/) and this file.
-_KEY_CODE = ("tasks/recipe.py", "tasks/dockerfile.py", "tasks/bases.py", "tasks/files.py", "tasks/model.py",
-             "images/store.py")
-
-
-def _code_signature() -> str:
-    """Digest of the code that turns recipes into keys (a change invalidates the lookup index)."""
-    global _CODE_SIG
-    if _CODE_SIG is None:
-        h = hashlib.sha256()
-        pkg = Path(__file__).resolve().parent.parent
-        for name in _KEY_CODE:
-            try:
-                h.update((pkg / name).read_bytes())
-            except OSError:
-                h.update(name.encode())
-        _CODE_SIG = h.hexdigest()
-    return _CODE_SIG
-
-
 class ImageStore:
     """Build-once, content-addressed images for tasks.
 
@@ -295,14 +125,14 @@ class ImageStore:
         self._scratch = Path(scratch) if scratch else None
         self.settings = settings or ImageStoreConfig.from_env(**overrides)
         self._normalise = normalise
-        self._digests = _DigestCache()
+        self._digests = DigestCache()
         self._base_digests: dict[str, tuple[tuple[int, int, int], str]] = {}
         self._index: LookupIndex | None = None
 
     @property
     def index(self) -> LookupIndex:
         if self._index is None:
-            sig = hashlib.sha256(_code_signature().encode())
+            sig = hashlib.sha256(keys._code_signature().encode())
             for name, p in sorted(self.base_map.items()):
                 sig.update(f"{name}={p}\n".encode())
             self._index = LookupIndex(self.cache_dir / "index" / f"lookups-{FORMAT}.json", sig.hexdigest())
@@ -348,46 +178,10 @@ class ImageStore:
 
     def base_digest(self, base: Path) -> str:
         """sha256 of a base SIF: from memory, its sidecar (.json with size/mtime), or computed once."""
-        base = Path(base)
-        try:
-            st = os.stat(base)
-        except FileNotFoundError:
-            raise UserError(f"base image {base} not found: build it with 'et-hpc base build'") from None
-        sk = _stat_key(st)
-        hit = self._base_digests.get(str(base))
-        if hit and hit[0] == sk:
-            return hit[1]
-        digest = None
-        for side in (base.with_suffix(".json"), base.with_name(base.name + ".sha256.json")):
-            try:
-                meta = json.loads(side.read_text())
-            except (OSError, ValueError):
-                continue
-            if meta.get("size") == st.st_size and meta.get("mtime_ns") == st.st_mtime_ns and meta.get("digest"):
-                digest = meta["digest"]
-                break
-        if digest is None:
-            digest = sha256_file(base)
-            try:
-                atomic_write_text(base.with_name(base.name + ".sha256.json"), json.dumps(
-                    {"digest": digest, "size": st.st_size, "mtime_ns": st.st_mtime_ns}))
-            except OSError:
-                pass  # read-only location: memory only
-        self._base_digests[str(base)] = (sk, digest)
-        return digest
+        return keys.base_digest(base, self._base_digests)
 
     def key_for(self, recipe: Any) -> str:
-        h = hashlib.sha256()
-        h.update(f"et-hpc image store format {FORMAT}\n".encode())
-        text = recipe.text.encode()
-        h.update(f"def {len(text)}\n".encode() + text + b"\n")
-        base = getattr(recipe, "base", None)
-        h.update(f"base {self.base_digest(base) if base else '-'}\n".encode())
-        for dest, src in sorted((str(n), Path(s)) for s, n in recipe.files):
-            if not src.exists() and not src.is_symlink():
-                raise UserError(f"file {src} copied in by the recipe does not exist: restore it or fix the recipe")
-            h.update(f"file {dest}\0{self._digests.entry(src)}\n".encode())
-        return h.hexdigest()
+        return keys.recipe_key(recipe, self.base_digest, self._digests)
 
     def _prebuilt(self, task: Any, recipe: Any) -> ImageResult | None:
         if getattr(recipe, "kind", "def") != "sif":
@@ -570,11 +364,11 @@ class ImageStore:
                 lf.write("\n".join(header) + "\n")
                 lf.flush()
                 try:
-                    self._stage(recipe, work)
+                    stage(recipe, work, self.settings)
                 except OSError as e:
                     reason = f"could not stage build files: {e}"
                 if reason is None:
-                    rc, reason = self._run_build(work, tmp_out, lf)
+                    rc, reason = run_build(self.settings, work, tmp_out, lf, self.scratch)
             if reason is None and rc == 0:
                 _fsync_file(tmp_out)
                 digest = sha256_file(tmp_out)
@@ -591,7 +385,7 @@ class ImageStore:
                 self.failed_path(key).unlink(missing_ok=True)
                 return ImageResult(task_id=tid, key=key, status="built", path=sif, digest=digest, log_path=logf)
             tail = file_tail(logf, s.keep_failed_logs_lines, raw=True)
-            if reason is None and (interrupted(rc, tail) or watch.slurm_job_ending()):
+            if reason is None and (interrupted(rc, tail) or slurm.slurm_job_ending()):
                 # Killed from outside (scancel, preemption, OOM, Ctrl-C): not the recipe's fault, so no
                 # failure record; the next ensure builds again.
                 log.warning("%s: build of %s was interrupted (exit %s); not recorded as failed", tid, key[:12], rc)
@@ -607,52 +401,6 @@ class ImageStore:
         finally:
             tmp_out.unlink(missing_ok=True)
             _rmtree(work)
-
-    def _stage(self, recipe: Any, work: Path) -> None:
-        """Write the def into ``work`` with every copied-in file snapshotted beside it (node-local)."""
-        mapping: dict[str, Path] = {}
-        for i, (src, _dest) in enumerate(recipe.files):
-            src = Path(src)
-            staged = work / "files" / str(i) / (src.name or "root")
-            staged.parent.mkdir(parents=True, exist_ok=True)
-            if src.is_dir() and not src.is_symlink():
-                shutil.copytree(src, staged, symlinks=True)
-            else:
-                shutil.copy2(src, staged, follow_symlinks=False)
-            mapping[str(src)] = staged
-        text = retarget_files(recipe.text, mapping)
-        if self.settings.build_ca() is not None:
-            text = with_build_ca(text)
-        (work / "container.def").write_text(text)
-
-    def _run_build(self, work: Path, out: Path, lf: Any) -> tuple[int | None, str | None]:
-        s = self.settings
-        if not shutil.which(s.apptainer):
-            return None, f"{s.apptainer} not found on PATH: install Apptainer or 'module load apptainer'"
-        env = apptainer_clean_env()  # no APPTAINER_*/SINGULARITY_* of the caller's (host/apptainer.py)
-        tmpdir = work / "apptainer-tmp"
-        tmpdir.mkdir()
-        env["APPTAINER_TMPDIR"] = str(tmpdir)
-        env.setdefault("APPTAINER_CACHEDIR", str(self.scratch / "apptainer-cache"))
-        cmd = [s.apptainer, "build", "--fakeroot", "--force", str(out), "container.def"]
-        ca = s.build_ca()
-        if ca is not None:
-            cmd[2:2] = ["--bind", f"{ca}:{BUILD_CA_PATH}:ro"]
-        lf.write(f"$ cd {work} && {' '.join(cmd)}\n")
-        lf.flush()
-        proc = subprocess.Popen(cmd, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=lf,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-        guard = _start_watchdog(proc.pid)
-        try:
-            return proc.wait(timeout=s.build_timeout_s), None
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            return None, f"build timed out after {s.build_timeout_s:.0f} s (raise build_timeout_s or ET_HPC_BUILD_TIMEOUT)"
-        except BaseException:
-            _kill_group(proc)
-            raise
-        finally:
-            _stop_watchdog(guard)
 
     def ensure_many(self, tasks: Iterable[Any], *, jobs: int | None = None, progress: bool = True,
                     retry_failed: bool = False, build: bool = True) -> list[ImageResult]:
@@ -687,145 +435,7 @@ class ImageStore:
         return [r for r in results if r is not None]
 
 
-# -- helpers ---------------------------------------------------------------------------------
-# Lines that say why a build failed, most telling first; the last matching line of the log wins.
-_REASONS = [re.compile(p) for p in (
-    r"curl: \(\d+\).*",
-    r"wget: .*(unable|failed|error).*",
-    r"^E: .*",
-    r"ERROR: (Could not find a version|No matching distribution).*",
-    r"^(ERROR|error): .*",
-    r".*: command not found",
-    r".*(Could not resolve host|Temporary failure (in )?(name )?resolution|Name or service not known).*",
-    r".*No such file or directory.*",
-    r"^(FATAL|ERROR): .*",
-)]
-_NOISE = re.compile(r"^(INFO|WARNING|VERBOSE|DEBUG):|^#|^\$ ")
-
-
-_SIGNALLED = re.compile(r"exit status (130|137|143)\b|signal: (killed|terminated|interrupt)", re.I)
-
-
-def interrupted(rc: int | None, tail: list[str]) -> bool:
-    """Did the build die of a signal (ours or a step's: SIGINT, SIGKILL, SIGTERM) rather than fail?"""
-    if rc is None:
-        return False
-    if rc < 0 or rc in (130, 137, 143):
-        return True
-    return any(_SIGNALLED.search(ln) for ln in tail[-5:])
-
-
-def failure_reason(lines: list[str]) -> str | None:
-    """The most telling error line of a build log tail, as one line."""
-    clean = [ln.strip() for ln in lines if ln.strip()]
-    for rx in _REASONS:
-        for ln in reversed(clean):
-            m = rx.search(ln)
-            if m and not _NOISE.match(ln):
-                return re.sub(r"\s+", " ", m.group(0))[:300]  # from the match: drops progress-meter junk
-    for ln in reversed(clean):
-        if not _NOISE.match(ln):
-            return re.sub(r"\s+", " ", ln)[:300]
-    return None
-
-
-def default_jobs() -> int:
-    """Parallel builds by default: half the cores (a build is itself multi-threaded), at least one."""
-    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, n // 2)
-
-
-def retarget_files(text: str, mapping: dict[str, Path]) -> str:
-    """Point ``%files`` sources named in ``mapping`` (host path -> staged copy) at the staged copies."""
-    out, in_files = [], False
-    for line in text.splitlines():
-        stripped = line.strip()
-        if stripped.startswith("%"):
-            name, _, args = stripped[1:].partition(" ")
-            in_files = name in ("files", "appfiles") and not args.strip().startswith("from ")
-        elif in_files and stripped and not stripped.startswith("#"):
-            try:
-                toks = shlex.split(stripped)
-            except ValueError:
-                toks = []
-            if toks and toks[0] in mapping:
-                indent = line[: len(line) - len(line.lstrip())]
-                line = indent + " ".join(shlex.quote(t) for t in [str(mapping[toks[0]]), *toks[1:]])
-        out.append(line)
-    return "\n".join(out) + ("\n" if text.endswith("\n") else "")
 
 
 def _task_id(task: Any) -> str:
     return str(getattr(task, "id", None) or task)
-
-
-def _now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-# Runs beside a build: when the building process dies (even by SIGKILL) its end of the pipe closes
-# and this ends the build's process group, which apptainer's fakeroot helpers would otherwise outlive.
-_WATCHDOG = """
-import os, signal, sys, time
-pgid = int(sys.argv[1])
-if sys.stdin.read() != "done":
-    for sig, grace in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 0.0)):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            break
-        end = time.monotonic() + grace
-        while time.monotonic() < end:
-            try:
-                os.killpg(pgid, 0)
-            except ProcessLookupError:
-                sys.exit(0)
-            time.sleep(0.2)
-"""
-
-
-def _start_watchdog(pgid: int) -> subprocess.Popen | None:
-    try:
-        return subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(pgid)], stdin=subprocess.PIPE,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                                text=True)
-    except OSError as e:
-        log.warning("no watchdog for build group %s: %s", pgid, e)
-        return None
-
-
-def _stop_watchdog(guard: subprocess.Popen | None) -> None:
-    if guard is None:
-        return
-    try:
-        guard.communicate("done", timeout=30)
-    except (OSError, ValueError, subprocess.TimeoutExpired):
-        guard.kill()
-        guard.wait()
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-def _rmtree(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
-    if path.exists():  # files owned by mapped ids (fakeroot): remove inside a user namespace
-        subprocess.run(["unshare", "--map-auto", "--map-root-user", "rm", "-rf", str(path)], capture_output=True)

@@ -7,7 +7,7 @@
 - ``versions``: the trainer-owned policy version (``publish_version``);
 - ``cli``: ``et-hpc rollouts tail|publish|stop``.
 
-The walk-through of a training session is in ``slurm/README.md``; the design in ``docs/rollouts.md``.
+The walk-through of a training session is in ``slurm/README.md``; the store it reads in ``docs/store.md``.
 """
 
 from et_hpc.rollouts.stream import RolloutGroup, RolloutStream

@@ -25,6 +25,7 @@ from et_hpc.errors import UserError
 from et_hpc.record import EpisodeRecord, records_from_table
 from et_hpc.rollouts.queue import WorkQueue, slot_name
 from et_hpc.rollouts.versions import PolicyVersion, VersionReader, publish_version, version_step
+from et_hpc.runs.shards import read_run_config
 from et_hpc.util import atomic_write_text
 
 
@@ -76,8 +77,8 @@ class RolloutGroup:
 def run_endpoint(run_dir: Path) -> tuple[str | None, str | None]:
     """``policy.endpoint_file`` and ``policy.endpoint_dir`` of the run's ``run.json`` (None, None without)."""
     try:
-        pol = (json.loads((run_dir / "run.json").read_text()).get("config") or {}).get("policy") or {}
-    except (OSError, ValueError, AttributeError):
+        pol = ((read_run_config(run_dir) or {}).get("config") or {}).get("policy") or {}
+    except (OSError, UserError, AttributeError):
         return None, None
     return pol.get("endpoint_file"), pol.get("endpoint_dir")
 

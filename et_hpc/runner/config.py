@@ -183,7 +183,3 @@ def load_config(path: Path | str | None = None, overrides: list[tuple[list[str],
             msg = "unknown setting (see 'et-hpc run --help' for the settings)"
         more = f" (and {len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
         raise UserError(f"{origin}: {key}: {msg}{more}") from None
-
-
-def config_to_yaml(cfg: RunConfig) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -19,7 +19,6 @@ the run's description (config + plan summary) in the run directory.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -30,8 +29,8 @@ from typing import Any
 from et_hpc.errors import UserError
 from et_hpc.record import solved
 from et_hpc.runner.config import RunConfig
+from et_hpc.runs.shards import RUN_CONFIG, read_run_config, write_run_config
 from et_hpc.runs.store import RunStore
-from et_hpc.util import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -101,10 +100,7 @@ class Plan:
 
 
 def load_run_tasks(cfg: RunConfig) -> tuple[list[Any], list[str]]:
-    try:
-        from et_hpc.tasks.loader import load_tasks  # type: ignore[attr-defined]
-    except ImportError:
-        raise UserError("this et-hpc has no task loader (et_hpc.tasks.loader); cannot load tasks") from None
+    from et_hpc.tasks.loader import load_tasks
     sel = cfg.tasks
     source = sel.source or (str(sel.tasks_dir) if sel.tasks_dir else None)
     if not source:
@@ -120,7 +116,7 @@ def image_missing(img: Any) -> str | None:
     if img is None:
         return "not built"
     status = str(getattr(img, "status", "") or "")
-    if status in ("missing", "failed", "error", "unbuildable"):
+    if status in ("missing", "failed"):
         why = getattr(img, "reason", None) or ("not built" if status == "missing" else f"build {status}")
     else:
         path = getattr(img, "path", None)
@@ -133,14 +129,11 @@ def image_missing(img: Any) -> str | None:
 
 def build_failed(img: Any) -> bool:
     """The image is missing because its build failed or cannot start (not: was never tried)."""
-    return img is not None and str(getattr(img, "status", "") or "") in ("failed", "error", "unbuildable")
+    return img is not None and str(getattr(img, "status", "") or "") == "failed"
 
 
 def default_image_lookup() -> Callable[[Any], Any]:
-    try:
-        from et_hpc.images.store import ImageStore  # type: ignore[attr-defined]
-    except ImportError:
-        raise UserError("this et-hpc has no image store (et_hpc.images.store); cannot check task images") from None
+    from et_hpc.images.store import ImageStore
     return ImageStore().lookup
 
 
@@ -250,7 +243,6 @@ def write_run_json(plan: Plan) -> Path:
 
 def save_run_json(cfg: RunConfig, run_dir: Path, summary: dict[str, Any]) -> Path:
     """Write ``run.json`` (name, folder, time, the config, the plan's summary); the one writer of it."""
-    path = Path(run_dir) / "run.json"
     data = {
         "name": cfg.run_name(),
         "run_dir": str(run_dir),
@@ -258,15 +250,11 @@ def save_run_json(cfg: RunConfig, run_dir: Path, summary: dict[str, Any]) -> Pat
         "config": cfg.model_dump(mode="json"),
         "plan": summary,
     }
-    atomic_write_text(path, json.dumps(data, indent=2) + "\n")
-    return path
+    return write_run_config(Path(run_dir), data)
 
 
 def read_run_json(run_dir: Path) -> dict[str, Any]:
-    path = Path(run_dir) / "run.json"
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"{path} not found: is {run_dir} a run directory (made by 'et-hpc run')?") from None
-    except ValueError as e:
-        raise UserError(f"{path} is not valid JSON ({e}); rerun 'et-hpc run' to rewrite it") from None
+    data = read_run_config(Path(run_dir))
+    if data is None:
+        raise UserError(f"{Path(run_dir) / RUN_CONFIG} not found: is {run_dir} a run directory (made by 'et-hpc run')?")
+    return data

@@ -21,6 +21,7 @@ import json
 import logging
 import math
 import os
+import signal
 import threading
 import time
 from collections.abc import Sequence
@@ -86,7 +87,7 @@ class ChunkJob(Checkpointable):
         self._pool = UnitPool(items, resolve_runner(self.cfg.unit_runner), self.cfg, store,
                               self.cfg.node_concurrency(), stop, ready_at=self.ready_at)
         try:
-            with stop_on_signals(stop, (signal_term(),)):
+            with stop_on_signals(stop, (signal.SIGTERM,)):
                 res = self._pool.run()
         finally:
             reaping.set()
@@ -101,12 +102,6 @@ class ChunkJob(Checkpointable):
             if not pool.join(CHECKPOINT_GRACE_S):
                 log.warning("episodes still running after %.0f s; requeueing anyway", CHECKPOINT_GRACE_S)
         return DelayedSubmission(ChunkJob(self.cfg, self.run_dir, self.items, self.ready_at))
-
-
-def signal_term() -> int:
-    import signal
-
-    return signal.SIGTERM
 
 
 def _result_dict(r: ExecResult, n: int) -> dict[str, Any]:

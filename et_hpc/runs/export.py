@@ -95,10 +95,6 @@ class ExportResult(BaseModel):
     rows: int = 0  # lines (Atropos) or rows (SkyRL) written
     counts: GroupCounts  # total/complete/masked/zero_variance and what was dropped
 
-    @property
-    def dropped_equal(self) -> int:
-        return self.counts.dropped_zero_variance
-
     def line(self) -> str:
         c = self.counts
         what = "groups" if self.format == "atropos" else "episodes"

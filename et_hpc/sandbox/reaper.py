@@ -63,96 +63,119 @@ def reap(scratch: Path | None = None, all_runs: bool = False, dry_run: bool = Fa
     is still running is left for the next call (nothing here then waits). Apptainer is asked only
     when there is something to reap.
     """
-    rep = ReapReport(dry_run=dry_run)
+    r = _Reaping(ReapReport(dry_run=dry_run))
     live_dir, overlays_dir, _ = scratch_paths(scratch)
-    host = socket.gethostname()
-    running: dict[str, apptainer.InstanceInfo] = {}
-    handled: set[str] = set()
-
-    def stop(name: str) -> None:
-        if name in running and name not in rep.stopped:
-            if not dry_run:
-                try:
-                    apptainer.instance_stop(name, timeout_s=0)
-                except InfraError as e:
-                    rep.errors.append(str(e))
-                    return
-            rep.stopped.append(name)
-
-    def delete(p: Path) -> None:
-        if p.exists() or p.is_symlink():
-            if not dry_run:
-                try:
-                    p.unlink()
-                except OSError as e:
-                    rep.errors.append(f"cannot delete {p}: {e}")
-                    return
-            rep.deleted.append(str(p))
-
-    dead: dict[str, list[Path]] = {}  # sandboxes of dead owners: name -> files to delete
-    for reg in sorted(live_dir.glob("*.json")):
-        try:
-            rec = json.loads(reg.read_text())
-            name, pid, rhost = rec["name"], int(rec["pid"]), rec.get("host", host)
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            rep.errors.append(f"unreadable registry file {reg}: {e}")
-            continue
-        handled.add(name)
-        if rhost != host:
-            continue  # another node's scratch seen through a shared path: not ours to judge
-        if procfs.pid_alive(pid, rec.get("pid_start")):
-            rep.kept.append(name)
-            continue
-        dead[name] = ([Path(rec["overlay"])] if rec.get("overlay") else []) + [reg]
-
-    for ov in sorted(overlays_dir.glob("*.img")):
-        name = ov.stem
-        if name in handled:
-            continue
-        owner = _name_owner(name)
-        if owner is not None and not procfs.pid_alive(owner):
-            handled.add(name)
-            dead[name] = [ov]
-
+    dead = r.dead_registered(live_dir, socket.gethostname())
+    dead.update(r.dead_overlays(overlays_dir))
     if not dead and not all_runs:
-        return rep
-    try:
-        running = {i.name: i for i in apptainer.instance_list()}
-    except InfraError as e:
-        rep.errors.append(str(e))
-    # A worker killed while it started a sandbox leaves its `apptainer instance start` running:
-    # the instance appears after the listing above, from an overlay deleted under it. Wait for
-    # such starts to end, then look again.
-    starting = [n for n in dead if n not in running and procfs.with_argument(n)]
-    if starting and not wait_starts:
-        for n in starting:
-            del dead[n]  # the next call finds it started
-    elif starting:
-        deadline = time.monotonic() + START_WAIT_S
-        for n in starting:
-            if not wait_for_start(n, max(0.0, deadline - time.monotonic())):
-                rep.errors.append(f"apptainer instance start of {n} still running after {START_WAIT_S:.0f} s")
-                del dead[n]  # its files stay for the next reaping
-        try:
-            running = {i.name: i for i in apptainer.instance_list()}
-        except InfraError as e:
-            rep.errors.append(str(e))
-
+        return r.rep
+    r.list_running()
+    r.settle_starts(dead, wait_starts)
     for name, files in dead.items():
-        stop(name)
+        r.stop(name)
         for f in files:
-            delete(f)
-
+            r.delete(f)
     if all_runs:
-        for name in running:
-            if name in handled:
+        r.stop_strays()
+    if r.rep.stopped or r.rep.deleted:
+        log.info("reaped %d instance(s), %d file(s)", len(r.rep.stopped), len(r.rep.deleted))
+    return r.rep
+
+
+class _Reaping:
+    """One ``reap`` call: its report, the instances apptainer lists, the names already judged."""
+
+    def __init__(self, rep: ReapReport) -> None:
+        self.rep = rep
+        self.running: dict[str, apptainer.InstanceInfo] = {}
+        self.handled: set[str] = set()
+
+    def stop(self, name: str) -> None:
+        if name not in self.running or name in self.rep.stopped:
+            return
+        if not self.rep.dry_run:
+            try:
+                apptainer.instance_stop(name, timeout_s=0)
+            except InfraError as e:
+                self.rep.errors.append(str(e))
+                return
+        self.rep.stopped.append(name)
+
+    def delete(self, p: Path) -> None:
+        if not (p.exists() or p.is_symlink()):
+            return
+        if not self.rep.dry_run:
+            try:
+                p.unlink()
+            except OSError as e:
+                self.rep.errors.append(f"cannot delete {p}: {e}")
+                return
+        self.rep.deleted.append(str(p))
+
+    def dead_registered(self, live_dir: Path, host: str) -> dict[str, list[Path]]:
+        """Sandboxes of dead owners named by registry files: name -> files to delete."""
+        dead: dict[str, list[Path]] = {}
+        for reg in sorted(live_dir.glob("*.json")):
+            try:
+                rec = json.loads(reg.read_text())
+                name, pid, rhost = rec["name"], int(rec["pid"]), rec.get("host", host)
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                self.rep.errors.append(f"unreadable registry file {reg}: {e}")
+                continue
+            self.handled.add(name)
+            if rhost != host:
+                continue  # another node's scratch seen through a shared path: not ours to judge
+            if procfs.pid_alive(pid, rec.get("pid_start")):
+                self.rep.kept.append(name)
+                continue
+            dead[name] = ([Path(rec["overlay"])] if rec.get("overlay") else []) + [reg]
+        return dead
+
+    def dead_overlays(self, overlays_dir: Path) -> dict[str, list[Path]]:
+        """Overlays without a registry file whose name's owner pid is dead on this host."""
+        dead: dict[str, list[Path]] = {}
+        for ov in sorted(overlays_dir.glob("*.img")):
+            name = ov.stem
+            if name in self.handled:
                 continue
             owner = _name_owner(name)
             if owner is not None and not procfs.pid_alive(owner):
-                stop(name)
-    if rep.stopped or rep.deleted:
-        log.info("reaped %d instance(s), %d file(s)", len(rep.stopped), len(rep.deleted))
-    return rep
+                self.handled.add(name)
+                dead[name] = [ov]
+        return dead
+
+    def list_running(self) -> None:
+        try:
+            self.running = {i.name: i for i in apptainer.instance_list()}
+        except InfraError as e:
+            self.rep.errors.append(str(e))
+
+    def settle_starts(self, dead: dict[str, list[Path]], wait_starts: bool) -> None:
+        """A worker killed while it started a sandbox leaves its `apptainer instance start` running:
+        the instance appears after the listing, from an overlay deleted under it. Wait for such
+        starts to end and look again (or, without ``wait_starts``, leave them to the next call)."""
+        starting = [n for n in dead if n not in self.running and procfs.with_argument(n)]
+        if not starting:
+            return
+        if not wait_starts:
+            for n in starting:
+                del dead[n]  # the next call finds it started
+            return
+        deadline = time.monotonic() + START_WAIT_S
+        for n in starting:
+            if not wait_for_start(n, max(0.0, deadline - time.monotonic())):
+                self.rep.errors.append(f"apptainer instance start of {n} still running after {START_WAIT_S:.0f} s")
+                del dead[n]  # its files stay for the next reaping
+        self.list_running()
+
+    def stop_strays(self) -> None:
+        """Instances named like ours whose owner pid is dead, wherever their files live."""
+        for name in list(self.running):
+            if name in self.handled:
+                continue
+            owner = _name_owner(name)
+            if owner is not None and not procfs.pid_alive(owner):
+                self.stop(name)
 
 
 def reap_dead(scratch: Path | None = None, *, wait_starts: bool = True) -> ReapReport | None:

@@ -107,13 +107,10 @@ def run_tests(
     tests: Path,
     *,
     timeout_s: float = 120.0,
-    kill_first: bool = True,
     tail_chars: int = 4000,
 ) -> ScoreResult:
-    """Run one pytest file in the instance (see the module doc) and turn it into a ScoreResult.
-
-    ``kill_first`` is kept for callers; every process of the agent's is always ended first.
-    """
+    """Run one pytest file in the instance (see the module doc) and turn it into a ScoreResult;
+    every process of the agent's is ended first."""
     t0 = time.monotonic()
     tests = Path(tests)
     try:
@@ -371,12 +368,12 @@ def _feed(fd: int, payload: bytes) -> None:
 
 def score(sandbox: Sandbox, final_tests: Path, *, timeout_s: float = 120.0) -> ScoreResult:
     """Score the episode: kill what the agent left, then run ``final_tests`` (reward 1.0 iff all pass)."""
-    return run_tests(sandbox, final_tests, timeout_s=timeout_s, kill_first=True)
+    return run_tests(sandbox, final_tests, timeout_s=timeout_s)
 
 
 def run_initial_tests(sandbox: Sandbox, path: Path, *, timeout_s: float = 120.0) -> ScoreResult:
     """Run a task's initial-state tests in a fresh sandbox (they should all pass before any agent)."""
-    return run_tests(sandbox, path, timeout_s=timeout_s, kill_first=True)
+    return run_tests(sandbox, path, timeout_s=timeout_s)
 
 
 def _error(msg: str, tail: str, t0: float, interp: str = "none") -> ScoreResult:

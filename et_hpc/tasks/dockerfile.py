@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from et_hpc.errors import TaskError
-from et_hpc.tasks.bases import lookup_base
+from et_hpc.tasks.base_names import lookup_base
 from et_hpc.tasks.files import read_text
 from et_hpc.tasks.model import NormalisedRecipe
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from et_hpc.errors import TaskError
-from et_hpc.tasks.bases import known_bases, lookup_base  # noqa: F401  (re-exported)
+from et_hpc.tasks.base_names import known_bases, lookup_base  # noqa: F401  (re-exported)
 from et_hpc.tasks.files import read_text  # noqa: F401  (re-exported)
 from et_hpc.tasks.model import NormalisedRecipe  # noqa: F401  (re-exported)
 

@@ -11,7 +11,7 @@ import pytest
 
 from et_hpc.agent.endpoint import endpoint_record, resolve_endpoint
 from et_hpc.errors import UserError
-from et_hpc.scripted_server import ScriptedServer
+from et_hpc.testing.scripted_server import ScriptedServer
 
 
 def test_waits_for_file_written_late(tmp_path):

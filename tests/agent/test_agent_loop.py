@@ -11,8 +11,8 @@ from et_hpc.agent.loop import NOT_RUN, BudgetConfig, run_agent
 from et_hpc.agent.openai_policy import OpenAIPolicy
 from et_hpc.agent.policies import NullPolicy, OraclePolicy, PolicyConfig, make_policy
 from et_hpc.agent.prompts import COULD_NOT_PARSE, TEXT_SYSTEM_PROMPT, TOOLS_SYSTEM_PROMPT
-from et_hpc.scripted_server import ScriptedServer
 from et_hpc.tasks.model import Recipe, Task
+from et_hpc.testing.scripted_server import ScriptedServer
 
 
 def _policy(srv, mode="tools", **kw):

@@ -12,7 +12,7 @@ import pytest
 
 from et_hpc.agent.loop import BudgetConfig, run_agent
 from et_hpc.agent.openai_policy import OpenAIPolicy
-from et_hpc.scripted_server import ScriptedServer
+from et_hpc.testing.scripted_server import ScriptedServer
 
 
 def _run(script_replies, shell, mode="tools", **budget):

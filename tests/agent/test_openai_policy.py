@@ -10,7 +10,7 @@ from et_hpc.agent.openai_policy import OpenAIPolicy
 from et_hpc.agent.policies import ContextLengthError, PolicyConfig, PolicyError, make_policy
 from et_hpc.agent.prompts import COULD_NOT_PARSE
 from et_hpc.errors import UserError
-from et_hpc.scripted_server import ScriptedServer
+from et_hpc.testing.scripted_server import ScriptedServer
 
 
 def _msgs(user: str) -> list[dict]:
@@ -122,7 +122,7 @@ def test_other_400_is_policy_error_without_retry():
 
 
 def test_logprobs_and_token_ids_kept():
-    from et_hpc import scripted_tokenizer as tk
+    from et_hpc.testing import scripted_tokenizer as tk
 
     with ScriptedServer({"t": [{"command": "echo hi"}]}) as srv:
         p, _ = _policy(srv)  # return_token_ids is on by default

@@ -164,7 +164,7 @@ def test_bad_files_are_ignored_with_one_warning(three, caplog) -> None:
 def test_dead_until_rewritten_or_answering_again(three, tmp_path: Path) -> None:
     from et_hpc.agent.endpoint import endpoint_record, write_endpoint_file
     from et_hpc.agent.replicas import ReplicaSet
-    from et_hpc.scripted_server import ScriptedServer
+    from et_hpc.testing.scripted_server import ScriptedServer
 
     d, servers = three
     rs = ReplicaSet(d, reprobe_dead_s=3600)
@@ -241,7 +241,7 @@ def test_a_restarted_server_takes_its_episode_back(tmp_path: Path) -> None:
     from et_hpc.agent.endpoint import endpoint_record, write_endpoint_file
     from et_hpc.agent.openai_policy import OpenAIPolicy
     from et_hpc.agent.replicas import ReplicaSet
-    from et_hpc.scripted_server import ScriptedServer
+    from et_hpc.testing.scripted_server import ScriptedServer
 
     d, (only,) = _servers(tmp_path, {"": [{"command": "ls"}, {"command": "pwd"}, "done"]}, n=1)
     rs = ReplicaSet(d)

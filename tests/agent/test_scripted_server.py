@@ -13,9 +13,9 @@ import urllib.request
 import openai
 import pytest
 
-from et_hpc import scripted_tokenizer as tk
 from et_hpc.errors import UserError
-from et_hpc.scripted_server import ScriptedServer, load_script
+from et_hpc.testing import scripted_tokenizer as tk
+from et_hpc.testing.scripted_server import ScriptedServer, load_script
 
 
 def _post(url: str, body: dict) -> tuple[int, dict]:

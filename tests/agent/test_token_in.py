@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import random
 
-from et_hpc import scripted_tokenizer as tk
 from et_hpc.agent.loop import BudgetConfig, run_agent
 from et_hpc.agent.openai_policy import OpenAIPolicy
 from et_hpc.agent.token_in import parse_hermes
-from et_hpc.scripted_server import ScriptedServer
+from et_hpc.testing import scripted_tokenizer as tk
+from et_hpc.testing.scripted_server import ScriptedServer
 
 THINKS = {"task": [{"command": "echo one", "reasoning": "first I look"},
                    {"command": "echo two", "reasoning": "then I check"},

@@ -16,12 +16,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from et_hpc import scripted_tokenizer as tk
 from et_hpc.agent.loop import BudgetConfig, run_agent
 from et_hpc.agent.openai_policy import OpenAIPolicy
 from et_hpc.agent.protocols import TERMINAL_TOOL
 from et_hpc.record import EPISODE_SCHEMA, SCHEMA_VERSION, EpisodeRecord, check_tokens
-from et_hpc.scripted_server import ScriptedServer
+from et_hpc.testing import scripted_tokenizer as tk
+from et_hpc.testing.scripted_server import ScriptedServer
 
 TEXTS = ["hello world", "  two  spaces\tand a tab\n", "Ünïcödé ✓ 日本語", "ls -la /home/user && echo $?",
          "<|im_start|>user\nhi<|im_end|>", "a <tool_call> b </think>", ""]

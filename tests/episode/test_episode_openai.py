@@ -50,7 +50,7 @@ def _openai(base_url: str, mode: str, *extra: str) -> list[str]:
 
 
 def test_tool_call_mode_solves_demo(demo_image, tmp_path: Path) -> None:
-    from et_hpc.scripted_server import ScriptedServer
+    from et_hpc.testing.scripted_server import ScriptedServer
 
     with ScriptedServer({KEY: [{"command": SOLVE}, {"command": "cat /home/user/greeting.txt"}, "All done."]}) as srv:
         info = _run(tmp_path, "tools", *_openai(srv.base_url, "tools"))
@@ -64,7 +64,7 @@ def test_tool_call_mode_solves_demo(demo_image, tmp_path: Path) -> None:
 
 
 def test_text_mode_solves_demo(demo_image, tmp_path: Path) -> None:
-    from et_hpc.scripted_server import ScriptedServer
+    from et_hpc.testing.scripted_server import ScriptedServer
 
     script = {KEY: [f"I will write the file.\n<command>{SOLVE}</command>", "<action>done</action>"]}
     with ScriptedServer(script) as srv:
@@ -76,7 +76,7 @@ def test_text_mode_solves_demo(demo_image, tmp_path: Path) -> None:
 
 
 def test_always_500_is_policy_error_not_zero(demo_image, tmp_path: Path) -> None:
-    from et_hpc.scripted_server import ScriptedServer
+    from et_hpc.testing.scripted_server import ScriptedServer
 
     with ScriptedServer({KEY: [{"fault": 500}]}) as srv:
         info = _run(tmp_path, "down", *_openai(srv.base_url, "tools", "--set", "policy.max_retries=2",
@@ -118,7 +118,7 @@ def test_endpoint_file_from_server(demo_image, tmp_path: Path) -> None:
 
 
 def test_api_key_not_visible_in_sandbox(demo_image, tmp_path: Path) -> None:
-    from et_hpc.scripted_server import ScriptedServer
+    from et_hpc.testing.scripted_server import ScriptedServer
 
     env = dict(os.environ, OPENAI_API_KEY=SECRET, ET_HPC_CANARY_VAR="visible-canary")
     with ScriptedServer({KEY: [{"command": "env; echo END-OF-ENV"}, {"command": SOLVE}, "done"]}) as srv:

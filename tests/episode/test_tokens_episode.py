@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from et_hpc import scripted_tokenizer as tk
 from et_hpc.agent.protocols import TERMINAL_TOOL
+from et_hpc.testing import scripted_tokenizer as tk
 from helpers.demo import DEMO, KEY, SOLVE, TASK
 
 ET_HPC = [sys.executable, "-m", "et_hpc.cli"]
@@ -55,7 +55,7 @@ def _server_tokens(srv, rec) -> list[int]:
                     "<action>done</action>"]}),
 ])
 def test_run_records_server_exact_tokens(demo_image, tmp_path: Path, mode, script) -> None:
-    from et_hpc.scripted_server import ScriptedServer
+    from et_hpc.testing.scripted_server import ScriptedServer
 
     with ScriptedServer(script) as srv:
         rec = _run_one(tmp_path, f"tok-{mode}", srv, mode, "--set", "policy.logprobs=true")
@@ -76,7 +76,7 @@ def test_run_records_server_exact_tokens(demo_image, tmp_path: Path, mode, scrip
 
 
 def test_run_records_drift_and_old_server_fallback(demo_image, tmp_path: Path) -> None:
-    from et_hpc.scripted_server import ScriptedServer
+    from et_hpc.testing.scripted_server import ScriptedServer
 
     compact = {"name": "terminal", "arguments": json.dumps({"command": SOLVE}, separators=(",", ":"))}
     with ScriptedServer({KEY: [{"tool_calls": [compact]}, "All done."]}) as srv:

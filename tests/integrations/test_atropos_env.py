@@ -65,14 +65,14 @@ def demo_images(base_sif: Path):
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory) -> Path:
-    from et_hpc.scripted_tokenizer import write_hf_tokenizer
+    from et_hpc.testing.scripted_tokenizer import write_hf_tokenizer
 
     return write_hf_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 @pytest.fixture()
 def model_server():
-    from et_hpc.scripted_server import ScriptedServer
+    from et_hpc.testing.scripted_server import ScriptedServer
 
     with ScriptedServer(SCRIPT) as srv:
         yield srv
@@ -281,7 +281,7 @@ class _CountingServer:
     def __new__(cls, script: dict):
         import threading
 
-        from et_hpc.scripted_server import ScriptedServer
+        from et_hpc.testing.scripted_server import ScriptedServer
 
         class Counting(ScriptedServer):
             first_turns = 0

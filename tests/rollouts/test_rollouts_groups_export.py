@@ -31,8 +31,8 @@ def test_continuous_run_exports_the_streamed_groups(base_sif: Path, tmp_path: Pa
     from et_hpc.rollouts import RolloutStream
     from et_hpc.runs.export import export_atropos, export_skyrl, generator_output
     from et_hpc.runs.store import RunStore
-    from et_hpc.scripted_server import ScriptedServer
     from et_hpc.tasks.loader import load_tasks
+    from et_hpc.testing.scripted_server import ScriptedServer
 
     ImageStore().ensure(next(t for t in load_tasks(str(DEMO)).tasks if t.id == TASK))
     store = tmp_path / "store"

@@ -95,7 +95,7 @@ def test_oracle_run_fills_the_time_split_and_status_shows_capacity(demo_images, 
 
 @pytest.mark.apptainer
 def test_served_model_time_is_recorded(demo_images, tmp_path: Path) -> None:
-    from et_hpc.scripted_server import ScriptedServer
+    from et_hpc.testing.scripted_server import ScriptedServer
 
     script = {"greeting.txt": [{"command": "printf 'Hello, et-hpc!\\n' > /home/user/greeting.txt"}, "Done."],
               "sales.csv": [{"command": "ls /home/user/data"}, "Done."]}

@@ -397,8 +397,8 @@ def _run_demo(tmp: Path, name: str, script: dict, timeout: float = 600):
 
     from et_hpc.images.store import ImageStore
     from et_hpc.runs.store import open_run
-    from et_hpc.scripted_server import ScriptedServer
     from et_hpc.tasks.loader import load_tasks
+    from et_hpc.testing.scripted_server import ScriptedServer
     from helpers import REPO
 
     demo = REPO / "defs" / "demo"

@@ -12,7 +12,7 @@ from helpers import need
 @pytest.fixture(scope="session")
 def view_runs(demo_image, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """``{"oracle": run dir, "hostile": run dir}``, made once."""
-    from et_hpc.scripted_server import ScriptedServer
+    from et_hpc.testing.scripted_server import ScriptedServer
     from view.runs import hostile_script, make_runs
 
     with ScriptedServer(hostile_script()) as srv:

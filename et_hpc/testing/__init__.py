@@ -1,0 +1,1 @@
+"""Test doubles that run for real: a scripted OpenAI-compatible chat server and its tokenizer."""

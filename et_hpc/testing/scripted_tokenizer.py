@@ -1,0 +1,260 @@
+"""The scripted server's tokenizer and chat template: deterministic, pure Python, no downloads.
+
+Token ids: 0..255 are the UTF-8 bytes of the text; 256..264 are whole-string tokens (the
+special tokens ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>`` and the added tokens
+``<tool_call>``, ``</tool_call>``, ``<tool_response>``, ``</tool_response>``, ``<think>``,
+``</think>``), matched in any text before the bytes, as Hugging Face tokenizers match added tokens.
+
+The chat template is ChatML as Qwen2.5/Qwen3 write it, and it re-renders history the way real
+templates do, which is what makes naive multi-turn token concatenation drift:
+
+- tools are listed in the system turn (``# Tools`` ... ``<tools>`` one JSON per line ``</tools>``);
+- an assistant turn is ``<|im_start|>assistant\\n`` + [``<think>\\n{reasoning}\\n</think>\\n\\n``] +
+  content + one ``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>`` block per call
+  (joined with ``\\n``) + ``<|im_end|>\\n``. Arguments are *re-serialised* with ``json.dumps``
+  (what Jinja's ``tojson`` does), so a model that wrote ``{"command":"ls"}`` is re-rendered as
+  ``{"command": "ls"}``; the reasoning part is rendered only for assistant turns after the last
+  plain user message and only when the message carries ``reasoning``/``reasoning_content``;
+- consecutive tool results form one user turn of ``<tool_response>`` blocks;
+- ``add_generation_prompt`` appends ``<|im_start|>assistant\\n``.
+
+What the scripted "model" generates for a reply is ``generation_text()`` + ``<|im_end|>``: the same
+body the template renders, but with the arguments exactly as the model wrote them and its
+reasoning, so history re-rendering matches only when the model's format is the canonical one.
+
+``write_hf_tokenizer(dir)`` writes the same tokenizer as ``tokenizer.json`` (Hugging Face
+``tokenizers``: byte-level BPE without merges plus the added tokens) and a
+``tokenizer_config.json`` holding the same template in Jinja, so ``transformers.AutoTokenizer``
+loads it offline and agrees with ``encode``/``render_chat`` (tests/agent/test_tokens.py checks).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+ADDED_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>")
+STRING_TOKENS = SPECIAL_TOKENS + ADDED_TOKENS
+STRING_IDS = {s: 256 + i for i, s in enumerate(STRING_TOKENS)}
+ID_STRINGS = {i: s for s, i in STRING_IDS.items()}
+VOCAB_SIZE = 256 + len(STRING_TOKENS)
+EOS = "<|im_end|>"
+EOS_ID = STRING_IDS[EOS]
+_SPLIT_RE = re.compile("(" + "|".join(re.escape(s) for s in STRING_TOKENS) + ")")
+
+TOOLS_PREAMBLE = (
+    "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+)
+TOOLS_POSTAMBLE = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+    'within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, '
+    '"arguments": <args-json-object>}\n</tool_call>'
+)
+
+
+def encode(text: str) -> list[int]:
+    """Token ids of ``text``: added tokens first, every other byte its own id."""
+    out: list[int] = []
+    for part in _SPLIT_RE.split(text or ""):
+        if part in STRING_IDS:
+            out.append(STRING_IDS[part])
+        elif part:
+            out.extend(part.encode("utf-8"))
+    return out
+
+
+def decode(ids: list[int]) -> str:
+    buf = bytearray()
+    out: list[str] = []
+    for i in ids:
+        if i in ID_STRINGS:
+            out.append(buf.decode("utf-8", errors="replace"))
+            buf.clear()
+            out.append(ID_STRINGS[i])
+        elif 0 <= i < 256:
+            buf.append(i)
+        else:
+            raise ValueError(f"token id {i} is outside the vocabulary (0..{VOCAB_SIZE - 1})")
+    out.append(buf.decode("utf-8", errors="replace"))
+    return "".join(out)
+
+
+def token_text(i: int) -> str:
+    """One token as text (a lone byte of a multi-byte character decodes to U+FFFD, as in vLLM)."""
+    return decode([i])
+
+
+def _text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, list):  # content parts
+        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return str(content)
+
+
+def _args_json(arguments: Any) -> str:
+    """How the template writes tool-call arguments: parsed (as vLLM does), then ``tojson``."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return arguments  # not JSON: rendered as written
+    return json.dumps(arguments, ensure_ascii=False)
+
+
+def tool_call_block(name: str, arguments_text: str) -> str:
+    return '<tool_call>\n{"name": "' + name + '", "arguments": ' + arguments_text + "}\n</tool_call>"
+
+
+def assistant_body(content: str | None, calls: list[tuple[str, str]], reasoning: str | None = None) -> str:
+    """An assistant turn between ``<|im_start|>assistant\\n`` and ``<|im_end|>``."""
+    body = f"<think>\n{reasoning.strip()}\n</think>\n\n" if reasoning else ""
+    text = content or ""
+    for name, args in calls:
+        text += ("\n" if text else "") + tool_call_block(name, args)
+    return body + text
+
+
+def generation_text(content: str | None, calls: list[tuple[str, str]], reasoning: str | None = None) -> str:
+    """What the model emits for a reply (``calls``: (name, arguments as the model wrote them))."""
+    return assistant_body(content, calls, reasoning)
+
+
+def render_chat(messages: list[dict[str, Any]], tools: list[dict] | None = None, *,
+                add_generation_prompt: bool = False, continue_final_message: bool = False) -> str:
+    """The chat template (see the module docstring); the Jinja twin is ``CHAT_TEMPLATE``."""
+    out: list[str] = []
+    msgs = list(messages)
+    if tools:
+        sys_text = _text(msgs[0].get("content")) if msgs and msgs[0].get("role") == "system" else ""
+        out.append("<|im_start|>system\n" + sys_text + TOOLS_PREAMBLE)
+        for t in tools:
+            out.append("\n" + json.dumps(t, ensure_ascii=False))
+        out.append(TOOLS_POSTAMBLE + "<|im_end|>\n")
+        if msgs and msgs[0].get("role") == "system":
+            msgs = msgs[1:]
+    last_user = -1
+    for i, m in enumerate(msgs):
+        if m.get("role") == "user":
+            last_user = i
+    for i, m in enumerate(msgs):
+        role = m.get("role")
+        if role in ("system", "user"):
+            out.append(f"<|im_start|>{role}\n{_text(m.get('content'))}<|im_end|>\n")
+        elif role == "assistant":
+            reasoning = m.get("reasoning") or m.get("reasoning_content")
+            calls = []
+            for c in m.get("tool_calls") or []:
+                fn = c.get("function") or {}
+                calls.append((str(fn.get("name") or ""), _args_json(fn.get("arguments"))))
+            body = assistant_body(_text(m.get("content")), calls, reasoning if i > last_user else None)
+            if continue_final_message and i == len(msgs) - 1:
+                out.append("<|im_start|>assistant\n" + body)
+            else:
+                out.append("<|im_start|>assistant\n" + body + "<|im_end|>\n")
+        elif role == "tool":
+            if i == 0 or msgs[i - 1].get("role") != "tool":
+                out.append("<|im_start|>user")
+            out.append("\n<tool_response>\n" + _text(m.get("content")) + "\n</tool_response>")
+            if i == len(msgs) - 1 or msgs[i + 1].get("role") != "tool":
+                out.append("<|im_end|>\n")
+    if add_generation_prompt:
+        out.append("<|im_start|>assistant\n")
+    return "".join(out)
+
+
+def encode_chat(messages: list[dict[str, Any]], tools: list[dict] | None = None, **kw: Any) -> list[int]:
+    return encode(render_chat(messages, tools, **kw))
+
+
+# The same template in Jinja (transformers' environment: trim_blocks, lstrip_blocks, a tojson
+# that is json.dumps with ensure_ascii=False). Written without literal whitespace between tags.
+_J = [
+    "{%- set msgs = messages -%}",
+    "{%- if tools -%}",
+    "{{- '<|im_start|>system\\n' -}}",
+    "{%- if msgs and msgs[0]['role'] == 'system' -%}",
+    "{{- msgs[0]['content'] or '' -}}{%- set msgs = msgs[1:] -%}",
+    "{%- endif -%}",
+    "{{- " + json.dumps(TOOLS_PREAMBLE) + " -}}",
+    "{%- for t in tools -%}{{- '\\n' + (t | tojson) -}}{%- endfor -%}",
+    "{{- " + json.dumps(TOOLS_POSTAMBLE + "<|im_end|>\n") + " -}}",
+    "{%- endif -%}",
+    "{%- set ns = namespace(last_user=-1) -%}",
+    "{%- for m in msgs -%}{%- if m['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}",
+    "{%- for m in msgs -%}",
+    "{%- if m['role'] in ['system', 'user'] -%}",
+    "{{- '<|im_start|>' + m['role'] + '\\n' + (m['content'] or '') + '<|im_end|>\\n' -}}",
+    "{%- elif m['role'] == 'assistant' -%}",
+    "{{- '<|im_start|>assistant\\n' -}}",
+    "{%- set r = m.get('reasoning') or m.get('reasoning_content') -%}",
+    "{%- if r and loop.index0 > ns.last_user -%}{{- '<think>\\n' + (r | trim) + '\\n</think>\\n\\n' -}}{%- endif -%}",
+    "{%- set ns2 = namespace(text=(m['content'] or '')) -%}",
+    "{%- for c in (m.get('tool_calls') or []) -%}",
+    "{%- set a = c['function']['arguments'] -%}",
+    "{%- if a is not string -%}{%- set a = a | tojson -%}{%- endif -%}",
+    "{%- if ns2.text -%}{%- set ns2.text = ns2.text + '\\n' -%}{%- endif -%}",
+    "{%- set ns2.text = ns2.text + '<tool_call>\\n{\"name\": \"' + c['function']['name'] + '\", \"arguments\": ' + a + '}\\n</tool_call>' -%}",  # noqa: E501
+    "{%- endfor -%}",
+    "{{- ns2.text -}}",
+    "{%- if not (continue_final_message and loop.last) -%}{{- '<|im_end|>\\n' -}}{%- endif -%}",
+    "{%- elif m['role'] == 'tool' -%}",
+    "{%- if loop.first or loop.previtem['role'] != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}",
+    "{{- '\\n<tool_response>\\n' + (m['content'] or '') + '\\n</tool_response>' -}}",
+    "{%- if loop.last or loop.nextitem['role'] != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}",
+    "{%- endif -%}",
+    "{%- endfor -%}",
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}",
+]
+CHAT_TEMPLATE = "".join(_J)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in character for every byte (what a ByteLevel vocab is keyed by)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def write_hf_tokenizer(directory: str | Path, *, model_max_length: int = 32768) -> Path:
+    """Write ``tokenizer.json`` + ``tokenizer_config.json`` for this tokenizer into ``directory``.
+
+    Needs the ``tokenizers`` package (a test dependency). Returns the directory.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    b2u = _bytes_to_unicode()
+    vocab = {b2u[b]: b for b in range(256)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIAL_TOKENS])
+    tok.add_tokens([AddedToken(s, special=False, normalized=False) for s in ADDED_TOKENS])
+    for s, i in STRING_IDS.items():
+        if tok.token_to_id(s) != i:
+            raise RuntimeError(f"tokenizers gave {s!r} id {tok.token_to_id(s)}, expected {i}")
+    tok.save(str(d / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": model_max_length,
+        "bos_token": None,
+        "eos_token": EOS,
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (d / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    return d
