@@ -97,17 +97,19 @@ def main() -> None:
     ap.add_argument("--modes", default="text,tools")
     ap.add_argument("--tasks", default="", help="demo task ids, comma-separated (default: all)")
     ap.add_argument("--concurrency", default="1,2")
+    ap.add_argument("--threads", type=int, default=None, help="llama-server threads (default: its choice)")
+    ap.add_argument("--no-speeds", action="store_true", help="skip the prefill/decode measurement")
     ap.add_argument("--store", type=Path, default=Path(tempfile.mkdtemp(prefix="et-bench-model-")))
     a = ap.parse_args()
     d = Path(tempfile.mkdtemp(prefix="et-bench-ep-"))
     ep = d / "endpoint.json"
-    with serving(ServerConfig(endpoint_file=ep, log_file=d / "server.log")) as srv:
+    with serving(ServerConfig(endpoint_file=ep, log_file=d / "server.log", threads=a.threads)) as srv:
         key = json.loads(ep.read_text())["api_key"]
         idle = rss_mb(srv.proc.pid)
-        pre, dec, n = speeds(srv, key)
-        loaded = rss_mb(srv.proc.pid)
-        print(f"model {srv.alias}: prefill {pre:.0f} tok/s ({n}-token prompt), decode {dec:.0f} tok/s; "
-              f"server RSS {idle:.0f} MB idle, {loaded:.0f} MB after use", flush=True)
+        if not a.no_speeds:
+            pre, dec, n = speeds(srv, key)
+            print(f"model {srv.alias}: prefill {pre:.0f} tok/s ({n}-token prompt), decode {dec:.0f} tok/s; "
+                  f"server RSS {idle:.0f} MB idle, {rss_mb(srv.proc.pid):.0f} MB after use", flush=True)
         stamp = time.strftime("%H%M%S")
         for mode in a.modes.split(","):
             for conc in map(int, a.concurrency.split(",")):

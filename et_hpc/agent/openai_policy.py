@@ -8,7 +8,7 @@ stops with reason ``context``). Usage, finish reason, logprobs and token ids are
 Tokens (``return_token_ids``, on by default): each request asks vLLM for ``return_token_ids`` and
 keeps the response's ``prompt_token_ids`` (the whole prompt) and ``choices[0].token_ids`` (the
 completion); ``logprobs`` (when configured) adds ``return_tokens_as_token_ids``. A server that
-leaves those fields out (vLLM < 0.10.2, other servers) is asked ``POST /tokenize`` for the prompt
+leaves those fields out (vLLM < 0.10.2; llama-server: ``chat_tokens``) is asked ``POST /tokenize`` for the prompt
 instead, and for the completion when logprobs carry no ``token_id:N``; with neither the tokens are
 absent. ``capture_tokens`` (called by the loop at the end) turns the turns into per-turn deltas and
 checks them against ``/tokenize`` of the whole conversation: ``tokens_source`` and ``token_drift``
