@@ -1,7 +1,10 @@
 """The embedded CPU model: prefill and decode tokens/s, server memory, real-model episodes per hour at
 concurrency 1 and 2, the model's share of episode wall time, and the capacity projection for a 64-core node.
 
-    python bench/bench_model.py [--samples 1] [--turns 4] [--store /tmp/et-bench-model]
+    python bench/bench_model.py [--samples 1] [--turns 4] [--max-tokens 192] [--modes text,tools]
+                                [--tasks ID,ID] [--concurrency 1,2] [--store /tmp/et-bench-model]
+
+The load average is printed before and after: on a shared machine the episode rates are lower bounds.
 
 Needs the model extra, apptainer and the demo images (et-hpc build defs/demo).
 """
@@ -57,12 +60,13 @@ def speeds(srv, key: str, reps: int = 3) -> tuple[float, float, int]:
     return statistics.median(pre), statistics.median(dec), n
 
 
-def episodes(store: Path, name: str, ep: Path, mode: str, conc: int, samples: int, turns: int) -> dict:
+def episodes(store: Path, name: str, ep: Path, mode: str, conc: int, a: argparse.Namespace) -> dict:
     t0 = time.monotonic()
-    r = subprocess.run([*ET, "run", str(REPO / "defs" / "demo"), "--policy", "openai", "--samples", str(samples),
-                        "--concurrency", str(conc), "--store", str(store), "--run-name", name, "--json",
+    tasks = ["--set", f"tasks.ids=[{a.tasks}]"] if a.tasks else []
+    r = subprocess.run([*ET, "run", str(REPO / "defs" / "demo"), "--policy", "openai", "--samples", str(a.samples),
+                        "--concurrency", str(conc), "--store", str(store), "--run-name", name, "--json", *tasks,
                         "--set", f"policy.endpoint_file={ep}", "--set", f"policy.mode={mode}",
-                        "--set", f"budgets.max_turns={turns}", "--set", "budgets.max_tokens_per_turn=192"],
+                        "--set", f"budgets.max_turns={a.turns}", "--set", f"budgets.max_tokens_per_turn={a.max_tokens}"],
                        capture_output=True, text=True)
     wall = time.monotonic() - t0
     if r.returncode not in (0, 1):
@@ -75,10 +79,11 @@ def episodes(store: Path, name: str, ep: Path, mode: str, conc: int, samples: in
     toks = sum(x.completion_tokens or 0 for x in recs)
     cap = subprocess.run([*ET, "status", name, "--store", str(store), "--capacity", "--cores", "64", "--json"],
                          capture_output=True, text=True)
-    return {"mode": mode, "concurrency": conc, "episodes": len(recs), "wall_s": wall,
-            "per_hour": 3600 * len(recs) / wall, "model_share": model / total if total else None,
+    return {"mode": mode, "concurrency": conc, "episodes": len(recs), "wall_s": round(wall, 1),
+            "per_hour": round(3600 * len(recs) / wall, 1), "model_share": round(model / total, 3) if total else None,
             "ok": sum(x.status == "ok" for x in recs), "solved": sum((x.reward or 0) >= 1 for x in recs),
-            "tok_s": toks / model if model else None, "capacity": cap.stdout if cap.returncode == 0 else cap.stderr}
+            "tok_s": round(toks / model, 1) if model else None, "tokens_source": sorted({str(x.tokens_source) for x in recs}),
+            "capacity": cap.stdout if cap.returncode == 0 else cap.stderr}
 
 
 def main() -> None:
@@ -88,21 +93,29 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--samples", type=int, default=1)
     ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=192)
+    ap.add_argument("--modes", default="text,tools")
+    ap.add_argument("--tasks", default="", help="demo task ids, comma-separated (default: all)")
+    ap.add_argument("--concurrency", default="1,2")
+    ap.add_argument("--threads", type=int, default=None, help="llama-server threads (default: its choice)")
+    ap.add_argument("--no-speeds", action="store_true", help="skip the prefill/decode measurement")
     ap.add_argument("--store", type=Path, default=Path(tempfile.mkdtemp(prefix="et-bench-model-")))
     a = ap.parse_args()
     d = Path(tempfile.mkdtemp(prefix="et-bench-ep-"))
     ep = d / "endpoint.json"
-    with serving(ServerConfig(endpoint_file=ep, log_file=d / "server.log")) as srv:
+    with serving(ServerConfig(endpoint_file=ep, log_file=d / "server.log", threads=a.threads)) as srv:
         key = json.loads(ep.read_text())["api_key"]
         idle = rss_mb(srv.proc.pid)
-        pre, dec, n = speeds(srv, key)
-        loaded = rss_mb(srv.proc.pid)
-        print(f"model {srv.alias}: prefill {pre:.0f} tok/s ({n}-token prompt), decode {dec:.0f} tok/s; "
-              f"server RSS {idle:.0f} MB idle, {loaded:.0f} MB after use", flush=True)
+        if not a.no_speeds:
+            pre, dec, n = speeds(srv, key)
+            print(f"model {srv.alias}: prefill {pre:.0f} tok/s ({n}-token prompt), decode {dec:.0f} tok/s; "
+                  f"server RSS {idle:.0f} MB idle, {rss_mb(srv.proc.pid):.0f} MB after use", flush=True)
         stamp = time.strftime("%H%M%S")
-        for mode in ("text", "tools"):
-            for conc in (1, 2):
-                res = episodes(a.store, f"bm-{mode}-c{conc}-{stamp}", ep, mode, conc, a.samples, a.turns)
+        for mode in a.modes.split(","):
+            for conc in map(int, a.concurrency.split(",")):
+                load = os.getloadavg()[0]
+                res = episodes(a.store, f"bm-{mode}-c{conc}-{stamp}", ep, mode, conc, a)
+                res["load_before_after"] = [round(load, 1), round(os.getloadavg()[0], 1)]
                 print(json.dumps({k: v for k, v in res.items() if k != "capacity"}), flush=True)
                 if conc == 2:
                     print(res["capacity"][-3000:], flush=True)

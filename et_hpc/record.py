@@ -41,8 +41,8 @@ ERROR_STATUSES: tuple[str, ...] = tuple(s for s in STATUSES if s != "ok")
 # tokens_source: how the episode's token ids were obtained (token_drift says whether they agree)
 #   server-exact  every turn's prompt and completion ids came with the server's answer
 #                 (vLLM return_token_ids: prompt_token_ids, choices[].token_ids);
-#   re-tokenized  some came from the server's /tokenize (older vLLM): prompts re-rendered from the
-#                 messages, completions from logprobs' token_id:N or re-rendered too;
+#   re-tokenized  some came from the server's /tokenize (older vLLM; llama-server after /apply-template):
+#                 prompts re-rendered from the messages, completions from logprobs' ids or re-rendered too;
 #   absent        no complete token ids (oracle, replay, null; a server with neither).
 # token_drift: None when the concatenation of all turns' prompt deltas and completions equals the
 # server's own tokenization of the final conversation; else where it differs (``check_tokens``).

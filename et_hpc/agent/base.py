@@ -33,6 +33,7 @@ class TokenCapture(BaseModel):
     logprobs: list[list[float]] | None = None
     tokens_source: TokensSource = "absent"
     token_drift: str | None = None
+    events: list[str] = Field(default_factory=list)  # how the ids were obtained, when not the plain way
 
 
 class Action(BaseModel):

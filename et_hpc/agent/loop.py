@@ -329,5 +329,5 @@ def run_agent(
         model_s=model_s,
         exec_s=exec_s,
         mode=mode,
-        events=_outcome_events(turns, stop),
+        events=[*_outcome_events(turns, stop), *tokens.events],
     )

