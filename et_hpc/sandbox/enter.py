@@ -2,7 +2,7 @@
 
 Contract. ``helper_argv()`` is the argv of a fresh, single-threaded host Python (this file's own
 source run with ``sys.executable -I -S``; stdlib only, every module it needs imported before it
-enters the container). It reads one JSON config on stdin and prints one line ``MARKER{json}``
+enters the container). It reads one JSON config on stdin (its byte count on a line first) and prints one line ``MARKER{json}``
 on stdout, then exits 0. The JSON has ``kind``:
 
 - ``"ran"``: the tests ran; ``rc``/``signal`` of pytest, ``timed_out``, ``junit`` (text or None),
@@ -743,11 +743,20 @@ def _enter(cfg: dict) -> None:
     _mark("private_mounts")
 
 
+def _read_config() -> bytes:
+    """The config on stdin: its byte count on a line, then the bytes (no end of file is awaited)."""
+    size = int(sys.stdin.buffer.readline())
+    raw = sys.stdin.buffer.read(size)
+    if len(raw) != size:
+        raise EOFError(f"config cut short ({len(raw)} of {size} bytes)")
+    return raw
+
+
 def main() -> None:
     import resource  # noqa: F401 - needed after entering, when nothing can be imported
     import stat  # noqa: F401
     _mark("imported")
-    raw = sys.stdin.buffer.read()
+    raw = _read_config()
     _mark("config_read")
     cfg = json.loads(raw)
     marker = cfg["marker"]

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import platform
 import secrets
 import subprocess
@@ -42,7 +41,7 @@ from pydantic import BaseModel, Field
 
 from et_hpc.errors import InfraError
 from et_hpc.record import TestOutcomeName, TestResult
-from et_hpc.sandbox import enter
+from et_hpc.sandbox import helper_pool
 
 if TYPE_CHECKING:
     from et_hpc.sandbox.sandbox import Sandbox
@@ -147,19 +146,14 @@ def run_tests(
         "home": sandbox.home, "path": CLEAN_PATH, "timeout": timeout_s, "tail": tail_chars,
         "limits": scoring_limits(sandbox, timeout_s),
     }
-    argv = enter.helper_argv()
     host["config"] = time.monotonic()
-    cfg_r, cfg_w = os.pipe()  # the config goes through a pipe only we hold
     try:
-        proc = subprocess.Popen(argv, stdin=cfg_r, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                start_new_session=True, close_fds=True, env={})
+        helper = helper_pool.take()  # started beforehand, while the last episode was scored
     except OSError as e:
-        os.close(cfg_w)
         return _error(f"could not start the scoring helper: {e}", "", t0)
-    finally:
-        os.close(cfg_r)
+    proc = helper.proc
     host["helper_spawned"] = time.monotonic()
-    _feed(cfg_w, json.dumps(cfg).encode())
+    helper.feed(json.dumps(cfg).encode())
     try:
         out, err = proc.communicate(timeout=timeout_s + 120)
     except subprocess.TimeoutExpired:
@@ -340,30 +334,10 @@ def start_warmup(sandbox: Sandbox, timeout_s: float = 120.0) -> subprocess.Popen
     cfg = {"mode": "warm", "pid": pid, "starttime": start, "marker": "ET-WARM-" + secrets.token_hex(12) + ":",
            "pristine": PRISTINE, "loader": loader, "libdirs": libdirs, "path": CLEAN_PATH,
            "timeout": timeout_s, "limits": scoring_limits(sandbox, timeout_s)}
-    cfg_r, cfg_w = os.pipe()
-    try:
-        proc = subprocess.Popen(enter.helper_argv(), stdin=cfg_r, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True, env={})
-    except OSError:
-        os.close(cfg_w)
-        raise
-    finally:
-        os.close(cfg_r)
-    _feed(cfg_w, json.dumps(cfg).encode())
+    helper = helper_pool.spawn(stdout=subprocess.DEVNULL)
+    helper.feed(json.dumps(cfg).encode())
+    proc = helper.proc
     return proc
-
-
-def _feed(fd: int, payload: bytes) -> None:
-    """Write the config to the helper's stdin and close it (a helper that died early is seen later:
-    it prints no result). It reads all of it before anything else, so a large config cannot block."""
-    try:
-        view = memoryview(payload)
-        while view:
-            view = view[os.write(fd, view):]
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def score(sandbox: Sandbox, final_tests: Path, *, timeout_s: float = 120.0) -> ScoreResult:
