@@ -369,7 +369,11 @@ def test_a_process_found_at_entry_is_the_agents_zero(task_sif: Path, tmp_path: P
     """The entry's own check, behind the host's sweep: with the sweep made to do nothing (as if a
     process escaped it), what the driver finds in the instance ends the episode as the agent's 0."""
     with Sandbox(task_sif, run_prefix="t-rts", scratch=tmp_path) as sb:
-        _run(sb, "setsid sleep 1000 >/dev/null 2>&1 < /dev/null & echo 42 > /home/user/answer.txt")
+        # setsid's child leaves the shell's session only once it ran: wait for that, or closing the
+        # shell (its session is killed) can end it first under load and nothing is left to find
+        _run(sb, "setsid sleep 1000 >/dev/null 2>&1 < /dev/null & echo 42 > /home/user/answer.txt; "
+                 "for i in $(seq 100); do for s in /proc/[0-9]*/stat; do read -r p c x y g sid r < $s 2>/dev/null; "
+                 '[ "$c" = "(sleep)" ] && [ "$sid" = "$p" ] && break 3; done; sleep 0.1; done')
         monkeypatch.setattr(sweep, "sweep", lambda *a, **k: sweep.SweepResult())
         res = scoring.score(sb, final_test, timeout_s=30)
         assert res.status == "ok" and res.reward == 0.0, res  # a pass otherwise: the answer is right
