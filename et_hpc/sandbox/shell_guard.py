@@ -65,10 +65,14 @@ def holds_pipe(pid: int, link: str) -> bool:
     return False
 
 
-def _ancestors(pid: int) -> set[int]:
+def _ancestors(pid: int, top: int) -> set[int]:
+    """``pid`` and its parents up to ``top`` (the process we started), never beyond: the
+    processes that start the shell, not ours that started them."""
     out: set[int] = set()
     while pid > 1 and pid not in out:
         out.add(pid)
+        if pid == top:
+            break
         st = procfs.stat(pid)
         if st is None:
             break
@@ -98,9 +102,10 @@ def _descendants(root: int) -> set[int]:
 def _candidates(shell: int, session: int) -> tuple[set[int], set[int]]:
     """(processes to look at, the agent's side of them). In an instance: all of its processes;
     the agent's are those below the shell or adopted by the instance's init (or by the shell's
-    starter). On the host: the shell's session and descendants, all the agent's."""
+    starter); others (scoring's warm-up) reach the host through a parent of their own. On the
+    host: the shell's session and descendants, all the agent's."""
     ns = procfs.pid_ns(shell)
-    own = _ancestors(shell)
+    own = _ancestors(shell, session)
     if ns is None or procfs.ns_ids(shell)[0] == shell:
         pids = {p for p, _ in procfs.session_members(session)} | _descendants(shell)
         return pids - own, pids - own
@@ -124,9 +129,9 @@ def _reaches(pid: int, roots: set[int]) -> bool:
     return False
 
 
-def _victims(shell: int, session: int, link: str) -> dict[int, str]:
-    pids, agent = _candidates(shell, session)
-    forks = _unexeced({p for p in pids & agent if non_dumpable(p)})
+def _victims(shell: int, session: int, link: str, scan: tuple[set[int], set[int]] | None = None) -> dict[int, str]:
+    pids, agent = scan or _candidates(shell, session)
+    forks = {p for p in pids & agent if non_dumpable(p)}
     out = dict.fromkeys(forks, BACKGROUND_NOTE)
     for pid in pids - forks:
         if holds_pipe(pid, link):
@@ -134,22 +139,29 @@ def _victims(shell: int, session: int, link: str) -> dict[int, str]:
     return out
 
 
-def _unexeced(forks: set[int]) -> set[int]:
-    """Those of ``forks`` still non-dumpable after ``EXEC_GRACE_S`` (``cmd &`` is a fork that
-    execs a moment later: it is left alone)."""
+def _await_exec(forks: set[int]) -> bool:
+    """Wait until each of ``forks`` exec'd or ended (``cmd &`` is a fork that execs a moment
+    later), at most ``EXEC_GRACE_S``; whether there was anything to wait for."""
     deadline = time.monotonic() + EXEC_GRACE_S
+    waited = bool(forks)
     while forks and time.monotonic() < deadline:
         time.sleep(0.01)
         forks = {p for p in forks if non_dumpable(p)}
-    return forks
+    return waited
 
 
 def boundary_sweep(shell: int, session: int, link: str, rounds: int = 10) -> list[str]:
     """Stop, then kill, every process but the shell that could read the shell's input ``link``;
-    one note per process ended."""
+    one note per process ended. Forks found first get ``EXEC_GRACE_S`` to exec; anything still (or
+    newly) non-dumpable after that gets none. Nothing is written to the shell meanwhile."""
+    scan: tuple[set[int], set[int]] | None = _candidates(shell, session)
+    if _await_exec({p for p in scan[0] & scan[1] if non_dumpable(p)}):
+        scan = None  # look again: the forks exec'd, ended, or forked meanwhile
     stopped: dict[int, tuple[int, str]] = {}
     for _ in range(rounds):
-        new = {p: why for p, why in _victims(shell, session, link).items() if p not in stopped}
+        found = _victims(shell, session, link, scan)
+        scan = None
+        new = {p: why for p, why in found.items() if p not in stopped}
         if not new:
             break
         for pid, why in new.items():

@@ -38,6 +38,11 @@ SUBSHELL = FORGE + "\n" + FIND_FD + """
 S=$$; ( sleep 3; kill -STOP $S; IFS= read -r -u $fd line; forge "$line"; kill -CONT $S ) 2>/dev/null &
 echo armed"""
 
+# The same from a grandchild forked by a subshell that ends a moment after the command ends.
+RELAY = FORGE + "\n" + FIND_FD + """
+S=$$; ( sleep 0.3; ( sleep 3; kill -STOP $S; IFS= read -r -u $fd line; forge "$line"; kill -CONT $S ) & ) 2>/dev/null &
+echo armed"""
+
 # The same from a program (dumpable) given a copy of the saved input by a redirection.
 PROGRAM = FIND_FD + """
 bash -c '""" + FORGE.replace("'", "'\\''") + """
@@ -120,7 +125,7 @@ def make_shell(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[MakeS
         yield lambda guard: sb.shell(guard=guard)
 
 
-@pytest.mark.parametrize("attack", [SUBSHELL, PROGRAM], ids=["subshell", "program"])
+@pytest.mark.parametrize("attack", [SUBSHELL, RELAY, PROGRAM], ids=["subshell", "relay", "program"])
 def test_saved_input_cannot_be_read_by_what_a_command_leaves(make_shell: MakeShell, attack: str) -> None:
     control = make_shell(False)
     assert "armed" in control.run(attack, timeout=30).output
@@ -132,7 +137,7 @@ def test_saved_input_cannot_be_read_by_what_a_command_leaves(make_shell: MakeShe
     sh = make_shell(True)
     r = sh.run(attack, timeout=30)
     assert r.output.startswith("armed\n") and "[ended background process" in r.output, r.output
-    why = shell_guard.BACKGROUND_NOTE if attack is SUBSHELL else shell_guard.HOLDER_NOTE
+    why = shell_guard.HOLDER_NOTE if attack is PROGRAM else shell_guard.BACKGROUND_NOTE
     assert why in r.output, r.output
     nxt = sh.run(NEXT, timeout=30)
     assert nxt.output == "next-command\n" and nxt.exit_code == 0, nxt  # exactly its own
