@@ -37,6 +37,7 @@ BACKGROUND_NOTE = (
     "start background work as a program: nohup/setsid/bash -c '...' &"
 )
 EXEC_GRACE_S = 1.0  # a fork of the shell is non-dumpable until it execs: how long it gets to
+GRACE_ROUNDS = 4  # forks found after a grace (forked meanwhile) get one too, this many times
 
 HOLDER_NOTE = "it held the shell's command input open (a redirection from the shell's own input)"
 
@@ -139,24 +140,34 @@ def _victims(shell: int, session: int, link: str, scan: tuple[set[int], set[int]
     return out
 
 
-def _await_exec(forks: set[int]) -> bool:
-    """Wait until each of ``forks`` exec'd or ended (``cmd &`` is a fork that execs a moment
-    later), at most ``EXEC_GRACE_S``; whether there was anything to wait for."""
+def _await_exec(forks: set[int]) -> None:
+    """Wait until each of ``forks`` exec'd or ended (``cmd &`` and ``(cmd &)`` are forks that
+    exec a moment later), at most ``EXEC_GRACE_S``."""
     deadline = time.monotonic() + EXEC_GRACE_S
-    waited = bool(forks)
     while forks and time.monotonic() < deadline:
         time.sleep(0.01)
         forks = {p for p in forks if non_dumpable(p)}
-    return waited
+
+
+def _settle(shell: int, session: int) -> tuple[set[int], set[int]] | None:
+    """Give every fork found one grace, new ones found after a grace too, for at most
+    ``GRACE_ROUNDS`` rounds; the last scan when it found no fork to wait for, else None."""
+    graced: set[int] = set()
+    for _ in range(GRACE_ROUNDS):
+        scan = _candidates(shell, session)
+        forks = {p for p in scan[0] & scan[1] if non_dumpable(p)} - graced
+        if not forks:
+            return scan if not graced else None
+        _await_exec(forks)
+        graced |= forks
+    return None
 
 
 def boundary_sweep(shell: int, session: int, link: str, rounds: int = 10) -> list[str]:
     """Stop, then kill, every process but the shell that could read the shell's input ``link``;
-    one note per process ended. Forks found first get ``EXEC_GRACE_S`` to exec; anything still (or
-    newly) non-dumpable after that gets none. Nothing is written to the shell meanwhile."""
-    scan: tuple[set[int], set[int]] | None = _candidates(shell, session)
-    if _await_exec({p for p in scan[0] & scan[1] if non_dumpable(p)}):
-        scan = None  # look again: the forks exec'd, ended, or forked meanwhile
+    one note per process ended. Forks first get their grace to exec (``_settle``); nothing is
+    written to the shell meanwhile, so nothing can be read."""
+    scan = _settle(shell, session)
     stopped: dict[int, tuple[int, str]] = {}
     for _ in range(rounds):
         found = _victims(shell, session, link, scan)

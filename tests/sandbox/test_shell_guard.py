@@ -173,12 +173,13 @@ def test_shell_memory_and_ptrace_are_out_of_reach(make_shell: MakeShell) -> None
 def test_background_programs_survive_and_shell_code_jobs_end(make_shell: MakeShell) -> None:
     sh = make_shell(True)
     r = sh.run("sleep 100 & echo $! >~/.a; nohup sleep 200 >/dev/null 2>&1 & echo $! >~/.b; "
-               "(while :; do sleep 1; done) & echo $! >~/.c; echo started", timeout=30)
+               "(while :; do sleep 1; done) & echo $! >~/.c; (sleep 300 & echo $! >~/.d); echo started",
+               timeout=30)
     assert r.output.startswith("started\n"), r.output
     assert r.output.count("[ended background process") == 1 and shell_guard.BACKGROUND_NOTE in r.output
-    nxt = sh.run("for f in a b c; do kill -0 $(cat ~/.$f) 2>/dev/null && echo $f alive || echo $f gone; done",
+    nxt = sh.run("for f in a b c d; do kill -0 $(cat ~/.$f) 2>/dev/null && echo $f alive || echo $f gone; done",
                  timeout=30)
-    assert nxt.output == "a alive\nb alive\nc gone\n", nxt  # and nothing else (no job report)
+    assert nxt.output == "a alive\nb alive\nc gone\nd alive\n", nxt  # and nothing else (no job report)
 
 
 def test_guard_off_leaves_shell_code_jobs_running(make_shell: MakeShell) -> None:
