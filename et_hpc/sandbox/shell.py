@@ -7,10 +7,9 @@ came. The command's code and every process it starts cannot read that pipe (``sh
 shell is non-dumpable, and at each boundary what could read it is ended from the host), so none can
 read a pending line or forge an end. Residuals (code left in the shell itself): SECURITY.md.
 
-Job control (``set -m``) gives every command its own process group; on timeout the groups started
-since the command began are killed from the host through ``/proc``. If the shell does not answer
-after that, or exited, a new one is started and the result says so. Output is kept as a head and a
-tail; ANSI escapes, carriage returns and other control characters are removed.
+Job control gives every command its own process group, killed from the host on timeout; a shell
+that exited or does not answer then is started anew, and the result says so. Output is kept as a
+head and a tail; ANSI escapes, carriage returns and other control characters are removed.
 """
 
 from __future__ import annotations
@@ -294,7 +293,7 @@ class Shell:
         if self.host_pid is not None and shell_guard.non_dumpable(self.host_pid):
             return
         self._terminate()
-        why = ("no copy of bash could be made and run (/tmp, /dev/shm and $HOME full, read-only "
+        why = ("no copy of bash could be made and run (/dev/shm, /tmp and $HOME full, read-only "
                "or noexec, or bash unreadable)" if shell_guard.COPY_FAILED in startup_output
                else "the new shell is readable by the commands (its bash copy was replaced?)")
         raise ShellDied(f"the shell's input could not be made private: {why}")

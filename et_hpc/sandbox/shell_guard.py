@@ -21,9 +21,10 @@ from et_hpc.sandbox.sweep import _open, _signal, _wait_exited
 
 COPY_FAILED = "ET_SHELL_NOT_PRIVATE"
 
-# Tried in order; a noexec mount or a full disk moves on to the next. Nothing is left on disk.
+# Tried in order (/dev/shm first: the copy, held until the shell ends, takes no space of the
+# agent's disk); a noexec mount or a full one moves on to the next. Nothing is left behind.
 PRIVATE_LINE = (
-    "shopt -s execfail; for __et_d in /tmp /dev/shm \"$HOME\"; do "
+    "shopt -s execfail; for __et_d in /dev/shm /tmp \"$HOME\"; do "
     "__et_t=$(mktemp -d \"$__et_d/.et-shell.XXXXXX\" 2>/dev/null) || continue; "
     "if cp \"$(command -v bash)\" \"$__et_t/bash\" 2>/dev/null && chmod 0111 \"$__et_t/bash\"; then "
     "__ET_COPY=$__et_t exec \"$__et_t/bash\" --noprofile --norc; fi; rm -rf \"$__et_t\"; done; "
