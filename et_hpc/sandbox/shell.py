@@ -1,23 +1,15 @@
 """One persistent bash per episode: run a command, get its output and exit code, with real timeouts.
 
-The shell is started from an argv (a host ``bash`` for tests, ``apptainer exec instance://NAME bash``
-in a sandbox) and fed through a pipe. Each command is sent as one line, ``eval $'…' </dev/null``
-followed on the same line by what prints a fresh random end marker with the exit code. Bash reads
-the whole line before it runs the command, and the next line is written only after the marker came,
-so while a command runs the pipe holds nothing of ours: the command cannot read its end marker (from
-the shell's saved copy of its input) to print it early, a marker it prints itself ends nothing, and
-it cannot read the commands after it. What the framing does not survive (the shell is the agent's:
-code the agent leaves in it, or a process that keeps the shell's input open to read later lines)
-is in SECURITY.md.
+Started from an argv (a host ``bash`` for tests, ``apptainer exec instance://NAME bash`` in a
+sandbox) and fed through a pipe, each command as one line ``eval $'…' </dev/null`` followed on the
+same line by the print of a fresh random end marker; the next line is written only after the marker
+came. The command's code and every process it starts cannot read that pipe (``shell_guard``: the
+shell is non-dumpable, and at each boundary what could read it is ended from the host), so none can
+read a pending line or forge an end. Residuals (code left in the shell itself): SECURITY.md.
 
-Job control (``set -m``) gives every command its own process group. On timeout the groups started
-in the shell's session since the command began are killed from the host through ``/proc`` (the
-instance's processes are ordinary host processes of the same user), so no extra ``apptainer exec``
-is needed; the shell itself survives. If it does not answer after that, or it exited (``exit``,
-``exec``), a new shell is started and the result says so.
-
-Output is read by a thread that keeps only a head and a tail (bounded memory whatever the command
-prints); ANSI escapes, carriage returns and other control characters are removed.
+Job control gives every command its own process group, killed from the host on timeout; a shell
+that exited or does not answer then is started anew, and the result says so. Output is kept as a
+head and a tail; ANSI escapes, carriage returns and other control characters are removed.
 """
 
 from __future__ import annotations
@@ -37,6 +29,7 @@ from et_hpc.errors import InfraError
 from et_hpc.host.procfs import ns_ids as _ns_ids
 from et_hpc.host.procfs import session_members as _session_members
 from et_hpc.host.procfs import stat as _stat
+from et_hpc.sandbox import shell_guard
 
 log = logging.getLogger(__name__)
 
@@ -214,6 +207,7 @@ class Shell:
         killer: Callable[[int], None] | None = None,
         init: str | None = None,
         popen_env: dict[str, str] | None = None,
+        guard: bool = True,
     ) -> None:
         self.argv = list(argv)
         self.home = home
@@ -222,6 +216,8 @@ class Shell:
         self.killer = killer or _killpg
         self.init = init
         self.popen_env = popen_env
+        self.guard = guard  # off only to show, in tests, what the guard stops
+        self._pipe = ""  # the command pipe as its holders' fds show it (``pipe:[INODE]``)
         self._proc: subprocess.Popen[bytes] | None = None
         self._cv = threading.Condition()
         self._cap: _Capture | None = None
@@ -271,7 +267,10 @@ class Shell:
         )
         self._reader.start()
         self._protected = set()
-        lines = ["set -m", f"export HOME={bash_quote(self.home)}"]
+        assert self._proc.stdin is not None
+        self._pipe = f"pipe:[{os.fstat(self._proc.stdin.fileno()).st_ino}]"
+        lines = [shell_guard.PRIVATE_LINE.rstrip("\n")] if self.guard else []
+        lines += ["set -m", f"export HOME={bash_quote(self.home)}"]
         lines += [f"export {k}={bash_quote(v)}" for k, v in self.env.items() if _valid_name(k)]
         lines.append('cd "$HOME" 2>/dev/null || cd /')
         if self.init:
@@ -285,7 +284,28 @@ class Shell:
             raise ShellDied(f"the shell did not start: {' '.join(self.argv)}: {out.strip()[-500:]}")
         self.ns_pid, _ = _parse_info(cap.found[1].decode("utf-8", "replace"))
         self.host_pid = self._find_host_pid()
+        if self.guard:
+            self._check_private(cap.output()[0])
         log.debug("shell started: host pid %s, namespace pid %s", self.host_pid, self.ns_pid)
+
+    def _check_private(self, startup_output: str) -> None:
+        """The new shell must be non-dumpable (seen from the host); else it is ended."""
+        if self.host_pid is not None and shell_guard.non_dumpable(self.host_pid):
+            return
+        self._terminate()
+        why = ("no copy of bash could be made and run (/dev/shm, /tmp and $HOME full, read-only "
+               "or noexec, or bash unreadable)" if shell_guard.COPY_FAILED in startup_output
+               else "the new shell is readable by the commands (its bash copy was replaced?)")
+        raise ShellDied(f"the shell's input could not be made private: {why}")
+
+    def boundary_notes(self) -> list[str]:
+        """End what could read the shell's next command (``shell_guard.boundary_sweep``)."""
+        if not self.guard or self._proc is None or self.host_pid is None:
+            return []
+        notes = shell_guard.boundary_sweep(self.host_pid, self._proc.pid, self._pipe)
+        if notes:  # bash reports its killed jobs at its next line: let it do so on a line of ours
+            self._exchange("jobs >/dev/null 2>&1", _new_marker(), "$?", _KILL_GRACE_S)
+        return notes
 
     def _find_host_pid(self) -> int | None:
         assert self._proc is not None
@@ -432,6 +452,7 @@ class Shell:
                 restarted = True
                 self.restarts += 1
                 notes.append(_RESTART_NOTE)
+        notes += self.boundary_notes()  # again right before the line: nothing new since the last end
         marker = _new_marker()
         cap = self._exchange(f"eval {bash_quote(command)} </dev/null\n", marker, "$?", timeout)
         if cap.found is not None:
@@ -477,7 +498,7 @@ class Shell:
         out, trunc = cap.output()
         info = cap.found[1].decode("utf-8", "replace") if cap.found else ""
         code, self._protected = _parse_info(info)
-        notes = notes + self._take_notes()
+        notes = notes + self.boundary_notes() + self._take_notes()
         if timed_out:
             code = None
         return CommandResult(
