@@ -121,6 +121,27 @@ def ns_members(ns: str, exclude: set[int] | frozenset[int] = frozenset()) -> lis
     return out
 
 
+def descendants(roots: set[int]) -> set[int]:
+    """``roots`` and every process below them, walking ``/proc/X/task/*/children`` (a process
+    forked during the walk may be missed: the next walk finds it)."""
+    found, todo = set(roots), list(roots)
+    while todo:
+        pid = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                    kids = [int(k) for k in f.read().split()]
+            except OSError:
+                continue
+            todo += [k for k in kids if k not in found]
+            found.update(kids)
+    return found
+
+
 def instance_pids(ns: str) -> set[int]:
     """Host pids of the instance's processes: those whose PID namespace is ``ns`` and every
     descendant of them. A process in a nested PID namespace is a child of one of the instance's,
@@ -135,25 +156,7 @@ def instance_pids(ns: str) -> set[int]:
                     found.add(int(name))
             except OSError:
                 continue
-    todo = list(found)
-    while todo:
-        pid = todo.pop()
-        try:
-            tasks = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            continue
-        for tid in tasks:
-            try:
-                with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
-                    kids = f.read().split()
-            except OSError:
-                continue
-            for k in kids:
-                child = int(k)
-                if child not in found:
-                    found.add(child)
-                    todo.append(child)
-    return found
+    return descendants(found)
 
 
 def instance_processes(ns: str, exclude: set[int] | frozenset[int] = frozenset()) -> dict[int, tuple[int, str]]:

@@ -82,25 +82,6 @@ def _ancestors(pid: int, top: int) -> set[int]:
     return out
 
 
-def _descendants(root: int) -> set[int]:
-    found, todo = {root}, [root]
-    while todo:
-        pid = todo.pop()
-        try:
-            tasks = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            continue
-        for tid in tasks:
-            try:
-                with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
-                    kids = [int(k) for k in f.read().split()]
-            except OSError:
-                continue
-            todo += [k for k in kids if k not in found]
-            found.update(kids)
-    return found
-
-
 def _candidates(shell: int, session: int) -> tuple[set[int], set[int]]:
     """(processes to look at, the agent's side of them). In an instance: all of its processes;
     the agent's are those below the shell or adopted by the instance's init (or by the shell's
@@ -109,7 +90,7 @@ def _candidates(shell: int, session: int) -> tuple[set[int], set[int]]:
     ns = procfs.pid_ns(shell)
     own = _ancestors(shell, session)
     if ns is None or procfs.ns_ids(shell)[0] == shell:
-        pids = {p for p, _ in procfs.session_members(session)} | _descendants(shell)
+        pids = {p for p, _ in procfs.session_members(session)} | procfs.descendants({shell})
         return pids - own, pids - own
     pids = procfs.instance_pids(ns) - own
     inits = {p for p in pids if procfs.ns_ids(p)[0] == 1 and procfs.pid_ns(p) == ns}
