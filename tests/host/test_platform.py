@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -164,6 +165,15 @@ def test_submitit_array_on_real_slurm(tmp_path):
     assert all("_" in j.job_id for j in jobs)  # array task ids
     results = [j.result() for j in jobs]
     assert results == [4, 9, 16, 25, 36, 49]
-    r = subprocess.run(["sacct", "-n", "-X", "-j", jobs[0].job_id.split("_")[0], "-o", "State"],
-                       capture_output=True, text=True)
-    assert r.returncode == 0 and "COMPLETED" in r.stdout
+    # submitit reads each result as soon as the task has written it; the job's own end reaches
+    # accounting a moment later, so wait for every array task's record to say COMPLETED.
+    array_id = jobs[0].job_id.split("_")[0]
+    deadline = time.monotonic() + 120
+    while True:
+        r = subprocess.run(["sacct", "-n", "-X", "-j", array_id, "-o", "State"],
+                           capture_output=True, text=True)
+        states = r.stdout.split()
+        if r.returncode == 0 and len(states) == 6 and set(states) == {"COMPLETED"}:
+            break
+        assert time.monotonic() < deadline, f"array {array_id} never completed in accounting: {r.stdout!r}"
+        time.sleep(2)
