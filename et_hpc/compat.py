@@ -18,6 +18,7 @@ COMPAT: dict[str, tuple[str, str]] = {
     "et_hpc.scripted_server": ("et_hpc.testing.scripted_server", REMOVE_IN),
     "et_hpc.scripted_tokenizer": ("et_hpc.testing.scripted_tokenizer", REMOVE_IN),
     "et_hpc.tasks.bases": ("et_hpc.tasks.base_names", REMOVE_IN),
+    "et_hpc.agent.protocols": ("et_hpc.agent.wire", REMOVE_IN),
     # class aliases
     "et_hpc.images.store.StoreSettings": ("et_hpc.images.store.ImageStoreConfig", REMOVE_IN),
     "et_hpc.agent.loop.Budgets": ("et_hpc.agent.loop.BudgetConfig", REMOVE_IN),

@@ -10,7 +10,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 from pydantic import BaseModel, ConfigDict, Field
 
 from et_hpc.agent.prompts import COULD_NOT_PARSE
-from et_hpc.agent.protocols import Mode, parse_text_reply
+from et_hpc.agent.wire import Mode, parse_text_reply
 from et_hpc.errors import InfraError
 from et_hpc.record import TokensSource
 

@@ -33,7 +33,7 @@ from typing import Any, Literal, Protocol
 from pydantic import BaseModel, ConfigDict, Field
 
 from et_hpc.agent.base import DEFAULT_MAX_TOKENS, Action, ContextLengthError, Policy, PolicyError, TokenCapture
-from et_hpc.agent.protocols import OUTPUT_LIMIT_CHARS, default_system_prompt, format_observation
+from et_hpc.agent.wire import OUTPUT_LIMIT_CHARS, default_system_prompt, format_observation
 
 log = logging.getLogger(__name__)
 

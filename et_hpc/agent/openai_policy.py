@@ -49,12 +49,12 @@ import openai
 from et_hpc.agent.base import DEFAULT_MAX_TOKENS, Action, ContextLengthError, PolicyError, TokenCapture, text_action
 from et_hpc.agent.chat_tokens import LLAMA_ASK, REASON, count_drift, logprob_token_ids, render_ids, with_sampled_end
 from et_hpc.agent.endpoint import CLIENT, EndpointWatch, key_or_default, resolve_api_key
-from et_hpc.agent.protocols import TERMINAL_TOOL, Mode, ToolArgsError, parse_tool_arguments
 from et_hpc.agent.replies import error_text as _error_text
 from et_hpc.agent.replies import keep_reasoning as _keep_reasoning
 from et_hpc.agent.replies import malformed as _malformed
 from et_hpc.agent.replies import retry_after as _retry_after
 from et_hpc.agent.served import ENDPOINT, MAX_SWITCHES, RESPONSE, ServedVersions
+from et_hpc.agent.wire import TERMINAL_TOOL, Mode, ToolArgsError, parse_tool_arguments
 
 if TYPE_CHECKING:
     from et_hpc.agent.loop import Turn

@@ -23,7 +23,7 @@ from et_hpc.agent.base import (  # noqa: F401  (re-exported: the names' old home
     text_action,
 )
 from et_hpc.agent.endpoint import CLIENT
-from et_hpc.agent.protocols import DONE_TEXT, Mode
+from et_hpc.agent.wire import DONE_TEXT, Mode
 from et_hpc.errors import TaskError, UserError
 
 if TYPE_CHECKING:

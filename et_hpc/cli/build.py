@@ -161,7 +161,7 @@ def _one_line(s: str, width: int = 110) -> str:
 
 # -- Slurm -----------------------------------------------------------------------------------------
 def build_on_slurm(store: ImageStore, tasks: list[Any], args: argparse.Namespace) -> list[ImageResult]:
-    from et_hpc.host import slurm as watch
+    from et_hpc.host import slurm as host_slurm
 
     time_min = parse_minutes(args.time)
     mem_gb = parse_mem_gb(args.mem)
@@ -191,12 +191,12 @@ def build_on_slurm(store: ImageStore, tasks: list[Any], args: argparse.Namespace
 
     def on_poll(states: dict[str, str]) -> None:
         now = time.monotonic()
-        if now - state["last"] < 10 and not all(watch.ended(s) for s in states.values()):
+        if now - state["last"] < 10 and not all(host_slurm.ended(s) for s in states.values()):
             return
         state["last"] = now
         done = sum(1 for t in todo if store.lookup(t).status in ("cached", "failed"))
         bar.n = done
-        bar.set_postfix(watch.counts(states), refresh=False)
+        bar.set_postfix(host_slurm.counts(states), refresh=False)
         bar.refresh()
 
     try:
@@ -210,7 +210,7 @@ def build_on_slurm(store: ImageStore, tasks: list[Any], args: argparse.Namespace
 
     by_id: dict[str, ImageResult] = {}
     for i, chunk in enumerate(chunks):
-        by_id.update(_collect(store, arr, i, chunk, states.get(ids[i], watch.UNKNOWN)))
+        by_id.update(_collect(store, arr, i, chunk, states.get(ids[i], host_slurm.UNKNOWN)))
     if not all_ended:
         print(f"et-hpc: gave up waiting after {deadline_s / 60:.0f} min (--deadline); the array keeps running",
               file=sys.stderr)
@@ -219,11 +219,11 @@ def build_on_slurm(store: ImageStore, tasks: list[Any], args: argparse.Namespace
 
 def _collect(store: ImageStore, arr: Array, i: int, chunk: list[Any], st: str) -> dict[str, ImageResult]:
     """The results of array task ``i`` (in state ``st``): what it returned, else what the cache says."""
-    from et_hpc.host import slurm as watch
+    from et_hpc.host import slurm as host_slurm
 
     tid = arr.ids[i]
     got: list[dict] | None = None
-    if watch.ended(st):
+    if host_slurm.ended(st):
         try:
             got = arr.result(i)
         except Exception as e:  # killed, timed out, or crashed: the cache tells what got built
@@ -232,7 +232,7 @@ def _collect(store: ImageStore, arr: Array, i: int, chunk: list[Any], st: str) -
     if got:
         for d in got:
             r = ImageResult(**d)
-            if r.status == "failed" and st not in watch.DONE:
+            if r.status == "failed" and st not in host_slurm.DONE:
                 r.reason = f"{r.reason} (Slurm array task {tid} ended {st})"
             out[r.task_id] = r
         return out
@@ -241,7 +241,7 @@ def _collect(store: ImageStore, arr: Array, i: int, chunk: list[Any], st: str) -
         if r.status == "missing":
             r = r.model_copy(update={"status": "failed", "reason": (
                 f"Slurm array task {tid} ended {st} before building it (log: {arr.log_path(i)})"
-                if watch.ended(st) else
+                if host_slurm.ended(st) else
                 f"still building in Slurm array task {tid} ({st}) when the wait ended; rerun to collect")})
         out[t.id] = r
     return out

@@ -10,7 +10,7 @@ from typing import Any
 
 from et_hpc.cli.common import add_command
 from et_hpc.errors import UserError
-from et_hpc.host import slurm as watch
+from et_hpc.host import slurm as host_slurm
 from et_hpc.paths import find_run_dir
 from et_hpc.runner.base import Outcome
 from et_hpc.runner.config import RunConfig, config_keys_text, load_config, parse_set
@@ -308,9 +308,9 @@ def status_info(run_dir: Path) -> dict[str, Any]:
         info["queue"] = queue
     subs = latest_submissions(run_dir)
     if subs:
-        states = watch.task_states(task_ids(subs))
+        states = host_slurm.task_states(task_ids(subs))
         info["array_jobs"] = ",".join(s["array_id"] for s in subs)
-        info["array_tasks"] = watch.counts(states)
+        info["array_tasks"] = host_slurm.counts(states)
     return info
 
 

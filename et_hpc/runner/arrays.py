@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from et_hpc.host import slurm as watch
+from et_hpc.host import slurm as host_slurm
 from et_hpc.host.slurm import SlurmConfig
 
 log = logging.getLogger(__name__)
@@ -136,14 +136,14 @@ class SlurmArray:
         return self.ids[0].split("_")[0]
 
     def states(self) -> dict[str, str]:
-        return watch.task_states(self.ids)
+        return host_slurm.task_states(self.ids)
 
     def ended(self) -> bool:
-        return all(watch.ended(s) for s in self.states().values())
+        return all(host_slurm.ended(s) for s in self.states().values())
 
     def wait(self, *, poll_s: float, timeout_s: float | None = None,
              on_poll: OnPoll | None = None) -> tuple[dict[str, str], bool]:
-        return watch.wait_tasks(self.ids, poll_s=poll_s, timeout_s=timeout_s, on_poll=on_poll)
+        return host_slurm.wait_tasks(self.ids, poll_s=poll_s, timeout_s=timeout_s, on_poll=on_poll)
 
     def stop(self, grace_s: float, poll_s: float = 2.0) -> None:
         """Wait up to ``grace_s`` for the tasks to end by themselves, then cancel what is left."""

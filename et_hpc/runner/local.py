@@ -29,7 +29,7 @@ from typing import Any
 from tqdm import tqdm
 
 from et_hpc.errors import UserError
-from et_hpc.host import slurm as watch
+from et_hpc.host import slurm as host_slurm
 from et_hpc.record import EpisodeRecord, write_failed_record
 from et_hpc.runner.arrays import ArraySpec, ArrayTask, LocalArray
 from et_hpc.runner.base import Notify, Outcome, Progress
@@ -275,7 +275,7 @@ class UnitPool:
 
     def interrupted(self) -> bool:
         """Asked to stop, or the Slurm job is being cancelled under us (asked only after an error)."""
-        return self.stop.is_set() or watch.slurm_job_ending()
+        return self.stop.is_set() or host_slurm.slurm_job_ending()
 
     def _tick(self) -> None:
         if self.progress is None:

@@ -32,7 +32,7 @@ from typing import Any
 from submitit.helpers import Checkpointable, DelayedSubmission
 
 from et_hpc.errors import UserError
-from et_hpc.host import slurm as watch
+from et_hpc.host import slurm as host_slurm
 from et_hpc.host.slurm import submitit_executor
 from et_hpc.runner.arrays import ArraySpec, SlurmArray
 from et_hpc.runner.base import Notify, Outcome, Progress
@@ -133,12 +133,12 @@ def _int(v: Any) -> int | None:
 
 def max_array_size() -> int:
     """Slurm's MaxArraySize (an array holds indices 0..MaxArraySize-1)."""
-    return _int(watch.scontrol_config().get("MaxArraySize")) or DEFAULT_MAX_ARRAY_SIZE
+    return _int(host_slurm.scontrol_config().get("MaxArraySize")) or DEFAULT_MAX_ARRAY_SIZE
 
 
 def _count_jobs(*filters: str) -> int | None:
     """Jobs in the queue matching squeue ``filters``, each array task counted (as Slurm does)."""
-    out = watch.query(["squeue", "-h", "-r", "-o", "%i", *filters])
+    out = host_slurm.query(["squeue", "-h", "-r", "-o", "%i", *filters])
     return None if out is None else len([ln for ln in out.splitlines() if ln.strip()])
 
 
@@ -162,7 +162,7 @@ class SubmitLimits:
 def submit_limits(cfg: RunConfig) -> SubmitLimits:
     """Query Slurm for the limits on how many array tasks this run may queue (see module doc)."""
     s = cfg.slurm
-    conf = watch.scontrol_config()
+    conf = host_slurm.scontrol_config()
     real_size = _int(conf.get("MaxArraySize")) or DEFAULT_MAX_ARRAY_SIZE
     lim = SubmitLimits(max_array_size=min(s.max_array_size, real_size) if s.max_array_size else real_size)
     if s.max_submit_jobs:
@@ -173,12 +173,12 @@ def submit_limits(cfg: RunConfig) -> SubmitLimits:
     lim.add(_int(conf.get("MaxJobCount")) or DEFAULT_MAX_JOB_COUNT, _count_jobs(), "MaxJobCount")
     mine: int | None = None
     account, qos = s.account, s.qos
-    users = parse_sacctmgr(watch.query(["sacctmgr", "-n", "-P", "show", "user", user,
+    users = parse_sacctmgr(host_slurm.query(["sacctmgr", "-n", "-P", "show", "user", user,
                                    "format=User,DefaultAccount"]) or "", ["user", "account"])
     account = account or (users[0]["account"] if users else None)
     if account:
         fields = ["account", "user", "partition", "max_submit", "grp_submit", "default_qos"]
-        out = watch.query(["sacctmgr", "-n", "-P", "show", "assoc", "where", f"user={user}", f"account={account}",
+        out = host_slurm.query(["sacctmgr", "-n", "-P", "show", "assoc", "where", f"user={user}", f"account={account}",
                       "format=Account,User,Partition,MaxSubmit,GrpSubmit,DefaultQOS"]) or ""
         for r in parse_sacctmgr(out, fields):
             if r["user"] != user or r["partition"] not in ("", s.partition or ""):
@@ -191,7 +191,7 @@ def submit_limits(cfg: RunConfig) -> SubmitLimits:
     qos = qos or ("normal" if account else None)
     if qos:
         fields = ["name", "max_submit_pu", "max_submit_pa", "grp_submit"]
-        out = watch.query(["sacctmgr", "-n", "-P", "show", "qos", qos, "format=Name,MaxSubmitPU,MaxSubmitPA,GrpSubmit"]) or ""
+        out = host_slurm.query(["sacctmgr", "-n", "-P", "show", "qos", qos, "format=Name,MaxSubmitPU,MaxSubmitPA,GrpSubmit"]) or ""
         for r in parse_sacctmgr(out, fields):
             if r["name"] != qos:
                 continue
@@ -318,8 +318,8 @@ def live_tasks(run_dir: Path) -> list[str]:
     subs = latest_submissions(run_dir)
     if not subs:
         return []
-    return sorted(t for t, s in watch.task_states(task_ids(subs)).items()
-                  if watch.category(s) in ("queued", "running"))  # unknown (no answer from Slurm): go on
+    return sorted(t for t, s in host_slurm.task_states(task_ids(subs)).items()
+                  if host_slurm.category(s) in ("queued", "running"))  # unknown (no answer from Slurm): go on
 
 
 def refuse_if_jobs_live(plan: Plan) -> None:
@@ -355,12 +355,12 @@ class SlurmExecutor:
         def on_poll(states: dict[str, str]) -> None:
             if progress is not None:
                 done = store.units()
-                progress(sum(1 for u in todo if u in done), watch.counts(states))
+                progress(sum(1 for u in todo if u in done), host_slurm.counts(states))
 
         timeout = cfg.slurm.wait_timeout_min * 60 if cfg.slurm.wait_timeout_min else None
-        states, all_ended = watch.wait_tasks(task_ids(subs), poll_s=cfg.slurm.poll_s, timeout_s=timeout,
+        states, all_ended = host_slurm.wait_tasks(task_ids(subs), poll_s=cfg.slurm.poll_s, timeout_s=timeout,
                                              on_poll=on_poll)
-        failed = {t: states[t] for t in sorted(states) if watch.category(states[t]) == "failed"}
+        failed = {t: states[t] for t in sorted(states) if host_slurm.category(states[t]) == "failed"}
         if failed:
             shown = ", ".join(f"{t} {s}" for t, s in list(failed.items())[:8])
             notify(f"{len(failed)} array task(s) ended without completing: {shown}")

@@ -18,7 +18,7 @@ import pytest
 
 from et_hpc.agent.loop import BudgetConfig, run_agent
 from et_hpc.agent.openai_policy import OpenAIPolicy
-from et_hpc.agent.protocols import TERMINAL_TOOL
+from et_hpc.agent.wire import TERMINAL_TOOL
 from et_hpc.record import EPISODE_SCHEMA, SCHEMA_VERSION, EpisodeRecord, check_tokens
 from et_hpc.testing import scripted_tokenizer as tk
 from et_hpc.testing.scripted_server import ScriptedServer

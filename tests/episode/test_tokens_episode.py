@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from et_hpc.agent.protocols import TERMINAL_TOOL
+from et_hpc.agent.wire import TERMINAL_TOOL
 from et_hpc.testing import scripted_tokenizer as tk
 from helpers.demo import DEMO, KEY, SOLVE, TASK
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from et_hpc.agent.prompts import COULD_NOT_PARSE, TEXT_SYSTEM_PROMPT, TOOLS_SYSTEM_PROMPT
-from et_hpc.agent.protocols import (
+from et_hpc.agent.wire import (
     ToolArgsError,
     format_observation,
     parse_text_reply,
