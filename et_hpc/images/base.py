@@ -1,16 +1,11 @@
 """Base images: the SIF that task defs name as ``From: ./ubuntu_22.04.sif``.
 
-Two ways to make it, chosen automatically (override with ``source=``):
-
-- ``docker``: ``apptainer build --fakeroot`` from ``defs/base/ubuntu_22.04-docker.def``
-  (``docker://ubuntu:22.04``), where a container registry is reachable;
-- ``debian``: offline, from Debian's archive with ``mmdebstrap --mode=unshare`` plus the
-  compatibility layer in ``defs/base/debian-compat.sh`` (system-wide ``pip3 install`` allowed,
-  python3 + pytest present, ``/home/user`` writable), then ``apptainer build --fakeroot``;
-- ``sif``: import a SIF you already have (``--from-sif``), e.g. one pulled on a login node.
-
-The result lands in the image cache (``<cache>/base/<name>.sif``, plus a ``.json`` sidecar with
-its digest), published by atomic rename. A second call finds it and returns in milliseconds.
+Made one of three ways, chosen automatically unless ``source=`` says: ``docker`` (``apptainer
+build --fakeroot`` from ``docker://ubuntu:22.04``), ``debian`` (offline: ``mmdebstrap`` plus the
+compatibility layer ``defs/base/debian-compat.sh``) or ``sif`` (import one you have,
+``--from-sif``). The result is published by atomic rename into the image cache
+(``<cache>/base/<name>.sif`` with a ``.json`` digest sidecar); a second call finds it and returns
+at once. Specification: docs/images.md ("Base images").
 """
 
 from __future__ import annotations

@@ -1,41 +1,13 @@
 """Node-local copies of cached SIF images, made once per node, checked, and evicted LRU.
 
-When the image cache sits on a shared filesystem (NFS, Lustre, GPFS), every instance start reads
-the SIF over the network. ``local_image(sif, digest, scratch=..., budget_gb=...)`` returns a
-``LocalImage`` (an ``os.PathLike``) naming a copy under ``<scratch>/images/``::
-
-    images/<digest>.sif     the copy (read-only; appears by atomic rename, never half)
-    images/<digest>.json    what was verified: digest, size, mtime_ns, inode, source, copy seconds
-    images/<digest>.lease   flocked shared by every user of the copy; its mtime is the last use (LRU)
-    images/<digest>.root/   the unpacked root filesystem, with local_copy: unpack (see below)
-    images/.node.lock       per-node lock held while copying, unpacking or evicting
-
-Contract:
-
-- One copy per node: the copy is made under the per-node lock, to a temp name, sha256-checked
-  against ``digest`` (the sha256 hex the image cache records for the SIF), fsynced, and renamed
-  into place. Any number of processes asking at once make one copy; the rest wait and use it.
-- A copy whose size, mtime or inode no longer match what was verified is re-hashed; a copy that no
-  longer matches its digest is deleted and copied again. ``verify="full"`` re-hashes on every use.
-- The returned ``LocalImage`` holds a shared flock on the copy's lease file until ``release()``
-  (or ``with`` exit, or garbage collection, or the process's death). Eviction only removes copies
-  whose lease it can lock exclusively, so a copy in use is never evicted.
-- Eviction is least-recently-used (lease mtime) and keeps the copies' total size within
-  ``budget_gb``; when in-use copies leave no room, or the image alone exceeds the budget,
-  ``NoRoom`` is raised and nothing is copied.
-- ``local_tree(sif, digest, ...)`` unpacks the SIF's root filesystem once per node instead, to
-  ``images/<digest>.root/`` (with ``<digest>.root.json`` and ``<digest>.root.lease``): the source
-  is copied to a temp file while hashed, the digest checked, that checked file unpacked with
-  ``unsquashfs`` to a temp directory, and the directory renamed into place. Instances then start
-  from the directory: no squashfuse mount per instance, and every sandbox of the image on the node
-  shares one page cache (files read by one episode, e.g. the scoring interpreter and pytest, are
-  warm for the next). Leases, LRU eviction and the budget are shared with SIF copies; a tree is
-  trusted as long as its directory is the one recorded (inode), it is not re-hashed.
-- ``episode_image(image, options)`` is what an episode calls: it decides whether a copy is wanted
-  (``local_copy: auto`` copies only when the cache and scratch are on different filesystems, i.e.
-  ``st_dev`` differs; ``always`` forces a copy; ``unpack`` a tree; ``never`` disables both) and never raises: on any
-  trouble (no room, a source that does not match its recorded digest, an I/O error) it logs a
-  warning and returns the shared path, which is what episodes used before copies existed.
+``local_image(sif, digest, scratch=..., budget_gb=...)`` returns a ``LocalImage`` (an
+``os.PathLike``) naming a copy under ``<scratch>/images/``, sha256-checked against ``digest``;
+``local_tree`` unpacks the SIF's root filesystem there instead. Any number of processes asking at
+once make one copy. The caller holds a lease until ``release()`` (or ``with`` exit), and a copy in
+use is never evicted; eviction keeps the copies within ``budget_gb`` or raises ``NoRoom``.
+``episode_image(image, options)`` is what an episode calls: it applies ``local_copy``
+(auto|always|never|unpack) and never raises (on any trouble: a warning and the shared path).
+Specification (layout, checks, eviction): docs/images.md ("Node-local copies").
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """A build lock that works on NFS and survives killed holders.
 
-One lock is one file (``locks/<key>.lock``) holding JSON: host, pid, the pid's start time, a
-random token and when it was taken. It is created by writing a private temp file and
-``os.link``-ing it to the lock name: ``link`` is atomic and fails if the name exists, on local
-disks and on NFS alike (unlike ``flock``, which some NFS mounts ignore). The holder touches the
-file every ``heartbeat`` seconds from a thread.
-
-A waiter takes over a lock when its holder is gone:
-
-- same host and the holder's pid is dead (or reused by another process): at once;
-- otherwise when the file (token and mtime) has not changed for ``stale_after`` seconds of the
-  waiter's own monotonic clock (no trust in clocks across nodes), or its mtime is older than
-  ``stale_after`` plus a clock-skew margin.
-
-Takeover renames the stale file to a unique name first (only one waiter's rename can win), checks
-that what it moved is the lock it judged stale (if a fresh lock was moved by mistake it is linked
-back), deletes it, and then competes to create a new lock as usual.
+One lock is one file (``locks/<key>.lock``), created by ``os.link`` of a private temp file (atomic,
+and it fails if the name exists, on NFS too) and touched every ``heartbeat`` seconds by its holder.
+One holder at a time; a waiter takes the lock over when its holder is gone: at once when it ran on
+the same host and its pid is dead, else when the file has not changed for ``stale_after`` seconds
+of the waiter's own clock. Specification (takeover): docs/images.md ("The build lock").
 """
 
 from __future__ import annotations

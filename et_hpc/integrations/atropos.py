@@ -1,48 +1,13 @@
 """The Endless Terminals environment for Atropos, on et-hpc: ``EndlessTerminalsEnv`` (an atroposlib ``BaseEnv``).
 
-Configured like the seed environment (hermes-agent's ``endless_terminals_env.py``):
-``dataset_name`` (a hub dataset, a local parquet file or a folder of task folders), ``split``,
-``tasks_base_dir`` (parquet rows' task folders are remapped by name onto it), ``test_timeout_s``,
-``max_agent_turns``, ``group_size``, ``system_prompt``; plus et-hpc's own settings below.
-
-Each trajectory is one et-hpc episode (``et_hpc.episode.run_episode``): the task's SIF from the
-image cache (build it first with ``et-hpc build``), one Apptainer instance and one overlay per
-episode, the model driven through et-hpc's OpenAI policy (exact token ids via
-``return_token_ids``, logprobs) against ``endpoint_file`` or ``endpoint_dir`` (et-hpc's client:
-replicas, failover, the file's key, the server's ``model_version`` as ``policy_version``), else
-the server of the ``--openai.*`` settings; the final tests run in the same instance after the
-agent stops. Every episode is also written to et-hpc's run store (``store``/``run_name``;
-``evaluate()``'s episodes to their own run, ``eval_run_name``), so ``et-hpc store summary`` and the
-exports see the same data. ``reward``: ``fraction`` (default, the seed's rule) scores passed/total
-of the final tests, ``binary`` 1 only when all pass. Tasks are served in a fresh seeded
-permutation each epoch.
-
-No episode is lost to a cancel: Atropos cancels ``collect_trajectories`` on ``worker_timeout``,
-on a full queue and for evals, but the episodes run in a thread pool, not in the coroutine; they
-finish, and the group is stored (its records carry the event ``collect cancelled: not sent``).
-A stop (SIGINT/SIGTERM) ends running episodes at their next turn; they are stored with status
-``infra_error`` (masked, never reward 0), one log line each, and the counts (started, stored,
-interrupted) are logged at the end.
-
-A group (``collect_trajectories``) is ``group_size`` episodes of one task, ``group_id =
-<task_id>@s<first sample>`` in the store, turned into a
-``ScoredDataGroup`` by ``et_hpc.runs.export.atropos_group`` (tokens, masks ``-100`` on prompt and
-tool-output positions, scores = the episodes' rewards, ``inference_logprobs``) and checked with
-``validate_atropos_group``. Failures are handled as in the store's group selection:
-
-- an episode with an error status (server, host, our bugs; never the agent's doing) masks the
-  whole group by default (``on_error: mask``): nothing is sent for it; ``keep-ok`` sends the ok
-  episodes with ``group_overrides.group_size`` set to their number;
-- the agent's own failures are ok episodes with reward 0.0 and are sent (trained on);
-- a group whose episodes carry no token ids (a server without ``return_token_ids`` or
-  ``/tokenize``) is not sent: Atropos trains on tokens, and re-tokenizing transcripts is not exact.
-
-Run it with atropos' own subcommands (``BaseEnv.cli``)::
-
-    python -m et_hpc.integrations.atropos serve --env.dataset_name defs/demo \\
-        --env.tokenizer_name /path/to/tokenizer --env.rollout_server_url http://127.0.0.1:8000 \\
-        --openai.base_url http://127.0.0.1:9000/v1 --openai.model_name my-model
-    python -m et_hpc.integrations.atropos process ... --env.data_path_to_save_groups groups.jsonl
+Configured like the seed environment (hermes-agent's ``endless_terminals_env.py``) plus et-hpc's
+own settings. Each trajectory is one et-hpc episode (``et_hpc.episode.run_episode``; build the
+images first with ``et-hpc build``), also written to et-hpc's run store. A group is
+``group_size`` episodes of one task, sent as a validated ``ScoredDataGroup``: a group with an
+error episode is masked (``on_error``), one without token ids is not sent, and the agent's own
+failures are sent with reward 0. No episode is lost to a cancel; a stop stores running episodes
+as ``infra_error``. Run it with atropos' subcommands:
+``python -m et_hpc.integrations.atropos serve|process ...``. Specification: docs/atropos.md.
 """
 
 from __future__ import annotations

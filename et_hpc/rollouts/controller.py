@@ -1,23 +1,12 @@
 """``et-hpc run --continuous``: keep a run's work queue full and its workers running until told to stop.
 
-The controller loads the tasks, checks their images, writes ``run.json``, clears an old stop
-file and starts the workers: one in-process worker with the local executor, or
-``continuous.workers`` long-lived submitit array tasks with the Slurm executor; both run the same
-:class:`~et_hpc.rollouts.worker.Worker`. Then, every ``continuous.poll_s``, it enqueues the next
-epoch when fewer than ``queue_low_water`` units are pending (each epoch is every task once, in a
-fresh shuffled order: the seed environment's ``get_next_item``), sweeps the queue, and checks the
-stop conditions: the stop file (``et-hpc rollouts stop``, ``RolloutStream.request_stop``),
-SIGTERM/SIGINT, ``--target-groups N`` (the stream holds N groups).
-
-A reaper thread removes, every half lease, the sandboxes of workers on this node that died without
-stopping them (et_hpc.sandbox.reaper.start_reaping; the workers run one too).
-
-The workers are one array of the run's executor (et_hpc.runner.arrays). On stop it writes the
-stop file (workers give their units back to the queue), waits up to ``stop_grace_s`` for the
-workers to exit, and cancels (its own) array tasks that are still there.
-The queue stays: running the same command again continues it, epochs included. If the
-controller itself dies, the workers finish what is queued and keep their leases honest; a new
-controller picks up from the queue's state.
+The controller writes ``run.json``, starts the workers (one in-process with the local executor,
+``continuous.workers`` array tasks with Slurm; all run :class:`~et_hpc.rollouts.worker.Worker`),
+then every ``continuous.poll_s`` enqueues the next epoch when the queue runs low, sweeps the
+queue and checks the stop conditions (stop file, SIGTERM/SIGINT, ``--target-groups``). On stop
+the workers give their units back and its array tasks still there are cancelled. The queue
+stays: the same command continues it, and a controller that dies loses nothing.
+Specification: docs/rollouts.md ("The controller").
 """
 
 from __future__ import annotations

@@ -1,36 +1,14 @@
 """The long-lived worker of a continuous run: claim units, run their episodes, commit groups.
 
-A ``Worker`` runs ``concurrency`` slots. Each slot claims one unit (one group) from the
-:class:`~et_hpc.rollouts.queue.WorkQueue`, stamps it with the run's current policy version (read
-just before the claim, so no unit starts under a version older than the current one), runs its
-``samples`` episodes one after another through the run's unit runner
-(``et_hpc.episode.run_episode`` by default; with ``sandbox.warm`` the slot's next episode of the
-group gets a sandbox started while the current one runs, et_hpc.sandbox.warm), reruns an episode that ended with an error status up
-to ``continuous.retries`` times, and commits the group. A heartbeat thread renews every lease the
-worker holds, sweeps the queue (expired leases of dead workers, unfinished publications), and
-interrupts a unit when it must not finish (a reaper thread, every half lease, removes the sandboxes
-of workers on this node that died without stopping them: et_hpc.sandbox.reaper.start_reaping):
-
-- its lease is gone (expired while this worker was cut off): the records are discarded;
-- the run is stopping (stop file, SIGTERM, Slurm checkpoint): the unit is given back;
-- ``on_version_change: abandon`` and the version moved more than ``max_staleness`` past the one
-  the unit started under: the unit is given back and restarts under the new version. Versions
-  are monotone ids from either source (``et_hpc.rollouts.versions``): the trainer's
-  ``version.json``, else the step in the endpoint file's ``model_version`` (``policy.endpoint_file``
-  or ``policy.endpoint_dir``, as ``slurm/vllm.sbatch --checkpoint-dir`` publishes it).
-
-With ``finish`` (default), a unit in flight during a switch finishes and its records say so. With
-trainer-owned versions each episode says it for itself: ``policy_version`` = the unit's start
-version (the group's), ``policy_versions`` = it plus every version published while that episode
-ran, ``crossed_version``; the trainer's first publish during an episode that started unversioned
-counts (``unversioned`` -> ``1``). Server-owned versions are the policy's per-turn record, kept.
-Only whole groups are ever committed; an interrupted unit's episodes are
-dropped and the unit is done again from its start.
-
-On Slurm the worker is a submitit array task (``__call__``). SIGTERM (scancel) makes it give
-its units back at once; after SIGKILL or a node failure its leases expire after ``lease_s`` and
-any other worker requeues them. On preemption or timeout submitit calls ``checkpoint()``, which
-does the same and requeues the worker, which then picks up wherever the queue is.
+A ``Worker`` runs ``concurrency`` slots; each claims one unit (one group) from the
+:class:`~et_hpc.rollouts.queue.WorkQueue`, stamps it with the current policy version, runs its
+episodes (rerunning error statuses up to ``continuous.retries`` times) and commits the group.
+Only whole groups are committed: a unit whose lease is gone, whose run is stopping, or (with
+``on_version_change: abandon``) whose version fell more than ``max_staleness`` behind is
+interrupted, its episodes dropped, and it is done again from its start. On Slurm it is a
+submitit array task: SIGTERM gives its units back, ``checkpoint()`` also requeues the worker,
+and after SIGKILL its leases expire and other workers requeue the units.
+Specification: docs/rollouts.md ("The worker").
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """The local executor: run units a few at a time in threads, write each record as it finishes.
 
-Episodes are bound by subprocesses (apptainer, bash), so threads are enough. A shared
-``threading.Event`` named *stop* is passed to every unit runner: once set (Ctrl-C, SIGTERM, a
-Slurm checkpoint), no new episode starts and running ones are expected to stop their instance and
-return soon. Records of episodes that did not finish ok after *stop* are dropped, so a resumed run
-does them again; everything that finished before is kept. An episode that ends with a sandbox-side
-error (``RETRIED``: outside the agent's reach) is run again at once, up to ``retries`` times; only
-the last attempt is stored, with one ``events`` line per earlier attempt.
-
-With ``sandbox.warm`` K > 0 and the default unit runner, ``UnitPool`` keeps a ``WarmPool``
-(et_hpc.sandbox.warm): each unit taken reserves a warm sandbox of its spec, if there is one, and
-the next K units are warmed; the pool is closed (unused sandboxes stopped) when the units end.
-A rerun of an episode starts its own sandbox.
+A shared ``threading.Event`` *stop* is passed to every unit runner: once set (Ctrl-C, SIGTERM, a
+Slurm checkpoint) no new episode starts and running ones must return soon; records of episodes
+that did not finish ok after it are dropped, so a resumed run does them again. An episode that
+ended with an error outside the agent's reach (``RETRIED``) is rerun at once, up to ``retries``
+times; only the last attempt is stored. ``UnitPool`` keeps warm sandboxes (``sandbox.warm``) for
+the units that run next. Specification: docs/runner.md ("The local executor").
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """Planning a run: load tasks, check their images, list the (task, sample) units the store lacks.
 
-Tasks without an image never stop a run:
-
-- a task whose image build *failed* (a ``failed/`` record of the image store, or a recipe that
-  cannot be normalised: bad def, empty container.def, unconvertible Dockerfile) is left out; each
-  of its units gets one ``no_image`` record (reward None, ``error`` = the one-line reason), so it
-  is visible in ``et-hpc status``/``store summary`` and the plan says which tasks and why
-  (``Plan.no_image``). The other tasks run.
-- ``no_image`` units are re-planned on every run (no ``--retry-errors`` needed): once the image
-  exists they run; while it is still missing they keep their one record (no new row per rerun).
-- images never built at all (no failed build on record) refuse the run with the build command,
-  and so does a run where no selected task has an image. ``strict`` (``--strict``) refuses on any
-  missing or failed image, as before.
-
-Also home of ``open_store`` (the run's :class:`~et_hpc.runs.store.RunStore`) and of ``run.json``,
-the run's description (config + plan summary) in the run directory.
+Tasks without an image never stop a run: a task whose image build failed is left out and each of
+its units gets one ``no_image`` record (re-planned on every run, so it runs once the image
+exists); ``Plan.no_image`` says which and why. Images never built at all refuse the run with the
+build command, as does ``strict`` on any missing or failed image. Also home of ``open_store``
+(the run's :class:`~et_hpc.runs.store.RunStore`) and of ``run.json``, the run's description.
+Specification: docs/runner.md ("Planning").
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """The Slurm executor: units in chunks, chunks as submitit array tasks, arrays split at MaxArraySize.
 
-Each array task is a :class:`ChunkJob`: it reaps stale sandboxes (at its start and every
-``REAP_EVERY_S`` while it runs: et_hpc.sandbox.reaper), skips units already ok in the
-store (so a requeued or rerun task never redoes finished work), and runs the rest with local
-concurrency. On preemption or timeout submitit calls ``checkpoint()``, which interrupts running
-episodes and requeues the same chunk. Submissions are saved in ``<run_dir>/jobs.json``.
-
-Before submitting, :func:`submit_limits` asks Slurm how many more array tasks it accepts (the
-queries of the cluster's limits live here, each run through ``et_hpc.host.slurm.query``:
-``scontrol show config`` for MaxArraySize and MaxJobCount, ``sacctmgr`` for the association's and
-QOS's MaxSubmitJobs limits, ``squeue`` for what is queued already). A run that needs more is refused in one line naming the
-``slurm.units_per_task`` that fits, instead of sbatch retrying and failing. Missing answers
-(no accounting, a query that fails) mean "no such limit"; ``slurm.max_submit_jobs`` caps it by hand.
+Each array task is a :class:`ChunkJob`: it reaps stale sandboxes, skips units already ok in the
+store (a requeued task never redoes finished work) and runs the rest with local concurrency; on
+preemption or timeout it requeues itself. Submissions are saved in ``<run_dir>/jobs.json``.
+:func:`submit_limits` asks Slurm how many more array tasks it accepts: a run that needs more is
+refused in one line naming the ``slurm.units_per_task`` that fits.
+Specification: docs/runner.md ("The Slurm executor").
 """
 
 from __future__ import annotations

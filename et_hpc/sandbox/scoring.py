@@ -1,26 +1,13 @@
 """Scoring: run a task's pytest file in the episode's instance, entered through nothing the agent wrote.
 
-``score(sandbox, final_tests)`` first ends the agent from the host (``Sandbox.end_agent``: every
-process of the instance but init stopped and killed through pidfds, nested PID namespaces
-included, and only then its shells closed). Then it starts ``et_hpc.sandbox.enter`` on the host:
-our own Python joins the instance's namespaces (user first: we own it), takes a private copy of
-its mounts, builds the tests' root (the agent's state, with the image's own loader and libc
-runtime files: default library dirs, ``ld.so.preload``, ``ld.so.cache``, ``nsswitch.conf``),
-writes the test file to a fresh tmpfs on the pristine read-only image tree (``/.et-pristine``,
-the SIF bound at start) and runs pytest with that tree's own dynamic loader and Python (``-I -S
--B``, no conftest, no plugin autoload, an empty ini, a clean environment, cwd ``/home/user`` when
-the agent's uid can use it, else ``/``), under scoring rlimits and without capabilities. Nothing
-of the instance's writable layer is run before the tests, and nothing of it is read to decide how
-they start (see that module's doc for each step). There is no fallback to the instance's own
-``python3``.
-
-Who is to blame decides the result: one table, ``BLAME`` (SECURITY.md shows it), read by
-``blame(Facts)``. Whatever state the agent can leave gives ``ok`` (reward 1.0 iff every test
-passed, at least one; else 0.0 with ``note`` saying what happened); only what is outside the
-agent's reach (apptainer or /proc failing on the host, the pristine tree or its pytest missing,
-our bugs) is ``error``, reward ``None``.
-
-``interpreter`` names what ran the tests: ``"pristine"`` or ``"none"`` (nothing ran).
+``score(sandbox, final_tests)`` ends the agent from the host, then runs pytest through
+``et_hpc.sandbox.enter`` with the pristine image's own loader and Python, under scoring rlimits and
+without capabilities: nothing of the agent's writable layer runs before the tests or decides how
+they start, and there is no fallback to the instance's ``python3``. One table, ``BLAME`` (read by
+``blame(Facts)``), decides the result: any state the agent can leave is ``ok`` (reward 1.0 iff
+every test passed, at least one, else 0.0 with a ``note``); only what is outside the agent's
+reach is ``error``, reward ``None``. ``interpreter`` names what ran the tests (``"pristine"`` or
+``"none"``). Specification: docs/scoring.md; guarantees: SECURITY.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """One persistent bash per episode: run a command, get its output and exit code, with real timeouts.
 
 Started from an argv (a host ``bash`` for tests, ``apptainer exec instance://NAME bash`` in a
-sandbox) and fed through a pipe, each command as one line ``eval $'…' </dev/null`` followed on the
-same line by the print of a fresh random end marker; the next line is written only after the marker
-came. The command's code and every process it starts cannot read that pipe (``shell_guard``: the
-shell is non-dumpable, and at each boundary what could read it is ended from the host), so none can
-read a pending line or forge an end. Residuals (code left in the shell itself): SECURITY.md.
-
-Job control gives every command its own process group, killed from the host on timeout; a shell
-that exited or does not answer then is started anew, and the result says so. Output is kept as a
-head and a tail; ANSI escapes, carriage returns and other control characters are removed.
+sandbox) and fed one line per command through a pipe that neither the command nor anything it
+starts can read (``shell_guard``), so none can read a pending line or forge an end. Every command
+gets its own process group, killed from the host on timeout; a shell that exited or does not
+answer is started anew, and the result says so. Output is kept as a head and a tail, without
+ANSI escapes or control characters. Specification: docs/shell.md; residuals: SECURITY.md.
 """
 
 from __future__ import annotations

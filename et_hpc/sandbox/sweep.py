@@ -1,17 +1,10 @@
 """End every process an instance holds but its init, from the host, before scoring enters it.
 
-Which processes belong to an instance is decided from the host's ``/proc`` only: every live
-process whose PID namespace is the instance's (its init's), and every descendant of those by
-parent pid. Descendants cover nested PID namespaces (a process in one always has a parent in the
-same or an outer namespace, and orphans are re-parented to that namespace's init, itself a
-descendant) and subreapers. Processes outside the namespace that merely started something in it
-(apptainer's exec starter of an agent shell) are not members; their children in it are.
-
-``sweep`` repeats, until a pass finds nothing: list the members, open a pidfd for each (checked
-against the start time read in the same pass, so a reused pid is never signalled), ``SIGSTOP``
-all of them (nothing stopped can fork or act), then ``SIGKILL`` all of them and wait for the
-pidfds to report their exit. Nothing here runs inside the instance, so a process there watching
-for scoring sees nothing to react to before it is stopped.
+Members are found in the host's ``/proc`` only: every process in the instance's PID namespace
+and all their descendants (nested PID namespaces and subreapers included). ``sweep`` repeats
+until a pass finds none: a pidfd per member (checked against its start time, so a reused pid is
+never signalled), ``SIGSTOP`` to all, then ``SIGKILL`` to all and a wait for their exit. Nothing
+here runs inside the instance. Specification: docs/scoring.md ("The kill sweep").
 """
 
 from __future__ import annotations

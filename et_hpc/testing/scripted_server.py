@@ -1,44 +1,14 @@
 """A scripted OpenAI-compatible chat server (vLLM's response shape) for tests and dry runs.
 
-It answers ``POST /v1/chat/completions`` and ``GET /v1/models`` on 127.0.0.1 only. A script maps a
-substring of the first user message to a list of replies, served by turn (turn index = number of
-assistant messages in the request, so parallel conversations do not interfere). A reply is text
-(``"<command>ls</command>"``), a tool call (``{"command": "ls", "timeout": 5}``), or a fault:
-``{"fault": 500|429|"timeout"|"empty_choices"|"context_length"}`` (tried once per attempt, before
-the turn's next reply; a fault with no reply after it repeats) or ``{"fault": "malformed_tool_json"}``
-(a reply whose tool-call arguments are not JSON). A dict reply may carry ``reasoning`` (the model
-thinks first) and ``finish_reason``; ``{"tool_calls": [{"name", "arguments"}]}`` gives arguments as
-written (e.g. compact JSON the chat template re-renders differently).
-
-Tokens behave like vLLM's (field names and placement from vllm-project/vllm at commit 002032ee,
-``vllm/entrypoints/openai/chat_completion/protocol.py`` and ``.../serve/tokenize/protocol.py``):
-prompts are rendered with the ChatML template of ``et_hpc.testing.scripted_tokenizer`` and tokenized
-byte-level; ``usage`` counts those tokens; a request with ``return_token_ids`` gets the prompt's ids
-at the top level (``prompt_token_ids``) and the completion's on each choice (``choices[].token_ids``,
-ending with ``<|im_end|>`` unless cut by length); ``logprobs`` gives
-``choices[].logprobs.content[j] = {token, logprob, bytes, top_logprobs}`` (deterministic values;
-``token_id:N`` strings with ``return_tokens_as_token_ids``); ``POST /tokenize`` takes
-``{model, messages, add_generation_prompt, continue_final_message, tools}`` or ``{model, prompt}``
-and answers ``{count, max_model_len, tokens, token_strs}``; ``POST /detokenize`` the reverse.
-``return_token_ids=False`` (``--old-vllm``) behaves like vLLM before 0.10.2: the field is ignored
-and the token-id fields are absent; ``tokenize_endpoint=False`` (``--no-tokenize``) like a server
-without ``/tokenize``. ``api_key`` (``--api-key`` or ``$VLLM_API_KEY``, as ``vllm serve``) makes
-every ``/v1`` route answer 401 without ``Authorization: Bearer KEY``; the endpoint file it writes
-carries the key, mode 0600. Usage:
+On 127.0.0.1 only. A script maps a substring of the first user message to the replies served
+turn by turn (text, a tool call, or a fault to inject); token ids, ``usage``, logprobs and
+``/tokenize`` behave like vLLM's, with ``et_hpc.testing.scripted_tokenizer``'s template. Options
+mimic an older vLLM, no ``/tokenize``, an API key, served model names, an endpoint file. Usage::
 
     with ScriptedServer({"create": [{"command": "echo hi > f"}, "all done"]}) as srv:
         OpenAI(base_url=srv.base_url, api_key="x")...
 
-    python -m et_hpc.scripted_server --script s.json --port 0 --endpoint-file ep.json
-    python -m et_hpc.scripted_server --script s.json --port 0 --endpoint-dir replicas/   # one of many
-
-``served_names`` (``--served-model-name A B``, as vLLM's) makes it serve only those names: a request
-for another answers 404 ``NotFoundError`` "The model `X` does not exist." and every answer names
-the first (vLLM's ``model_name()``: the first served name); ``serve(names)`` or ``POST /admin/serve
-{"names": [...]}`` switches them (new weights), and ``on_request(req)`` runs before each chat or
-completion request is checked (a test's switch racing a request).
-``--endpoint-dir DIR`` writes ``DIR/<$SLURM_JOB_ID or scripted-PORT>.json`` instead, as
-``slurm/vllm.sbatch --endpoint-dir`` does, so several servers can serve one run (``policy.endpoint_dir``).
+Specification (script format, faults, token fields, options): docs/testing-doubles.md.
 """
 
 from __future__ import annotations

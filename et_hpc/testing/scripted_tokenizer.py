@@ -1,31 +1,12 @@
 """The scripted server's tokenizer and chat template: deterministic, pure Python, no downloads.
 
-Token ids: 0..255 are the UTF-8 bytes of the text; 256..264 are whole-string tokens (the
-special tokens ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>`` and the added tokens
-``<tool_call>``, ``</tool_call>``, ``<tool_response>``, ``</tool_response>``, ``<think>``,
-``</think>``), matched in any text before the bytes, as Hugging Face tokenizers match added tokens.
-
-The chat template is ChatML as Qwen2.5/Qwen3 write it, and it re-renders history the way real
-templates do, which is what makes naive multi-turn token concatenation drift:
-
-- tools are listed in the system turn (``# Tools`` ... ``<tools>`` one JSON per line ``</tools>``);
-- an assistant turn is ``<|im_start|>assistant\\n`` + [``<think>\\n{reasoning}\\n</think>\\n\\n``] +
-  content + one ``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>`` block per call
-  (joined with ``\\n``) + ``<|im_end|>\\n``. Arguments are *re-serialised* with ``json.dumps``
-  (what Jinja's ``tojson`` does), so a model that wrote ``{"command":"ls"}`` is re-rendered as
-  ``{"command": "ls"}``; the reasoning part is rendered only for assistant turns after the last
-  plain user message and only when the message carries ``reasoning``/``reasoning_content``;
-- consecutive tool results form one user turn of ``<tool_response>`` blocks;
-- ``add_generation_prompt`` appends ``<|im_start|>assistant\\n``.
-
-What the scripted "model" generates for a reply is ``generation_text()`` + ``<|im_end|>``: the same
-body the template renders, but with the arguments exactly as the model wrote them and its
-reasoning, so history re-rendering matches only when the model's format is the canonical one.
-
-``write_hf_tokenizer(dir)`` writes the same tokenizer as ``tokenizer.json`` (Hugging Face
-``tokenizers``: byte-level BPE without merges plus the added tokens) and a
-``tokenizer_config.json`` holding the same template in Jinja, so ``transformers.AutoTokenizer``
-loads it offline and agrees with ``encode``/``render_chat`` (tests/agent/test_tokens.py checks).
+Token ids 0..255 are UTF-8 bytes and 256..264 whole-string special and added tokens, matched
+before the bytes as Hugging Face tokenizers do. The chat template is ChatML as Qwen2.5/Qwen3
+write it and re-renders history as real templates do (tool-call arguments re-serialised,
+reasoning only after the last user message), which is what makes naive multi-turn token
+concatenation drift. ``generation_text()`` is what the scripted model generates for a reply;
+``write_hf_tokenizer(dir)`` writes the same tokenizer and template for
+``transformers.AutoTokenizer``, offline. Specification: docs/testing-doubles.md ("The tokenizer").
 """
 
 from __future__ import annotations
