@@ -51,17 +51,24 @@ class ShellLike(Protocol):
 
 
 class BudgetConfig(BaseModel):
-    """Limits of one episode. ``total_tokens`` caps the summed completion tokens (None: no cap)."""
+    """Limits of one episode; reaching one ends the agent's loop with its stop reason."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     max_turns: int = 16
+    """Model turns per episode."""
     wall_time_s: float = 300.0
+    """The agent's wall time per episode (seconds)."""
     command_timeout_s: float = 60.0
+    """The time limit of one shell command, and the most a command may ask for (seconds)."""
     max_tokens_per_turn: int = DEFAULT_MAX_TOKENS
+    """Completion tokens per turn, when ``policy.max_tokens`` is unset."""
     context_tokens: int = 16384
+    """Stop once the last request's prompt plus completion exceeds this many tokens."""
     total_tokens: int | None = None
+    """Cap on the summed completion tokens (None: no cap)."""
     output_limit_chars: int = OUTPUT_LIMIT_CHARS
+    """Characters of a command's output the model is shown (a head and a tail)."""
 
 
 Budgets = BudgetConfig  # the old name, which run configs pickled by queued jobs name

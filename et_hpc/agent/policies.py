@@ -158,45 +158,68 @@ class ReplayPolicy:
 class PolicyConfig(BaseModel):
     """Everything that picks and tunes a policy (one block of the run config)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     kind: Literal["openai", "oracle", "replay", "null"] = "openai"
+    """openai: a model server; oracle: the task's solution/solve.sh; replay: a recorded run; null: done at once."""
     # openai
     base_url: str | None = None
-    endpoint_file: Path | None = None  # written by slurm/vllm.sbatch; gives base_url and model
-    # many servers: each server job writes <endpoint_dir>/<job id>.json (et_hpc.agent.replicas)
+    """The server's OpenAI-compatible base URL (e.g. http://host:8000/v1)."""
+    endpoint_file: Path | None = None
+    """An endpoint file written by slurm/vllm.sbatch; gives base_url and model."""
     endpoint_dir: Path | None = None
-    endpoint_wait_s: float = 600.0  # how long to wait for the endpoint file and /v1/models
-    failover_after: int = Field(default=CLIENT.failover_after, ge=1)  # endpoint_dir: failed attempts in a row before another server
-    system_prompt: str | None = None  # default: Endless Terminals' prompt for the mode
-    # The key: the endpoint file's, else api_key, else $api_key_env (default OPENAI_API_KEY), else
-    # "EMPTY". api_key is never written (run.json, pickles for Slurm, records): see SECURITY.md.
+    """Many servers: each server job writes <endpoint_dir>/<job id>.json (et_hpc.agent.replicas)."""
+    endpoint_wait_s: float = 600.0
+    """How long to wait for the endpoint file and /v1/models (seconds)."""
+    failover_after: int = Field(default=CLIENT.failover_after, ge=1)
+    """endpoint_dir: failed attempts in a row before another server."""
+    system_prompt: str | None = None
+    """The system prompt; default: Endless Terminals' prompt for the mode."""
     api_key: SecretStr | None = Field(default=None, exclude=True)
+    """The key: the endpoint file's, else api_key, else $api_key_env (default OPENAI_API_KEY), else
+    "EMPTY". api_key is never written (run.json, pickles for Slurm, records): see SECURITY.md."""
     api_key_env: str | None = None
-    model: str | None = None  # default: the first model the server lists
+    """The environment variable holding the key; default: OPENAI_API_KEY."""
+    model: str | None = None
+    """The served model name; default: the first model the server lists."""
     mode: Mode = "tools"
-    # constrained output: tools mode sends tool_choice "required" (every reply is a call, so the episode
-    # ends at max_turns), text mode a grammar (llama.cpp's "grammar" field) allowing one command or done
+    """tools: commands as tool calls; text: commands in the reply's text."""
     constrain: bool = False
-    # token-in continuation (llama-server's /completion, vLLM's /v1/completions with token-id prompts):
-    # each prompt is the previous prompt + the sampled tokens + the tokens of what was added since
+    """Constrained output: tools mode sends tool_choice "required" (every reply is a call, so the episode
+    ends at max_turns), text mode a grammar (llama.cpp's "grammar" field) allowing one command or done."""
     token_in: bool = False
+    """Token-in continuation (llama-server's /completion, vLLM's /v1/completions with token-id prompts):
+    each prompt is the previous prompt + the sampled tokens + the tokens of what was added since."""
     temperature: float = CLIENT.temperature
+    """Sampling temperature."""
     top_p: float = CLIENT.top_p
-    max_tokens: int | None = None  # default: BudgetConfig.max_tokens_per_turn
+    """Nucleus sampling's top_p."""
+    max_tokens: int | None = None
+    """Completion tokens per turn; default: BudgetConfig.max_tokens_per_turn."""
     seed: int | None = None
+    """Sampling seed sent with each request."""
     logprobs: bool = False
-    return_token_ids: bool = True  # vLLM >= 0.10.2; older servers: /tokenize fallback (tokens_source)
+    """Ask for the sampled tokens' logprobs."""
+    return_token_ids: bool = True
+    """Ask for exact token ids (vLLM >= 0.10.2); older servers: the /tokenize fallback (tokens_source)."""
     request_timeout_s: float = CLIENT.request_timeout_s
+    """The time limit of one request (seconds)."""
     max_retries: int = CLIENT.max_retries
+    """Retries of a failed request."""
     retry_budget_s: float = CLIENT.retry_budget_s
+    """Time all retries of one request may take (seconds)."""
     backoff_base_s: float = CLIENT.backoff_base_s
+    """The first retry's backoff, doubled per retry (seconds)."""
     backoff_max_s: float = CLIENT.backoff_max_s
+    """The longest backoff between retries (seconds)."""
     # replay
     replay_index: int = 0
-    replay_file: Path | None = None  # default: the task's first recorded-runs file
+    """Which recorded run of the file to replay."""
+    replay_file: Path | None = None
+    """The recorded runs (a *_summary.json); default: the task's first recorded-runs file."""
     # oracle
     oracle_timeout_s: float = ORACLE_TIMEOUT_S
+    """The time limit of the oracle's solve.sh (seconds)."""
 
     @model_validator(mode="after")
     def _one_source(self) -> PolicyConfig:

@@ -22,14 +22,22 @@ DEFAULT_SCORING_TIMEOUT_S = 120.0
 
 
 class EpisodeConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """What one episode needs; each field's docstring is its description."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     name: str | None = None
+    """The run's name (letters, digits, '.', '_', '-'); default: the task source's (or "episodes") and the policy kind."""
     store: Path | None = None
+    """The run store's root; default: $ET_HPC_STORE, else ./et-hpc-runs."""
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    """Which policy acts, and how it is reached and sampled."""
     budgets: BudgetConfig = Field(default_factory=BudgetConfig)
+    """Limits of the agent's loop: turns, time, tokens, output."""
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+    """The episode's sandbox: its overlay, network, resource limits, image copies, binds."""
     scoring_timeout_s: float = Field(default=DEFAULT_SCORING_TIMEOUT_S, gt=0)
+    """The verifier timeout: how long the final tests may run (seconds)."""
 
     @field_validator("name")
     @classmethod

@@ -191,28 +191,43 @@ def slurm_job_ending() -> bool:
 
 
 class SlurmConfig(BaseModel):
-    """How array jobs are submitted. ``time_min`` is the walltime of one array task."""
+    """How array jobs are submitted (the ``slurm`` block of a run config)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     partition: str | None = None
+    """The partition (sbatch --partition); default: the cluster's."""
     account: str | None = None
+    """The account (sbatch --account); default: yours."""
     qos: str | None = None
+    """The QOS (sbatch --qos); default: the association's."""
     time_min: int = Field(default=60, ge=1)
+    """The walltime of one array task (minutes)."""
     cpus_per_task: int = Field(default=2, ge=1)
+    """Cores of one array task."""
     mem_gb: float | None = None
+    """Memory of one array task (GB); default: the partition's."""
     array_parallelism: int = Field(default=64, ge=1)
-    units_per_task: int = Field(default=8, ge=1)  # chunk size: units run by one array task
-    setup: list[str] = Field(default_factory=list)  # e.g. ["module load apptainer"]
-    additional_parameters: dict[str, Any] = Field(default_factory=dict)  # extra #SBATCH --k=v
-    max_array_size: int | None = Field(default=None, ge=1)  # default: MaxArraySize from scontrol
-    # most array tasks one submission may queue; default: what MaxJobCount and the QOS/association
-    # MaxSubmitJobs limits leave free (et_hpc.runner.slurm.submit_limits)
+    """Array tasks of one array running at once."""
+    units_per_task: int = Field(default=8, ge=1)
+    """Chunk size: units run by one array task."""
+    setup: list[str] = Field(default_factory=list)
+    """Shell lines run before each array task, e.g. ["module load apptainer"]."""
+    additional_parameters: dict[str, Any] = Field(default_factory=dict)
+    """Extra #SBATCH --k=v lines."""
+    max_array_size: int | None = Field(default=None, ge=1)
+    """Largest array; default: MaxArraySize from scontrol."""
     max_submit_jobs: int | None = Field(default=None, ge=1)
-    max_num_timeout: int = Field(default=3, ge=0)  # requeues after timeout/preemption
-    python: str | None = None  # interpreter on the compute nodes (default: this one)
-    wait_timeout_min: float | None = None  # give up watching after this long (jobs keep running)
+    """Most array tasks one submission may queue; default: what MaxJobCount and the QOS/association
+    MaxSubmitJobs limits leave free (et_hpc.runner.slurm.submit_limits)."""
+    max_num_timeout: int = Field(default=3, ge=0)
+    """Requeues of an array task after timeout or preemption."""
+    python: str | None = None
+    """The interpreter on the compute nodes; default: this one."""
+    wait_timeout_min: float | None = None
+    """Give up watching after this long (minutes; the jobs keep running)."""
     poll_s: float = Field(default=10.0, gt=0)
+    """How often the jobs' states are polled while watching (seconds)."""
 
 
 SlurmOptions = SlurmConfig  # its old name

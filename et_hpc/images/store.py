@@ -55,19 +55,24 @@ Status = Literal["built", "cached", "failed", "missing"]
 
 
 class ImageStoreConfig(BaseModel):
-    """What a user can tune about building (all in seconds)."""
+    """What a user can tune about building (times in seconds)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    build_timeout_s: float = 1800.0  # one apptainer build
-    stale_after_s: float = 60.0  # a lock without heartbeat for this long is taken over
-    wait_timeout_s: float | None = None  # waiting for another builder; default build timeout + 2 * stale
-    apptainer: str = Field(default_factory=apptainer_exe)  # $ET_HPC_APPTAINER or apptainer
+    build_timeout_s: float = 1800.0
+    """The time limit of one apptainer build ($ET_HPC_BUILD_TIMEOUT)."""
+    stale_after_s: float = 60.0
+    """A build lock without heartbeat for this long is taken over ($ET_HPC_LOCK_STALE)."""
+    wait_timeout_s: float | None = None
+    """How long to wait for another builder; default: the build timeout + 2 * stale_after_s."""
+    apptainer: str = Field(default_factory=apptainer_exe)
+    """The apptainer executable: $ET_HPC_APPTAINER, else apptainer."""
     keep_failed_logs_lines: int = 40
-    # CA bundle that %post's pip/curl/git trust during builds (sites whose TLS proxy re-signs traffic):
-    # default the host's system bundle; "none" turns it off. It is bound read-only for the build only
-    # and does not change the image key.
+    """Lines of a failed build's log kept in its failure record."""
     ca_bundle: str | None = HOST_CA_BUNDLE
+    """CA bundle that %post's pip/curl/git trust during builds (sites whose TLS proxy re-signs traffic;
+    $ET_HPC_BUILD_CA_BUNDLE): default the host's system bundle; "none" turns it off. It is bound
+    read-only for the build only and does not change the image key."""
 
     @classmethod
     def from_env(cls, **overrides: Any) -> ImageStoreConfig:

@@ -20,19 +20,30 @@ from et_hpc.tasks.loader import TaskSelection, TaskSelectionConfig  # noqa: F401
 class ContinuousConfig(BaseModel):
     """How a continuous run produces groups (see ``et_hpc.rollouts``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    enabled: bool = False  # same as 'et-hpc run --continuous'
-    target_groups: int | None = Field(default=None, ge=1)  # stop once the stream holds this many groups
-    workers: int = Field(default=4, ge=1)  # slurm: long-lived array tasks (local: one in-process worker)
-    lease_s: float = Field(default=60.0, gt=0)  # a lease without a heartbeat for this long is requeued
+    enabled: bool = False
+    """Run continuously: the same as 'et-hpc run --continuous'."""
+    target_groups: int | None = Field(default=None, ge=1)
+    """Stop once the stream holds this many groups; default: run until stopped."""
+    workers: int = Field(default=4, ge=1)
+    """Slurm: long-lived array tasks (local: one in-process worker)."""
+    lease_s: float = Field(default=60.0, gt=0)
+    """A lease without a heartbeat for this long is requeued (seconds)."""
     heartbeat_s: float = Field(default=10.0, gt=0)
-    queue_low_water: int | None = Field(default=None, ge=1)  # enqueue the next epoch below this many pending
-    on_version_change: Literal["finish", "abandon"] = "finish"  # units in flight when the version changes
-    max_staleness: int = Field(default=1, ge=0)  # 'abandon': versions a unit may fall behind before it is requeued
-    retries: int = Field(default=1, ge=0)  # reruns of an episode that ended with an error status
-    poll_s: float = Field(default=2.0, gt=0)  # idle workers and the controller look again after this long
-    stop_grace_s: float = Field(default=120.0, gt=0)  # how long a stop waits for workers before scancel
+    """How often a worker renews its leases (seconds)."""
+    queue_low_water: int | None = Field(default=None, ge=1)
+    """Enqueue the next epoch when fewer than this many units are pending."""
+    on_version_change: Literal["finish", "abandon"] = "finish"
+    """What happens to units in flight when the policy version changes."""
+    max_staleness: int = Field(default=1, ge=0)
+    """'abandon': versions a unit may fall behind before it is requeued."""
+    retries: int = Field(default=1, ge=0)
+    """Reruns of an episode that ended with an error status."""
+    poll_s: float = Field(default=2.0, gt=0)
+    """Idle workers and the controller look again after this long (seconds)."""
+    stop_grace_s: float = Field(default=120.0, gt=0)
+    """How long a stop waits for workers before scancel (seconds)."""
 
 
 ContinuousOptions = ContinuousConfig  # its old name
@@ -42,19 +53,29 @@ class RunConfig(EpisodeConfig):
     """An episode config (policy, budgets, sandbox, scoring: et_hpc.episode.config) plus the keys
     of many episodes: which tasks, how many samples each, where and how they run."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     tasks: TaskSelectionConfig = Field(default_factory=TaskSelectionConfig)
-    samples: int = Field(default=1, ge=1)  # episodes per task (group size)
+    """Where the tasks come from and which of them run."""
+    samples: int = Field(default=1, ge=1)
+    """Episodes per task (the group size)."""
     executor: Literal["local", "slurm"] = "local"
-    concurrency: int | None = Field(default=None, ge=1)  # episodes at once per node
+    """Where the units run: threads on this node, or Slurm array tasks."""
+    concurrency: int | None = Field(default=None, ge=1)
+    """Episodes at once per node; default: min(2 * cores, memory in GB / 2)."""
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
-    continuous: ContinuousConfig = Field(default_factory=ContinuousConfig)  # et_hpc.rollouts
-    retry_errors: bool = False  # rerun units whose stored record is an error
-    retries: int = Field(default=1, ge=0)  # reruns, at once, of an episode that ended with an error status
-    strict: bool = False  # refuse to start when any task image is missing or failed to build
-    # default (unset): the episode itself (et_hpc.runner.local.episode_runner); tests name doubles here
-    unit_runner: str | None = Field(default=None, description="module:function")
+    """How Slurm array jobs are submitted (executor: slurm)."""
+    continuous: ContinuousConfig = Field(default_factory=ContinuousConfig)
+    """A continuous run's workers, queue and stop (et_hpc.rollouts)."""
+    retry_errors: bool = False
+    """Rerun units whose stored record is an error."""
+    retries: int = Field(default=1, ge=0)
+    """Reruns, at once, of an episode that ended with an error status."""
+    strict: bool = False
+    """Refuse to start when any task image is missing or failed to build."""
+    unit_runner: str | None = Field(default=None, examples=["module:function"])
+    """What runs one unit, as module:function; default: the episode itself
+    (et_hpc.runner.local.episode_runner). Tests name doubles here."""
 
     def run_name(self) -> str:
         if self.name:
@@ -73,7 +94,7 @@ class RunConfig(EpisodeConfig):
 def _key(name: str, field: Any) -> str:
     if get_origin(field.annotation) is Literal:
         return f"{name} ({'|'.join(map(str, get_args(field.annotation)))})"
-    return f"{name} ({field.description})" if field.description else name
+    return f"{name} ({field.examples[0]})" if field.examples else name
 
 
 def config_keys(model: type[BaseModel] = RunConfig) -> list[str]:

@@ -32,41 +32,48 @@ def parse_bind(spec: str) -> tuple[str, str, str]:
 
 
 class SandboxConfig(BaseModel):
-    """One episode's sandbox. Limits (no cgroups needed; SECURITY.md "Limits"): ``memory_mb`` is
-    the watchdog's ceiling for the instance's processes (PSS) plus its tmpfs (``/dev/shm``);
-    ``max_pids`` the processes it may hold (``ulimit -u`` in the agent's shells and for the final
-    tests is 64 above it, a backstop); ``vmem_mb``/``fsize_mb`` are per-process address space and file size
-    (``ulimit -v``/``-f``); ``watchdog_interval_s`` how often the watchdog looks (0: off).
-    Defaults fit 4 episodes on a 2-core, 24 GB node."""
+    """One episode's sandbox. The limits need no cgroups (SECURITY.md "Limits"); the defaults fit
+    4 episodes on a 2-core, 24 GB node. Each field's docstring is its description."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     overlay_mb: int = Field(default=DEFAULT_OVERLAY_MB, ge=16)
+    """Size of the episode's writable overlay on node-local scratch (MB); full: ENOSPC inside the episode only."""
     writable_tmpfs: bool = False
+    """Use apptainer's --writable-tmpfs (capped by its sessiondir max size, 64 MiB by default) instead of the overlay."""
     network: Literal["none", "host"] = "none"
+    """none: only a loopback interface; host: the node's network."""
     memory_mb: int = Field(default=4096, ge=64)
+    """The watchdog's ceiling for the instance's processes (PSS) plus its tmpfs (/dev/shm), in MB."""
     max_pids: int = Field(default=512, ge=16)
+    """Processes the instance may hold (the watchdog's limit; ``ulimit -u`` in the agent's shells and
+    for the final tests is 64 above it, a backstop)."""
     vmem_mb: int = Field(default=8192, ge=64)
+    """Address space per process (MB): ``ulimit -v`` in the agent's shells, RLIMIT_AS for the tests."""
     fsize_mb: int = Field(default=4096, ge=1)
+    """Largest file a process may write (MB): ``ulimit -f`` / RLIMIT_FSIZE."""
     watchdog_interval_s: float = Field(default=0.25, ge=0)
-    # node-local images (et_hpc.images.local_copy): always copies the SIF to node-local scratch;
-    # unpack starts instances from the SIF's root filesystem unpacked once per node (faster starts,
-    # one shared page cache); never starts from the cache; auto (default) chooses per run from its
-    # plan (et_hpc.runner.fastpath, README "Runs"): unpack where it pays, else a copy only when
-    # the image cache and scratch are on different filesystems
+    """How often the watchdog looks (seconds; 0: off)."""
     local_copy: Literal["auto", "always", "never", "unpack"] = "auto"
+    """Node-local images (et_hpc.images.local_copy): always copies the SIF to node-local scratch;
+    unpack starts instances from the SIF's root filesystem unpacked once per node (faster starts,
+    one shared page cache); never starts from the cache; auto (default) chooses per run from its
+    plan (et_hpc.runner.fastpath, README "Runs"): unpack where it pays, else a copy only when the
+    image cache and scratch are on different filesystems."""
     local_copy_budget_gb: float = Field(default=20.0, gt=0)
-    # sandboxes started ahead per worker process for the units that run next (et_hpc.sandbox.warm);
-    # 0: each episode starts its own; auto (default): chosen per run from its plan
+    """Node-local scratch the copies and unpacked trees may take together (GB); LRU eviction."""
     warm: int | Literal["auto"] = "auto"
-    # keep what the agent changed (the episode's overlay, compressed, content-addressed) beside the
-    # run for 'et-hpc rescore' (et_hpc.runs.final_state); a state larger than final_state_mb
-    # compressed is not kept (the record says so). Costs the archive's time at teardown and its space.
+    """Sandboxes started ahead per worker process for the units that run next (et_hpc.sandbox.warm);
+    0: each episode starts its own; auto (default): chosen per run from its plan."""
     keep_final_state: bool = False
+    """Keep what the agent changed (the episode's overlay, compressed, content-addressed) beside the
+    run for 'et-hpc rescore' (et_hpc.runs.final_state). Costs the archive's time at teardown and its
+    space."""
     final_state_mb: float = Field(default=64.0, gt=0)
-    # host directories the sandboxes see: "SRC[:DST][:ro|rw]", read-only unless ":rw". The only
-    # way a host path gets into a sandbox: APPTAINER_BIND and the like are ignored (SECURITY.md)
+    """A final state larger than this compressed (MB) is not kept (the record says so)."""
     binds: list[str] = Field(default_factory=list)
+    """Host directories the sandboxes see: "SRC[:DST][:ro|rw]", read-only unless ":rw". The only
+    way a host path gets into a sandbox: APPTAINER_BIND and the like are ignored (SECURITY.md)."""
 
     @field_validator("warm", mode="before")
     @classmethod

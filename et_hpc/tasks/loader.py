@@ -29,15 +29,22 @@ Want = Callable[[str], bool]  # does a task id pass the id and glob filters
 class TaskSelectionConfig(BaseModel):
     """Where tasks come from and which of them to run (passed to ``load_tasks``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    source: str | None = None  # a task folder tree, a parquet file or a dataset name
+    source: str | None = None
+    """A task folder, a folder of task folders, a parquet file (or a folder of them) or a dataset name (org/name)."""
     tasks_dir: Path | None = None
+    """The folder holding the task_* folders that parquet rows name; the source when none is given."""
     ids: list[str] | None = None
+    """Only these task ids."""
     glob: str | None = None
+    """Only task ids matching this shell pattern."""
     split: str | None = None
-    sample: int | None = None  # pick this many tasks at random
+    """Only tasks of this split."""
+    sample: int | None = None
+    """Pick this many tasks at random (after the other filters)."""
     seed: int = 0
+    """The seed of ``sample``'s random pick."""
 
 
 TaskSelection = TaskSelectionConfig  # its old name
