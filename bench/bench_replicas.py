@@ -4,7 +4,7 @@ killed mid-run costs.
     python bench/bench_replicas.py [--replicas 3] [--episodes 60] [--concurrency 6] [--turns 4]
                                    [--think-s 0.3] [--markdown]
 
-Real processes: ``--replicas`` scripted servers (``python -m et_hpc.scripted_server --endpoint-dir``)
+Real processes: ``--replicas`` scripted servers (``python -m et_hpc.testing.scripted_server --endpoint-dir``)
 on 127.0.0.1, each writing its endpoint file into one directory; ``--episodes`` episodes,
 ``--concurrency`` at a time in threads of this process, each an ``OpenAIPolicy`` on the process's
 replica set doing ``--turns`` chat requests with ``--think-s`` of sleep between them (a stand-in
@@ -46,7 +46,7 @@ def start_servers(root: Path, n: int, turns: int) -> tuple[Path, list[tuple[subp
     for i in range(n):
         log = root / f"server{i}.log"
         with open(log, "w") as out:
-            procs.append((subprocess.Popen([sys.executable, "-m", "et_hpc.scripted_server", "--script", str(script),
+            procs.append((subprocess.Popen([sys.executable, "-m", "et_hpc.testing.scripted_server", "--script", str(script),
                                             "--port", "0", "--endpoint-dir", str(d), "--log-requests"],
                                            stdout=out, stderr=subprocess.STDOUT), log))
     end = time.monotonic() + 30

@@ -1,7 +1,7 @@
 """The Endless Terminals environment for Atropos, on et-hpc: ``EndlessTerminalsEnv`` (an atroposlib ``BaseEnv``).
 
 Configured like the seed environment (hermes-agent's ``endless_terminals_env.py``) plus et-hpc's
-own settings. Each trajectory is one et-hpc episode (``et_hpc.episode.run_episode``; build the
+own settings. Each trajectory is one et-hpc episode (``et_hpc.episode.run.run_episode``; build the
 images first with ``et-hpc build``), also written to et-hpc's run store. A group is
 ``group_size`` episodes of one task, sent as a validated ``ScoredDataGroup``: a group with an
 error episode is masked (``on_error``), one without token ids is not sent, and the agent's own

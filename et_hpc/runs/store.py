@@ -82,7 +82,7 @@ class RunSummary(BaseModel):
     mean_reward: float | None  # over ok units
     mean_test_fraction: float | None  # mean passed/total over ok units with tests
     planned_units: int | None = None  # ``plan.units_total`` of run.json, when present
-    groups: GroupCounts | None = None  # sampled groups (group_id); see the module doc
+    groups: GroupCounts | None = None  # sampled groups (group_id); see docs/store.md ("Groups")
 
 
 class RunStore:

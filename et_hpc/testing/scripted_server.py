@@ -488,12 +488,12 @@ def _tool_call(c: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m et_hpc.scripted_server",
+        prog="python -m et_hpc.testing.scripted_server",
         description="Serve scripted chat replies in vLLM's OpenAI-compatible shape on 127.0.0.1, for "
         "dry runs of the agent loop without a model. The script (JSON or YAML) maps a substring of the "
         "first user message to a list of replies: text, {command, timeout}, or {fault: ...}.",
         epilog="example:\n  echo '{\"\": [{\"command\": \"echo hi > /home/user/f\"}, \"done\"]}' > s.json\n"
-        "  python -m et_hpc.scripted_server --script s.json --port 0 --endpoint-file ep.json",
+        "  python -m et_hpc.testing.scripted_server --script s.json --port 0 --endpoint-file ep.json",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--script", required=True, type=Path, help="JSON or YAML script file")
