@@ -33,6 +33,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypedDict
 
 from et_hpc.agent.endpoint import NO_KEY, _parse, probe_models, resolve_api_key
 from et_hpc.errors import UserError
@@ -74,6 +75,17 @@ class Replica:
 
     def label(self) -> str:
         return f"{self.name} ({self.base_url})"
+
+
+class _Published(TypedDict):
+    """What a replica's endpoint file says (the fields of ``Replica`` it sets)."""
+
+    base_url: str
+    model: str | None
+    model_version: str | None
+    served_model: str | None
+    job_id: str | None
+    api_key: str
 
 
 class ReplicaSet:
@@ -159,11 +171,11 @@ class ReplicaSet:
 
     def _update(self, name: str, path: Path, sig: Sig, data: dict, rep: Replica | None) -> None:
         job, version = data.get("job_id"), data.get("model_version")
-        fields = dict(base_url=str(data["base_url"]).rstrip("/"), model=data.get("model"),
-                      model_version=None if version is None else str(version),
-                      served_model=data["served_model"] if isinstance(data.get("served_model"), str) else None,
-                      job_id=None if job is None else str(job),
-                      api_key=resolve_api_key(self._api_key, self._api_key_env, data))
+        fields = _Published(base_url=str(data["base_url"]).rstrip("/"), model=data.get("model"),
+                            model_version=None if version is None else str(version),
+                            served_model=data["served_model"] if isinstance(data.get("served_model"), str) else None,
+                            job_id=None if job is None else str(job),
+                            api_key=resolve_api_key(self._api_key, self._api_key_env, data))
         if rep is None:
             rep = self.replicas[name] = Replica(name=name, path=path, sig=sig, **fields)
             log.info("policy server %s found", rep.label())
