@@ -1,26 +1,12 @@
 """The agent loop: ask the policy, run the command in the shell, feed back the observation.
 
 ``run_agent`` never raises for a failing policy or shell: those end the episode with status
-``policy_error`` / ``shell_error``. Budgets (``BudgetConfig``: turns, wall time, context, tokens) end it with status
-``ok`` and a ``stop_reason`` saying which budget ran out. The loop knows only ``shell.run``.
-
-A shell that cannot be (re)started is blamed by ``shell_blame(exc)`` when the caller gives it:
-``True`` means the agent broke it from inside (``chmod 000 /bin/bash``, ``rm -rf /.singularity.d``,
-an ``exec`` that kills every new shell): the episode ends with status ``ok``, ``stop_reason``
-``"shell_broken"`` and ``error`` saying what failed, and the caller scores the state it left.
-``False`` (or no ``shell_blame``) keeps ``shell_error``, an infrastructure status.
-
-Named outcomes: what a model gets wrong is an ``outcome`` on its turn and a line in ``events``
-(the episode stays ``ok`` and is scored on the state it left): ``no_tool_call`` (tools mode: a reply
-without a call ends the episode, stop ``done``), ``several_tool_calls`` (only the first runs),
-``malformed_tool_json``, ``unknown_tool``, ``bad_tool_arguments``, ``unparsed_reply`` (text outside
-the protocol), ``thinking`` (``<think>`` tags; their content is not parsed for commands),
-``empty_reply``, ``repeated_command`` (the same command on every turn up to ``max_turns``) and
-``context`` (stop reason: the conversation outgrew the context).
-
-Tokens: each ``Turn`` keeps what the policy reported (the full prompt ids of its request, the
-completion ids and logprobs); at the end a policy with ``capture_tokens(turns, messages)`` (the
-OpenAI policy) turns them into the record's per-turn deltas, ``tokens_source`` and ``token_drift``.
+``policy_error`` / ``shell_error``; a used-up budget (``BudgetConfig``) ends it with status ``ok``
+and a ``stop_reason`` naming it. ``shell_blame(exc)`` True means the agent broke its shell (status
+``ok``, stop ``shell_broken``). What a model gets wrong is a named ``outcome`` on its turn and a line
+in ``events``; each ``Turn`` keeps the policy's token ids, and a policy's ``capture_tokens`` makes
+the record's tokens at the end. The loop knows only ``shell.run``. Details: docs/policy.md, "The
+agent loop".
 """
 
 from __future__ import annotations

@@ -1,34 +1,12 @@
 """A policy backed by an OpenAI-compatible chat server (vLLM), with our own bounded retries.
 
-Connection errors, time-outs, 429, 5xx and empty ``choices`` are retried with jittered exponential
-backoff inside a retry budget (count and seconds); past it ``PolicyError`` ends the episode as an
-infrastructure failure. A 400 about the context length raises ``ContextLengthError`` (the loop
-stops with reason ``context``). Usage, finish reason, logprobs and token ids are kept per turn.
-
-Tokens (``return_token_ids``, on by default): each request asks vLLM for ``return_token_ids`` and
-keeps the response's ``prompt_token_ids`` (the whole prompt) and ``choices[0].token_ids`` (the
-completion); ``logprobs`` (when configured) adds ``return_tokens_as_token_ids``. A server that
-leaves those fields out (vLLM < 0.10.2; llama-server: ``chat_tokens``) is asked ``POST /tokenize`` for the prompt
-instead, and for the completion when logprobs carry no ``token_id:N``; with neither the tokens are
-absent. ``capture_tokens`` (called by the loop at the end) turns the turns into per-turn deltas and
-checks them against ``/tokenize`` of the whole conversation: ``tokens_source`` and ``token_drift``
-say how they were obtained and whether they agree. Token accounting never fails an episode.
-
-Policy versions (``et_hpc.agent.served``): when the endpoint names a versioned alias
-(``served_model``) each request asks for it, and each turn is stamped with the version its
-response's ``model`` names (``version_sources``: ``response``); a 404 "does not exist" for the
-alias means the weights switched: the endpoint is re-read and the same turn sent at once with the
-new alias (an event, not a failure). Without an alias, the file's ``model_version`` (stat-cached)
-read before and after the request (``endpoint``). ``turn_versions`` holds the pairs; a server
-republished at another address or key is followed on the next attempt. The key stays in memory.
-
-Many servers (``replicas``, from ``policy.endpoint_dir``; ``et_hpc.agent.replicas``): the episode
-gets a replica when the policy is made and keeps it for every turn. When a request to it fails
-``failover_after`` times in a row with a connection error, a time-out or a 5xx (or another episode
-already found it dead, or its file went), the replica is marked dead and the same request goes to
-another live one at once, which the episode keeps from then on; ``events`` gets
-``failover: A -> B: why``. Waiting for a live replica is bounded by ``retry_budget_s``; only then
-does the turn fail with ``PolicyError``. ``turn_versions`` come from the serving replica's own file.
+``OpenAIPolicy.act(messages)`` returns the next ``Action`` (tools or text mode; token-in mode:
+``et_hpc.agent.token_in``). Connection errors, time-outs, 429, 5xx and empty ``choices`` are
+retried with jittered backoff within a retry budget, then ``PolicyError``; a 400 about the context
+length raises ``ContextLengthError``. Each turn keeps usage, finish reason, logprobs, token ids and
+the policy version that answered; ``capture_tokens`` turns the turns into the record's tokens.
+With ``replicas`` the episode keeps one server and fails over when it is down (``events``). The
+full contract (tokens, versions, replicas): docs/policy.md, "The OpenAI policy".
 """
 
 from __future__ import annotations
