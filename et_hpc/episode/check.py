@@ -56,6 +56,9 @@ class CheckConfig(BaseModel):
     build_slots: int = 1  # image builds at once (each build is itself multi-threaded)
 
 
+_NOT_RUN: StageStatus = "not_run"
+
+
 class CheckResult(BaseModel):
     """The verdict on one task. ``stage`` is the failing stage (None when ok)."""
 
@@ -63,7 +66,7 @@ class CheckResult(BaseModel):
     ok: bool
     stage: str | None = None
     detail: str = ""
-    stages: dict[str, StageStatus] = Field(default_factory=lambda: {s: "not_run" for s in STAGES})
+    stages: dict[str, StageStatus] = Field(default_factory=lambda: dict.fromkeys(STAGES, _NOT_RUN))
     tail: list[str] = Field(default_factory=list)  # the last lines of the failing stage's output
     seconds: float = 0.0
 
@@ -265,9 +268,9 @@ def check_tasks(tasks: list[Any], store: Any, settings: CheckConfig | None = Non
     results: list[CheckResult | None] = [None] * len(tasks)
 
     def one(i: int) -> None:
-        results[i] = check_task(tasks[i], store, settings, gate)
+        results[i] = r = check_task(tasks[i], store, settings, gate)
         if on_result is not None:
-            on_result(results[i])
+            on_result(r)
 
     with ThreadPoolExecutor(max_workers=max(1, jobs or default_jobs())) as ex:
         list(ex.map(one, range(len(tasks))))
