@@ -1,28 +1,13 @@
 """One episode end to end: sandbox up, agent loop, scoring in the same instance, sandbox down.
 
-``run_episode(task, sample, cfg, image)`` (``cfg``: an ``EpisodeConfig``, or a run config, which
-extends it) never raises for infrastructure trouble: a sandbox that
-will not start, a policy server that keeps failing, or scoring that breaks all become an
-``EpisodeRecord`` with an error status and ``reward=None`` (never reward 0). Only a reward that
-came out of the task's final tests is recorded as a reward.
-
-The run config's sandbox limits apply throughout: ``ulimit`` lines in the agent's shell, scoring
-rlimits, and a memory/process watchdog (et_hpc.sandbox.watchdog) over the agent loop and the
-final tests. A watchdog kill is the agent's doing: the killed command returns "Killed" with a
-note, the episode is scored as usual, and the kill is in the record's ``events``.
-
-Who is to blame decides the status (SECURITY.md): what the agent's own actions cause is status
-``ok`` with reward 0.0 and ``score_note`` saying what happened: tests that hang past the verifier
-timeout, a state pytest cannot run in, an instance ended from inside, and a shell the agent broke
-beyond restart (``stop_reason`` ``shell_broken``: the state it left is scored like any other).
-A shell that breaks while ``Sandbox.health`` reports a host problem, or after we stopped the
-sandbox, stays ``shell_error``.
-
-With a warm pool (``sandbox.warm``, et_hpc.sandbox.warm) the runner passes a reserved sandbox,
-started ahead with its shell; the episode uses it when it is alive (``timings.setup_s`` is then
-the hand-out, ``timings.warm_s`` the start done ahead) and otherwise starts its own. It hands the
-finished sandbox back to the pool, which stops it in the background (``timings.teardown_s`` is
-then the hand-back).
+``run_episode(task, sample, cfg, image)`` (``cfg``: an ``EpisodeConfig`` or a run config) never
+raises for infrastructure trouble: a sandbox that will not start, a failing policy server or a
+broken scoring become an ``EpisodeRecord`` with an error status and ``reward=None``; only a reward
+from the task's final tests is recorded. The run's sandbox limits and a watchdog apply to the agent
+and the tests; what the agent's own actions cause (a watchdog kill, hanging tests, a broken shell)
+is status ``ok``, reward 0.0 and a ``score_note``. With a warm pool (``warm``) the episode uses the
+reserved sandbox when it is alive and hands it back at the end. Details: docs/sandbox.md, "An
+episode".
 """
 
 from __future__ import annotations
