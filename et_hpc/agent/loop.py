@@ -1,26 +1,12 @@
 """The agent loop: ask the policy, run the command in the shell, feed back the observation.
 
 ``run_agent`` never raises for a failing policy or shell: those end the episode with status
-``policy_error`` / ``shell_error``. Budgets (``BudgetConfig``: turns, wall time, context, tokens) end it with status
-``ok`` and a ``stop_reason`` saying which budget ran out. The loop knows only ``shell.run``.
-
-A shell that cannot be (re)started is blamed by ``shell_blame(exc)`` when the caller gives it:
-``True`` means the agent broke it from inside (``chmod 000 /bin/bash``, ``rm -rf /.singularity.d``,
-an ``exec`` that kills every new shell): the episode ends with status ``ok``, ``stop_reason``
-``"shell_broken"`` and ``error`` saying what failed, and the caller scores the state it left.
-``False`` (or no ``shell_blame``) keeps ``shell_error``, an infrastructure status.
-
-Named outcomes: what a model gets wrong is an ``outcome`` on its turn and a line in ``events``
-(the episode stays ``ok`` and is scored on the state it left): ``no_tool_call`` (tools mode: a reply
-without a call ends the episode, stop ``done``), ``several_tool_calls`` (only the first runs),
-``malformed_tool_json``, ``unknown_tool``, ``bad_tool_arguments``, ``unparsed_reply`` (text outside
-the protocol), ``thinking`` (``<think>`` tags; their content is not parsed for commands),
-``empty_reply``, ``repeated_command`` (the same command on every turn up to ``max_turns``) and
-``context`` (stop reason: the conversation outgrew the context).
-
-Tokens: each ``Turn`` keeps what the policy reported (the full prompt ids of its request, the
-completion ids and logprobs); at the end a policy with ``capture_tokens(turns, messages)`` (the
-OpenAI policy) turns them into the record's per-turn deltas, ``tokens_source`` and ``token_drift``.
+``policy_error`` / ``shell_error``; a used-up budget (``BudgetConfig``) ends it with status ``ok``
+and a ``stop_reason`` naming it. ``shell_blame(exc)`` True means the agent broke its shell (status
+``ok``, stop ``shell_broken``). What a model gets wrong is a named ``outcome`` on its turn and a line
+in ``events``; each ``Turn`` keeps the policy's token ids, and a policy's ``capture_tokens`` makes
+the record's tokens at the end. The loop knows only ``shell.run``. Details: docs/policy.md, "The
+agent loop".
 """
 
 from __future__ import annotations
@@ -33,7 +19,7 @@ from typing import Any, Literal, Protocol
 from pydantic import BaseModel, ConfigDict, Field
 
 from et_hpc.agent.base import DEFAULT_MAX_TOKENS, Action, ContextLengthError, Policy, PolicyError, TokenCapture
-from et_hpc.agent.wire import OUTPUT_LIMIT_CHARS, default_system_prompt, format_observation
+from et_hpc.agent.wire import OUTPUT_LIMIT_CHARS, Mode, default_system_prompt, format_observation
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +168,44 @@ def _observation_message(mode: str, action: Action, content: str) -> dict[str, A
     return {"role": "user", "content": content}
 
 
+def _budget_stop(budgets: BudgetConfig, n_turns: int, elapsed: float, usage: Usage,
+                 last_context: int) -> StopReason | None:
+    """The budget that is used up before the next turn (None: the episode goes on)."""
+    if n_turns >= budgets.max_turns:
+        return "max_turns"
+    if elapsed >= budgets.wall_time_s:
+        return "wall_time"
+    if budgets.total_tokens is not None and usage.completion_tokens >= budgets.total_tokens:
+        return "token_budget"
+    if last_context > budgets.context_tokens:
+        return "context"
+    return None
+
+
+def _count_usage(usage: Usage, reported: dict[str, int]) -> int:
+    """Add a turn's reported usage to ``usage``; returns the tokens the next request holds at least
+    (this prompt plus this reply)."""
+    pt = int(reported.get("prompt_tokens", 0))
+    ct = int(reported.get("completion_tokens", 0))
+    usage.prompt_tokens += pt
+    usage.completion_tokens += ct
+    usage.last_prompt_tokens = pt
+    return pt + ct
+
+
+def _capture_tokens(policy: Policy, turns: list[Turn], messages: list[dict[str, Any]]) -> TokenCapture:
+    """The policy's token record of the episode (``capture_tokens``, when it has one and there were
+    turns); a failing capture is logged and noted in ``token_drift``, never raised."""
+    capture = getattr(policy, "capture_tokens", None)
+    if capture is None or not turns:
+        return TokenCapture()
+    try:
+        return capture(turns, messages)
+    except Exception as e:  # token accounting must not cost the episode
+        log.exception("token capture failed")
+        return TokenCapture(token_drift=f"token capture failed: {type(e).__name__}: {e}")
+
+
 def run_agent(
     prompt: str,
     shell: ShellLike,
@@ -194,7 +218,7 @@ def run_agent(
 ) -> AgentResult:
     """Run one episode's agent part; the caller scores the shell's state afterwards."""
     budgets = budgets or BudgetConfig()
-    mode = getattr(policy, "mode", "text")
+    mode: Mode = policy.mode if hasattr(policy, "mode") else "text"
     sys_text = system_prompt if system_prompt is not None else default_system_prompt(mode)
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": sys_text},
@@ -210,18 +234,8 @@ def run_agent(
     start = clock()
 
     while stop is None:
-        elapsed = clock() - start
-        if len(turns) >= budgets.max_turns:
-            stop = "max_turns"
-            break
-        if elapsed >= budgets.wall_time_s:
-            stop = "wall_time"
-            break
-        if budgets.total_tokens is not None and usage.completion_tokens >= budgets.total_tokens:
-            stop = "token_budget"
-            break
-        if last_context > budgets.context_tokens:
-            stop = "context"
+        stop = _budget_stop(budgets, len(turns), clock() - start, usage, last_context)
+        if stop is not None:
             break
 
         t0 = clock()
@@ -260,13 +274,7 @@ def run_agent(
         turns.append(turn)
         messages.append(action.message)
         if action.usage:
-            pt = int(action.usage.get("prompt_tokens", 0))
-            ct = int(action.usage.get("completion_tokens", 0))
-            usage.prompt_tokens += pt
-            usage.completion_tokens += ct
-            usage.last_prompt_tokens = pt
-            # The next request holds at least this prompt plus this reply.
-            last_context = pt + ct
+            last_context = _count_usage(usage, action.usage)
 
         if action.kind == "done":
             stop = "done"
@@ -316,14 +324,7 @@ def run_agent(
         for extra in action.extra_tool_call_ids:
             messages.append({"role": "tool", "tool_call_id": extra, "content": NOT_RUN})
 
-    tokens = TokenCapture()
-    capture = getattr(policy, "capture_tokens", None)
-    if capture is not None and turns:
-        try:
-            tokens = capture(turns, messages)
-        except Exception as e:  # token accounting must not cost the episode
-            log.exception("token capture failed")
-            tokens = TokenCapture(token_drift=f"token capture failed: {type(e).__name__}: {e}")
+    tokens = _capture_tokens(policy, turns, messages)
     return AgentResult(
         tokens=tokens,
         messages=messages,

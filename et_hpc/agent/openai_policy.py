@@ -1,34 +1,12 @@
 """A policy backed by an OpenAI-compatible chat server (vLLM), with our own bounded retries.
 
-Connection errors, time-outs, 429, 5xx and empty ``choices`` are retried with jittered exponential
-backoff inside a retry budget (count and seconds); past it ``PolicyError`` ends the episode as an
-infrastructure failure. A 400 about the context length raises ``ContextLengthError`` (the loop
-stops with reason ``context``). Usage, finish reason, logprobs and token ids are kept per turn.
-
-Tokens (``return_token_ids``, on by default): each request asks vLLM for ``return_token_ids`` and
-keeps the response's ``prompt_token_ids`` (the whole prompt) and ``choices[0].token_ids`` (the
-completion); ``logprobs`` (when configured) adds ``return_tokens_as_token_ids``. A server that
-leaves those fields out (vLLM < 0.10.2; llama-server: ``chat_tokens``) is asked ``POST /tokenize`` for the prompt
-instead, and for the completion when logprobs carry no ``token_id:N``; with neither the tokens are
-absent. ``capture_tokens`` (called by the loop at the end) turns the turns into per-turn deltas and
-checks them against ``/tokenize`` of the whole conversation: ``tokens_source`` and ``token_drift``
-say how they were obtained and whether they agree. Token accounting never fails an episode.
-
-Policy versions (``et_hpc.agent.served``): when the endpoint names a versioned alias
-(``served_model``) each request asks for it, and each turn is stamped with the version its
-response's ``model`` names (``version_sources``: ``response``); a 404 "does not exist" for the
-alias means the weights switched: the endpoint is re-read and the same turn sent at once with the
-new alias (an event, not a failure). Without an alias, the file's ``model_version`` (stat-cached)
-read before and after the request (``endpoint``). ``turn_versions`` holds the pairs; a server
-republished at another address or key is followed on the next attempt. The key stays in memory.
-
-Many servers (``replicas``, from ``policy.endpoint_dir``; ``et_hpc.agent.replicas``): the episode
-gets a replica when the policy is made and keeps it for every turn. When a request to it fails
-``failover_after`` times in a row with a connection error, a time-out or a 5xx (or another episode
-already found it dead, or its file went), the replica is marked dead and the same request goes to
-another live one at once, which the episode keeps from then on; ``events`` gets
-``failover: A -> B: why``. Waiting for a live replica is bounded by ``retry_budget_s``; only then
-does the turn fail with ``PolicyError``. ``turn_versions`` come from the serving replica's own file.
+``OpenAIPolicy.act(messages)`` returns the next ``Action`` (tools or text mode; token-in mode:
+``et_hpc.agent.token_in``). Connection errors, time-outs, 429, 5xx and empty ``choices`` are
+retried with jittered backoff within a retry budget, then ``PolicyError``; a 400 about the context
+length raises ``ContextLengthError``. Each turn keeps usage, finish reason, logprobs, token ids and
+the policy version that answered; ``capture_tokens`` turns the turns into the record's tokens.
+With ``replicas`` the episode keeps one server and fails over when it is down (``events``). The
+full contract (tokens, versions, replicas): docs/policy.md, "The OpenAI policy".
 """
 
 from __future__ import annotations
@@ -47,19 +25,21 @@ import httpx
 import openai
 
 from et_hpc.agent.base import DEFAULT_MAX_TOKENS, Action, ContextLengthError, PolicyError, TokenCapture, text_action
-from et_hpc.agent.chat_tokens import LLAMA_ASK, REASON, count_drift, logprob_token_ids, render_ids, with_sampled_end
+from et_hpc.agent.chat_tokens import LLAMA_ASK, REASON, count_drift, render_ids, with_sampled_end
 from et_hpc.agent.endpoint import CLIENT, EndpointWatch, key_or_default, resolve_api_key
 from et_hpc.agent.replies import error_text as _error_text
-from et_hpc.agent.replies import keep_reasoning as _keep_reasoning
 from et_hpc.agent.replies import malformed as _malformed
 from et_hpc.agent.replies import retry_after as _retry_after
+from et_hpc.agent.replies import to_action as _to_action
+from et_hpc.agent.replies import tool_action as _tool_action
 from et_hpc.agent.served import ENDPOINT, MAX_SWITCHES, RESPONSE, ServedVersions
-from et_hpc.agent.wire import TERMINAL_TOOL, Mode, ToolArgsError, parse_tool_arguments
+from et_hpc.agent.wire import TERMINAL_TOOL, Mode
 
 if TYPE_CHECKING:
     from et_hpc.agent.loop import Turn
     from et_hpc.agent.policies import PolicyConfig
     from et_hpc.agent.replicas import Replica, ReplicaSet
+    from et_hpc.record import TokensSource
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +63,36 @@ class _Retryable(Exception):
         self.known = known  # the replica is known to be dead already: fail over without trying it
 
 
+def _status_error(what: str, code: int, text: str, last_500: str | None, e: openai.APIStatusError) -> _Retryable:
+    """An error answer (HTTP ``code``, ``text``) as a retryable error (408, 409, 429, 5xx); raises
+    ``ContextLengthError`` for a 4xx about the context length and ``PolicyError`` for any other 4xx
+    or a 500 repeating ``last_500``, the previous answer to the same request."""
+    if 400 <= code < 500 and code not in (408, 409, 429) and _CONTEXT_RE.search(text):
+        raise ContextLengthError(f"{what}: server says the context is too long ({code}): {text}") from None
+    if code == 500 and text == last_500:
+        # The same answer to the same request: a validation error or a bug, not a server in
+        # trouble (those say 502-504, time out or drop the connection). Retrying cannot help.
+        raise PolicyError(f"{what}: server rejected the request twice with the same error (HTTP 500): "
+                          f"{text}") from None
+    if code in (408, 409, 429) or code >= 500:
+        return _Retryable(f"HTTP {code}: {text}", _retry_after(e), dead=code >= 500)
+    raise PolicyError(f"{what}: server rejected the request (HTTP {code}): {text}") from None
+
+
+def _as_retryable(e: openai.APIError | _Retryable) -> _Retryable:
+    """A failed request without an error answer: time-outs and connection errors count as a dead
+    server; malformed responses and the like do not."""
+    if isinstance(e, _Retryable):
+        return e
+    if isinstance(e, openai.APITimeoutError):
+        return _Retryable("request timed out", dead=True)
+    if isinstance(e, openai.APIConnectionError):
+        return _Retryable(f"connection failed: {e.__cause__ or e}", dead=True)
+    return _Retryable(f"bad response: {e}")
+
+
 def _config_params(cls: type, cfg: PolicyConfig) -> list[str]:  # constructor parameters that are fields of cfg
-    return [k for k in inspect.signature(cls.__init__).parameters if k in type(cfg).model_fields]
+    return [k for k in inspect.signature(cls).parameters if k in type(cfg).model_fields]
 
 
 class OpenAIPolicy:
@@ -185,10 +193,10 @@ class OpenAIPolicy:
             from et_hpc.errors import UserError
 
             raise UserError("the openai policy needs policy.base_url (or an endpoint file from slurm/vllm.sbatch)")
-        explicit = {"api_key": resolve_api_key(cfg.key_value(), cfg.api_key_env), "replicas": replicas,
-                    "max_tokens": cfg.max_tokens or max_tokens or DEFAULT_MAX_TOKENS, "sleep": sleep, "rng": rng}
-        same = {k: getattr(cfg, k) for k in _config_params(cls, cfg) if k not in explicit}
-        return cls(**same, **explicit)
+        explicit = ("api_key", "replicas", "max_tokens", "sleep", "rng")
+        same: dict[str, Any] = {k: getattr(cfg, k) for k in _config_params(cls, cfg) if k not in explicit}
+        return cls(**same, api_key=resolve_api_key(cfg.key_value(), cfg.api_key_env), replicas=replicas,
+                   max_tokens=cfg.max_tokens or max_tokens or DEFAULT_MAX_TOKENS, sleep=sleep, rng=rng)
 
     def close(self) -> None:
         """Close the HTTP connections and give the replica back (the policy is unusable afterwards)."""
@@ -249,6 +257,9 @@ class OpenAIPolicy:
 
     # -- retries -----------------------------------------------------------------------------
     def _call(self, what: str, fn: Callable[[], Any]) -> Any:
+        """``fn()`` (one request), retried with backoff within the retry budget, failed over to
+        another replica when the episode's is down, re-sent at once when the weights switched under
+        the alias; ``PolicyError`` (or ``ContextLengthError``) when it cannot succeed."""
         start = time.monotonic()
         attempt = fails = moves = switches = 0
         last_500: str | None = None
@@ -265,26 +276,10 @@ class OpenAIPolicy:
                     switches += 1
                     self.events.append(f"version switch: {self.aliases.sent} -> {new} (HTTP {code}: {text})")
                     continue
-                if 400 <= code < 500 and code not in (408, 409, 429) and _CONTEXT_RE.search(text):
-                    raise ContextLengthError(f"{what}: server says the context is too long ({code}): {text}") from None
-                if code == 500 and text == last_500:
-                    # The same answer to the same request: a validation error or a bug, not a server in
-                    # trouble (those say 502-504, time out or drop the connection). Retrying cannot help.
-                    raise PolicyError(f"{what}: server rejected the request twice with the same error (HTTP 500): "
-                                      f"{text}") from None
+                err = _status_error(what, code, text, last_500, e)
                 last_500 = text if code == 500 else None
-                if code in (408, 409, 429) or code >= 500:
-                    err = _Retryable(f"HTTP {code}: {text}", _retry_after(e), dead=code >= 500)
-                else:
-                    raise PolicyError(f"{what}: server rejected the request (HTTP {code}): {text}") from None
-            except openai.APITimeoutError:
-                err = _Retryable("request timed out", dead=True)
-            except openai.APIConnectionError as e:
-                err = _Retryable(f"connection failed: {e.__cause__ or e}", dead=True)
-            except _Retryable as e:
-                err = e
-            except openai.APIError as e:  # malformed responses and the like
-                err = _Retryable(f"bad response: {e}")
+            except (openai.APIError, _Retryable) as e:  # APIStatusError is caught above
+                err = _as_retryable(e)
             if self._replicas is not None and err.dead:
                 fails += 1
                 if err.known or fails >= self.failover_after:
@@ -296,19 +291,23 @@ class OpenAIPolicy:
                     start = time.monotonic()
                     continue
             attempt += 1
-            elapsed = time.monotonic() - start
-            if attempt > self.max_retries or elapsed >= self.retry_budget_s:
-                raise PolicyError(
-                    f"{what}: gave up after {attempt} attempts in {elapsed:.1f} s; last error: {err}"
-                ) from None
-            delay = min(self.backoff_max_s, self.backoff_base_s * 2 ** (attempt - 1))
-            delay *= self._rng.uniform(0.5, 1.0)
-            if err.retry_after is not None:
-                delay = max(delay, min(err.retry_after, self.backoff_max_s))
-            delay = max(0.0, min(delay, self.retry_budget_s - elapsed))
-            log.warning("%s: %s; retry %d/%d in %.2f s", what, err, attempt, self.max_retries, delay)
-            self.retries += 1
-            self._sleep(delay)
+            self._back_off(what, err, attempt, time.monotonic() - start)
+
+    def _back_off(self, what: str, err: _Retryable, attempt: int, elapsed: float) -> None:
+        """Sleep before retry ``attempt`` (jittered exponential, at least the server's Retry-After
+        within bounds); ``PolicyError`` when the retries or the retry budget are used up."""
+        if attempt > self.max_retries or elapsed >= self.retry_budget_s:
+            raise PolicyError(
+                f"{what}: gave up after {attempt} attempts in {elapsed:.1f} s; last error: {err}"
+            ) from None
+        delay = min(self.backoff_max_s, self.backoff_base_s * 2 ** (attempt - 1))
+        delay *= self._rng.uniform(0.5, 1.0)
+        if err.retry_after is not None:
+            delay = max(delay, min(err.retry_after, self.backoff_max_s))
+        delay = max(0.0, min(delay, self.retry_budget_s - elapsed))
+        log.warning("%s: %s; retry %d/%d in %.2f s", what, err, attempt, self.max_retries, delay)
+        self.retries += 1
+        self._sleep(delay)
 
     def _resolve_model(self) -> str:
         if self.model is None:
@@ -365,7 +364,7 @@ class OpenAIPolicy:
         before = self._version()
         resp = self._call("chat completion", create)
         self._stamp(before, getattr(resp, "model", None))
-        action = self._to_action(resp)
+        action = _to_action(resp, self.mode, self.return_token_ids)
         action.retries = self.retries - retries_before
         if self.return_token_ids:
             self._fill_tokens(action, resp, messages)
@@ -424,7 +423,7 @@ class OpenAIPolicy:
             raise PolicyError(f"token-in: unusable answer from the server: {type(e).__name__}: {e}") from None
         self._stamp(before, self._answered_by)
         tin.prompt, tin.completion, tin.finish, tin.n_messages = prompt, ids, finish, len(messages)
-        action = text_action(text) if self.mode == "text" else self._tool_action(parse_hermes(text))
+        action = text_action(text) if self.mode == "text" else _tool_action(parse_hermes(text))
         action.usage = usage
         action.finish_reason = finish
         action.retries = self.retries - retries_before
@@ -520,15 +519,16 @@ class OpenAIPolicy:
         from et_hpc.record import check_tokens
 
         completions = [t.token_ids for t in turns]
-        lps = [t.logprobs for t in turns]
-        logprobs = lps if all(lp is not None and len(lp) == len(c or ()) for lp, c in zip(lps, completions)) else None
+        full_lps = [t.logprobs for t in turns if t.logprobs is not None and len(t.logprobs) == len(t.token_ids or ())]
+        logprobs = full_lps if len(full_lps) == len(turns) else None
         if not self.return_token_ids:
             return TokenCapture(logprobs=logprobs)
-        prompts = [t.prompt_token_ids for t in turns]
-        if any(p is None for p in prompts) or any(c is None for c in completions):
+        prompts = [t.prompt_token_ids for t in turns if t.prompt_token_ids is not None]
+        known = [c for c in completions if c is not None]
+        if len(prompts) < len(turns) or len(known) < len(turns):
             missing = next(i for i, t in enumerate(turns) if t.prompt_token_ids is None or t.token_ids is None)
             return TokenCapture(
-                token_ids=completions if all(c is not None for c in completions) else None,  # type: ignore[arg-type]
+                token_ids=known if len(known) == len(turns) else None,
                 logprobs=logprobs,
                 token_drift=f"turn {missing}: no token ids (the server returned no prompt_token_ids/token_ids "
                 "and its /tokenize was not usable)",
@@ -539,67 +539,13 @@ class OpenAIPolicy:
         # construction; a re-render of the conversation would only show how the template differs
         final = None if self.token_in else self.tokenize(messages[: last + 1], tools, add_generation_prompt=False)
         final = with_sampled_end(final, turns[-1]) if self._llama_render else final
-        deltas, drift = check_tokens(prompts, completions, final)  # type: ignore[arg-type]
+        deltas, drift = check_tokens(prompts, known, final)
         if final is None:
             log.info("no /tokenize: the last completion is checked only through the turns before it")
-        source = "server-exact" if all(t.tokens_from == "server" for t in turns) else "re-tokenized"
+        source: TokensSource = "server-exact" if all(t.tokens_from == "server" for t in turns) else "re-tokenized"
         why = [REASON] if self._llama_render and source == "re-tokenized" else []
         drift = drift or (count_drift(turns) if why else None)
-        return TokenCapture(prompt_token_ids=deltas, token_ids=completions, logprobs=logprobs,  # type: ignore[arg-type]
+        return TokenCapture(prompt_token_ids=deltas, token_ids=known, logprobs=logprobs,
                             tokens_source=source, token_drift=drift, events=why)
 
     _llama_render = False  # llama-server: conversations are rendered by /apply-template, then tokenized
-
-    def _to_action(self, resp: Any) -> Action:
-        choice = resp.choices[0]
-        msg = choice.message
-        if self.mode == "text":
-            action = text_action(msg.content or "")
-            _keep_reasoning(action.message, msg)
-        else:
-            action = self._tool_action(msg)
-        usage = getattr(resp, "usage", None)
-        if usage is not None:
-            action.usage = {
-                k: int(v) for k, v in usage.model_dump().items() if k.endswith("_tokens") and isinstance(v, int)
-            }
-        action.finish_reason = choice.finish_reason
-        lp = getattr(choice, "logprobs", None)
-        content = getattr(lp, "content", None) if lp is not None else None
-        if content:
-            action.logprobs = [float(c.logprob) for c in content]
-            if self.return_token_ids:
-                action.token_ids = logprob_token_ids(content)
-        return action
-
-    def _tool_action(self, msg: Any) -> Action:
-        calls = list(msg.tool_calls or [])
-        # content "" rather than null beside tool calls: vLLM takes both, llama-cpp-python's server
-        # rejects null (HTTP 500, a validation error), llama-server takes both.
-        message: dict[str, Any] = {"role": "assistant", "content": msg.content or ""}
-        _keep_reasoning(message, msg)
-        if not calls:
-            return Action(kind="done", message=message)
-        out_calls = []
-        for i, c in enumerate(calls):
-            fn = getattr(c, "function", None)
-            out_calls.append(
-                {
-                    "id": c.id or f"call_{i}",
-                    "type": "function",
-                    "function": {
-                        "name": getattr(fn, "name", None) or "",
-                        "arguments": getattr(fn, "arguments", None) or "",
-                    },
-                }
-            )
-        message["tool_calls"] = out_calls
-        first = out_calls[0]
-        extra = [c["id"] for c in out_calls[1:]]
-        try:
-            cmd, timeout = parse_tool_arguments(first["function"]["name"], first["function"]["arguments"])
-        except ToolArgsError as e:
-            return Action(kind="invalid", message=message, tool_call_id=first["id"], error=str(e),
-                          extra_tool_call_ids=extra)
-        return Action(kind="command", command=cmd, timeout=timeout, message=message,
-                      tool_call_id=first["id"], extra_tool_call_ids=extra)

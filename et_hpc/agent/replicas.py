@@ -1,24 +1,11 @@
 """Many policy servers (vLLM replicas) from one directory of endpoint files, shared by a whole process.
 
-``policy.endpoint_dir`` names a directory where every server job writes its own endpoint file
-(``<dir>/<job id>.json``, the format of ``et_hpc.agent.endpoint``: written atomically, mode 0600,
-with the server's key, ``model_version`` and ``served_model``). ``replica_set(dir)`` returns the process's one
-``ReplicaSet`` for that directory: every episode and thread of the process shares it.
-
-Listing is cheap: the directory is scanned at most every ``refresh_s`` seconds and a file is read
-again only when its inode, size, mtime or ctime changed (a rewrite or a ``chmod``). Files named ``.*`` (temporary files of an atomic
-write) and names not ending in ``.json`` are skipped; a file that cannot be read, is not an endpoint
-record, is not ours, or can be read by group or others is ignored with one warning (per version of
-the file). A new or rewritten file's server is probed (``GET /v1/models``, ``probe_timeout_s``)
-before it gets work; a file that disappears (the job ended) drops its replica.
-
-Assignment: ``acquire`` gives a new episode the live replica with the fewest outstanding requests
-(``inflight`` counts them across all threads), ties going to the one that got the fewest episodes
-(a replica that joins or comes back starts at the fewest of the others), then at random. The
-episode keeps that replica for all its turns (vLLM's prefix cache) until it fails over:
-``mark_dead`` drops a replica until its file is rewritten (new inode, size or mtime) or a probe,
-repeated every ``reprobe_dead_s``, answers again. Keys are held in memory only: ``Replica``'s
-repr leaves the key out and nothing here logs it.
+``replica_set(dir)`` returns the process's one ``ReplicaSet`` for ``policy.endpoint_dir`` (one
+endpoint file per server job, ``<dir>/<job id>.json``). It rescans at most every ``refresh_s``,
+rereads a file only when it changed, ignores unsafe or unreadable files with one warning, and
+probes a new server before it gets work. ``acquire`` gives an episode the least loaded live
+replica, which it keeps until ``mark_dead``; ``inflight`` counts requests across threads. Keys
+are held in memory only and never logged. Details: docs/policy.md, "Replicas".
 """
 
 from __future__ import annotations
@@ -33,6 +20,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypedDict
 
 from et_hpc.agent.endpoint import NO_KEY, _parse, probe_models, resolve_api_key
 from et_hpc.errors import UserError
@@ -74,6 +62,17 @@ class Replica:
 
     def label(self) -> str:
         return f"{self.name} ({self.base_url})"
+
+
+class _Published(TypedDict):
+    """What a replica's endpoint file says (the fields of ``Replica`` it sets)."""
+
+    base_url: str
+    model: str | None
+    model_version: str | None
+    served_model: str | None
+    job_id: str | None
+    api_key: str
 
 
 class ReplicaSet:
@@ -159,11 +158,11 @@ class ReplicaSet:
 
     def _update(self, name: str, path: Path, sig: Sig, data: dict, rep: Replica | None) -> None:
         job, version = data.get("job_id"), data.get("model_version")
-        fields = dict(base_url=str(data["base_url"]).rstrip("/"), model=data.get("model"),
-                      model_version=None if version is None else str(version),
-                      served_model=data["served_model"] if isinstance(data.get("served_model"), str) else None,
-                      job_id=None if job is None else str(job),
-                      api_key=resolve_api_key(self._api_key, self._api_key_env, data))
+        fields = _Published(base_url=str(data["base_url"]).rstrip("/"), model=data.get("model"),
+                            model_version=None if version is None else str(version),
+                            served_model=data["served_model"] if isinstance(data.get("served_model"), str) else None,
+                            job_id=None if job is None else str(job),
+                            api_key=resolve_api_key(self._api_key, self._api_key_env, data))
         if rep is None:
             rep = self.replicas[name] = Replica(name=name, path=path, sig=sig, **fields)
             log.info("policy server %s found", rep.label())

@@ -48,7 +48,7 @@ class ServedVersions:
         self.sent = self.current if use else None
         return self.current if use else model
 
-    def switched(self, status: int, text: str, reread: Callable[[], None]) -> str | None:
+    def switched(self, status: int, text: str, reread: Callable[[], object]) -> str | None:
         """After an error answer: the alias to retry with when it says the alias just sent is not
         served and the endpoint now names another (the weights switched); else None."""
         if status != 404 or self.sent is None or "does not exist" not in text:
@@ -56,7 +56,7 @@ class ServedVersions:
         reread()
         return self.current if self.current not in (None, self.sent) else None
 
-    def label(self, answered_by: Any, reread: Callable[[], None]) -> str | None:
+    def label(self, answered_by: Any, reread: Callable[[], object]) -> str | None:
         """The version a response names in its ``model`` (None: it names no versioned alias)."""
         if not isinstance(answered_by, str) or not answered_by:
             return None

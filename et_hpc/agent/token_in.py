@@ -40,7 +40,7 @@ class _Call:
 
 @dataclass
 class ParsedReply:
-    """A raw completion as a chat message (the shape ``OpenAIPolicy._tool_action`` reads)."""
+    """A raw completion as a chat message (the shape ``replies.tool_action`` reads)."""
 
     content: str
     tool_calls: list[_Call] = field(default_factory=list)

@@ -1,19 +1,12 @@
 """``et-hpc tasks check``: prove that each task is sound before it is used for training.
 
-Per task, stages run in order and stop at the first that fails:
-
-1. ``load``      the task loaded and its recipe parses and normalises;
-2. ``build``     its image is built or cached (``ImageStore.ensure``);
-3. ``start``     a sandbox starts from the image;
-4. ``initial``   ``test_initial_state.py`` passes in that fresh sandbox (skipped when absent);
-5. ``untouched`` ``test_final_state.py`` FAILS in a fresh, untouched sandbox (when it passes the
-                 task is trivially solved);
-6. ``solution``  ``solution/solve.sh``, sent through the persistent shell exactly as the oracle
-                 policy sends it, makes the final tests pass in a fresh sandbox (skipped when the
-                 task has no reference solution).
-
-``check_task(task, store, settings) -> CheckResult`` does one task; ``check_tasks`` many in
-parallel; the CLI subcommand is ``et_hpc.cli.check``.
+``check_task(task, store, settings) -> CheckResult`` runs the stages of ``STAGES`` in order and
+stops at the first that fails: ``load`` (the task and its recipe), ``build`` (its image),
+``start`` (a sandbox), ``initial`` (``test_initial_state.py`` passes, when present),
+``untouched`` (``test_final_state.py`` FAILS in a fresh sandbox) and ``solution``
+(``solution/solve.sh``, sent as the oracle policy sends it, makes the final tests pass; skipped
+without one). ``check_tasks`` checks many in parallel; the CLI is ``et_hpc.cli.check``. Details:
+docs/sandbox.md, "Checking tasks".
 """
 
 from __future__ import annotations
@@ -56,6 +49,9 @@ class CheckConfig(BaseModel):
     build_slots: int = 1  # image builds at once (each build is itself multi-threaded)
 
 
+_NOT_RUN: StageStatus = "not_run"
+
+
 class CheckResult(BaseModel):
     """The verdict on one task. ``stage`` is the failing stage (None when ok)."""
 
@@ -63,7 +59,7 @@ class CheckResult(BaseModel):
     ok: bool
     stage: str | None = None
     detail: str = ""
-    stages: dict[str, StageStatus] = Field(default_factory=lambda: {s: "not_run" for s in STAGES})
+    stages: dict[str, StageStatus] = Field(default_factory=lambda: dict.fromkeys(STAGES, _NOT_RUN))
     tail: list[str] = Field(default_factory=list)  # the last lines of the failing stage's output
     seconds: float = 0.0
 
@@ -265,9 +261,9 @@ def check_tasks(tasks: list[Any], store: Any, settings: CheckConfig | None = Non
     results: list[CheckResult | None] = [None] * len(tasks)
 
     def one(i: int) -> None:
-        results[i] = check_task(tasks[i], store, settings, gate)
+        results[i] = r = check_task(tasks[i], store, settings, gate)
         if on_result is not None:
-            on_result(results[i])
+            on_result(r)
 
     with ThreadPoolExecutor(max_workers=max(1, jobs or default_jobs())) as ex:
         list(ex.map(one, range(len(tasks))))

@@ -1,28 +1,13 @@
 """One episode end to end: sandbox up, agent loop, scoring in the same instance, sandbox down.
 
-``run_episode(task, sample, cfg, image)`` (``cfg``: an ``EpisodeConfig``, or a run config, which
-extends it) never raises for infrastructure trouble: a sandbox that
-will not start, a policy server that keeps failing, or scoring that breaks all become an
-``EpisodeRecord`` with an error status and ``reward=None`` (never reward 0). Only a reward that
-came out of the task's final tests is recorded as a reward.
-
-The run config's sandbox limits apply throughout: ``ulimit`` lines in the agent's shell, scoring
-rlimits, and a memory/process watchdog (et_hpc.sandbox.watchdog) over the agent loop and the
-final tests. A watchdog kill is the agent's doing: the killed command returns "Killed" with a
-note, the episode is scored as usual, and the kill is in the record's ``events``.
-
-Who is to blame decides the status (SECURITY.md): what the agent's own actions cause is status
-``ok`` with reward 0.0 and ``score_note`` saying what happened: tests that hang past the verifier
-timeout, a state pytest cannot run in, an instance ended from inside, and a shell the agent broke
-beyond restart (``stop_reason`` ``shell_broken``: the state it left is scored like any other).
-A shell that breaks while ``Sandbox.health`` reports a host problem, or after we stopped the
-sandbox, stays ``shell_error``.
-
-With a warm pool (``sandbox.warm``, et_hpc.sandbox.warm) the runner passes a reserved sandbox,
-started ahead with its shell; the episode uses it when it is alive (``timings.setup_s`` is then
-the hand-out, ``timings.warm_s`` the start done ahead) and otherwise starts its own. It hands the
-finished sandbox back to the pool, which stops it in the background (``timings.teardown_s`` is
-then the hand-back).
+``run_episode(task, sample, cfg, image)`` (``cfg``: an ``EpisodeConfig`` or a run config) never
+raises for infrastructure trouble: a sandbox that will not start, a failing policy server or a
+broken scoring become an ``EpisodeRecord`` with an error status and ``reward=None``; only a reward
+from the task's final tests is recorded. The run's sandbox limits and a watchdog apply to the agent
+and the tests; what the agent's own actions cause (a watchdog kill, hanging tests, a broken shell)
+is status ``ok``, reward 0.0 and a ``score_note``. With a warm pool (``warm``) the episode uses the
+reserved sandbox when it is alive and hands it back at the end. Details: docs/sandbox.md, "An
+episode".
 """
 
 from __future__ import annotations
@@ -34,15 +19,18 @@ import platform
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from et_hpc import __version__
+from et_hpc.agent.base import Action, Policy
 from et_hpc.agent.loop import AgentResult, BudgetConfig, run_agent
 from et_hpc.agent.policies import PolicyConfig, make_policy
+from et_hpc.agent.wire import Mode
 from et_hpc.episode.config import EpisodeConfig
 from et_hpc.errors import InfraError, UserError
-from et_hpc.record import EpisodeRecord, TestResult, Timings
-from et_hpc.sandbox.scoring import GONE_NOTE, score
+from et_hpc.record import EpisodeRecord, Status, TestResult, Timings
+from et_hpc.sandbox.scoring import GONE_NOTE, ScoreResult, score
 from et_hpc.sandbox.warm import AGENT_UMASK, Ready, SandboxSpec, Ticket, start_ready  # noqa: F401 - AGENT_UMASK re-exported
 from et_hpc.sandbox.watchdog import PHASE_SCORING, Watchdog
 from et_hpc.tasks.model import Task
@@ -57,11 +45,11 @@ class Interrupted(InfraError):
 class _StopAware:
     """Wraps a policy so that a set ``stop`` event ends the agent loop at the next turn."""
 
-    def __init__(self, policy: Any, stop: threading.Event):
+    def __init__(self, policy: Policy, stop: threading.Event):
         self._policy, self._stop = policy, stop
-        self.mode = getattr(policy, "mode", "text")
+        self.mode: Mode = policy.mode if hasattr(policy, "mode") else "text"
 
-    def act(self, messages):
+    def act(self, messages: list[dict[str, Any]]) -> Action:
         if self._stop.is_set():
             raise Interrupted("stopped by the run (signal or preemption)")
         return self._policy.act(messages)
@@ -152,23 +140,10 @@ def _slurm_ids() -> tuple[str | None, int | None]:
     return job, int(task) if task and task.isdigit() else None
 
 
-def run_episode(task: Task, sample: int, cfg: EpisodeConfig, image: Any, *, stop: threading.Event | None = None,
-                warm: Ticket | None = None) -> EpisodeRecord:
-    """Run one (task, sample) unit of a run and return its record (see the module docstring).
-
-    ``warm``: a sandbox reserved from a ``WarmPool`` for this episode (et_hpc.sandbox.warm); when it
-    is alive it is used, else (dead, failed, none) the episode starts its own as without a pool.
-    """
-    t_start = time.time()
-    t0 = time.monotonic()
-    stop = stop or threading.Event()
-    pcfg: PolicyConfig = cfg.policy
-    if pcfg.kind == "replay":
-        # Sample i of a replay run replays recorded run (replay_index + i).
-        pcfg = pcfg.model_copy(update={"replay_index": pcfg.replay_index + sample})
-    budgets = episode_budgets(cfg.budgets, task)
+def _base_fields(task: Task, sample: int, cfg: EpisodeConfig, pcfg: PolicyConfig, image: Any) -> dict[str, Any]:
+    """The record's fields known before the episode starts (who, what, where)."""
     job, array_task = _slurm_ids()
-    base: dict[str, Any] = dict(
+    return dict(
         run_name=cfg.run_name(),
         task_id=task.id,
         sample=sample,
@@ -185,44 +160,72 @@ def run_episode(task: Task, sample: int, cfg: EpisodeConfig, image: Any, *, stop
         slurm_array_task_id=array_task,
         versions=_versions(),
     )
+
+
+def _episode_record(base: dict[str, Any], versions: dict[str, Any], timings: dict[str, float], status: Status, *,
+                    error: str | None = None, result: AgentResult | None = None, sc: ScoreResult | None = None,
+                    events: list[str] | None = None) -> EpisodeRecord:
+    """The episode's record from its fields, the agent's result and the score (either may be missing)."""
+    tok = result.tokens if result else None
+    peak_pids = timings.get("peak_pids")
+    return EpisodeRecord(
+        **base,
+        messages=result.messages if result else [],
+        turns=len(result.turns) if result else 0,
+        turn_s=[[round(t.policy_s, 3), round(t.exec_s, 3)] for t in result.turns] if result else None,
+        stop_reason=result.stop_reason if result else None,
+        status=status,
+        reward=sc.reward if sc is not None and status == "ok" else None,
+        passed=sc.passed if sc is not None else None,
+        total=sc.total if sc is not None else None,
+        tests=[TestResult(name=t.name, outcome=t.outcome) for t in (sc.tests if sc else [])],
+        prompt_tokens=result.usage.prompt_tokens if result else None,
+        completion_tokens=result.usage.completion_tokens if result else None,
+        prompt_token_ids=tok.prompt_token_ids if tok else None,
+        token_ids=tok.token_ids if tok else None,
+        logprobs=tok.logprobs if tok else None,
+        tokens_source=tok.tokens_source if tok else None,
+        token_drift=tok.token_drift if tok else None,
+        **versions,
+        timings=Timings(**{k: v for k, v in timings.items() if k not in _PEAK_KEYS}),
+        peak_mem_mb=timings.get("peak_mem_mb"),
+        peak_pids=None if peak_pids is None else int(peak_pids),
+        error=error,
+        score_note=sc.note if sc is not None and status == "ok" else None,
+        interpreter=sc.interpreter if sc is not None else None,
+        events=[*(result.events if result else []), *(events or []), *((sc.notes or []) if sc is not None else [])],
+    )
+
+
+def run_episode(task: Task, sample: int, cfg: EpisodeConfig, image: Any, *, stop: threading.Event | None = None,
+                warm: Ticket | None = None) -> EpisodeRecord:
+    """Run one (task, sample) unit of a run and return its record (see the module docstring).
+
+    ``warm``: a sandbox reserved from a ``WarmPool`` for this episode (et_hpc.sandbox.warm); when it
+    is alive it is used, else (dead, failed, none) the episode starts its own as without a pool.
+    """
+    t_start = time.time()
+    t0 = time.monotonic()
+    stop = stop or threading.Event()
+    pcfg: PolicyConfig = cfg.policy
+    if pcfg.kind == "replay":
+        # Sample i of a replay run replays recorded run (replay_index + i).
+        pcfg = pcfg.model_copy(update={"replay_index": pcfg.replay_index + sample})
+    budgets = episode_budgets(cfg.budgets, task)
+    base = _base_fields(task, sample, cfg, pcfg, image)
     timings: dict[str, float] = {"start_s": t_start}
     versions: dict[str, Any] = {}
 
-    def record(status: str, *, error: str | None = None, result: AgentResult | None = None, sc=None,
-               events: list[str] | None = None) -> EpisodeRecord:
+    def record(status: Status, *, error: str | None = None, result: AgentResult | None = None,
+               sc: ScoreResult | None = None, events: list[str] | None = None) -> EpisodeRecord:
         if warm is not None:
             warm.discard()  # a reserved sandbox the episode did not use (no-op once handed out)
         timings["stop_s"] = time.time()
         timings["total_s"] = time.monotonic() - t0
-        tok = result.tokens if result else None
-        return EpisodeRecord(
-            **base,
-            messages=result.messages if result else [],
-            turns=len(result.turns) if result else 0,
-            turn_s=[[round(t.policy_s, 3), round(t.exec_s, 3)] for t in result.turns] if result else None,
-            stop_reason=result.stop_reason if result else None,
-            status=status,
-            reward=sc.reward if sc is not None and status == "ok" else None,
-            passed=sc.passed if sc is not None else None,
-            total=sc.total if sc is not None else None,
-            tests=[TestResult(name=t.name, outcome=t.outcome) for t in (sc.tests if sc else [])],
-            prompt_tokens=result.usage.prompt_tokens if result else None,
-            completion_tokens=result.usage.completion_tokens if result else None,
-            prompt_token_ids=tok.prompt_token_ids if tok else None,
-            token_ids=tok.token_ids if tok else None,
-            logprobs=tok.logprobs if tok else None,
-            tokens_source=tok.tokens_source if tok else None,
-            token_drift=tok.token_drift if tok else None,
-            **versions,
-            timings=Timings(**{k: v for k, v in timings.items() if k not in _PEAK_KEYS}),
-            **{k: timings[k] for k in _PEAK_KEYS if k in timings},
-            error=error,
-            score_note=sc.note if sc is not None and status == "ok" else None,
-            interpreter=sc.interpreter if sc is not None else None,
-            events=[*(result.events if result else []), *(events or []), *((sc.notes or []) if sc is not None else [])],
-        )
+        return _episode_record(base, versions, timings, status, error=error, result=result, sc=sc, events=events)
 
-    if image is None or getattr(image, "path", None) is None:
+    image_path = getattr(image, "path", None)
+    if image is None or image_path is None:
         return record("infra_error", error=f"no image for task {task.id}: run 'et-hpc build'")
     if task.final_tests is None:
         return record("infra_error", error=f"task {task.id} has no test_final_state.py")
@@ -231,14 +234,28 @@ def run_episode(task: Task, sample: int, cfg: EpisodeConfig, image: Any, *, stop
     except (UserError, InfraError) as e:
         return record("policy_error", error=str(e))
     ready: list[Ready] = []  # the episode's sandbox, once there is one
-    setup = functools.partial(_setup, sandbox_spec(task, cfg, image), warm, f"{task.id}#{sample}", timings, ready)
+    setup = functools.partial(_setup, _spec(task, cfg, image, image_path), warm, f"{task.id}#{sample}", timings, ready)
     pre_setup = time.monotonic() - t0  # the policy and its endpoint: counted as setup
-    outcome = _drive(task, setup, policy, pcfg, budgets, cfg, stop, timings)
+    status, kw = _drive(task, setup, policy, pcfg, budgets, cfg, stop, timings)
     if "setup_s" in timings:
         timings["setup_s"] += pre_setup
     base["model"] = getattr(policy, "model", None) or base["model"]  # a served model is named on first use
+    _tear_down(task, cfg, warm, ready, status, base, kw, timings)
+    versions.update(policy_version_fields(policy))
+    close = getattr(policy, "close", None)
+    if close:
+        close()
+    policy_events = getattr(policy, "events", None)
+    if policy_events:  # failovers between policy servers
+        kw["events"] = [*policy_events, *kw.get("events", [])]
+    return record(status, **kw)
+
+
+def _tear_down(task: Task, cfg: EpisodeConfig, warm: Ticket | None, ready: list[Ready], status: Status,
+               base: dict[str, Any], kw: dict[str, Any], timings: dict[str, float]) -> None:
+    """Stop the episode's sandbox (or hand it back to the pool), keeping its final state first when
+    the run asks for it (``base``'s ``final_state``/``tests_digest``, an event in ``kw`` if not kept)."""
     t = time.monotonic()
-    status, kw = outcome
     kept: dict[str, str] = {}
     keep = cfg.sandbox.keep_final_state and bool(ready) and status in ("ok", "score_error")
     if keep:  # archived by the stop, before the overlay is deleted: so not in the background
@@ -247,30 +264,28 @@ def run_episode(task: Task, sample: int, cfg: EpisodeConfig, image: Any, *, stop
         for r in ready:
             r.stop()
     timings["teardown_s"] = time.monotonic() - t
-    if keep:
-        try:  # the tests that scored it, kept beside it: what a rescore diffs against
-            from et_hpc.runs.final_state import keep_tests
+    if not keep:
+        return
+    try:  # the tests that scored it, kept beside it: what a rescore diffs against
+        from et_hpc.runs.final_state import keep_tests
 
-            base["tests_digest"] = keep_tests(cfg.run_dir(), task.final_tests)
-        except OSError as e:
-            log.warning("could not keep the final tests of %s: %s", task.id, e)
-        base["final_state"] = kept.get("final_state", "not kept: the sandbox stopped before scoring")
-        if base["final_state"].startswith("not kept"):
-            kw["events"] = [*kw.get("events", []), f"final_state: {base['final_state']}"]
-    versions.update(policy_version_fields(policy))
-    close = getattr(policy, "close", None)
-    if close:
-        close()
-    if getattr(policy, "events", None):  # failovers between policy servers
-        kw["events"] = [*policy.events, *kw.get("events", [])]
-    return record(status, **kw)
+        assert task.final_tests is not None  # run_episode checked it
+        base["tests_digest"] = keep_tests(cfg.run_dir(), task.final_tests)
+    except OSError as e:
+        log.warning("could not keep the final tests of %s: %s", task.id, e)
+    base["final_state"] = kept.get("final_state", "not kept: the sandbox stopped before scoring")
+    if base["final_state"].startswith("not kept"):
+        kw["events"] = [*kw.get("events", []), f"final_state: {base['final_state']}"]
 
 
 def sandbox_spec(task: Task, cfg: EpisodeConfig, image: Any) -> SandboxSpec | None:
     """What the episode's sandbox is made of (None without an image): the key of warm sandboxes."""
     path = getattr(image, "path", None)
-    if path is None:
-        return None
+    return None if path is None else _spec(task, cfg, image, path)
+
+
+def _spec(task: Task, cfg: EpisodeConfig, image: Any, path: Any) -> SandboxSpec:
+    """``sandbox_spec`` of an image at ``path``."""
     opts = cfg.sandbox
     storage = task.limits.storage_mb or opts.overlay_mb
     return SandboxSpec(
@@ -303,7 +318,8 @@ def _setup(spec: SandboxSpec, warm: Ticket | None, label: str, timings: dict[str
     return out[-1]
 
 
-def _drive(task, setup, policy, pcfg, budgets, cfg, stop, timings) -> tuple[str, dict[str, Any]]:
+def _drive(task: Task, setup: Callable[[], Ready], policy: Policy, pcfg: PolicyConfig, budgets: BudgetConfig,
+           cfg: EpisodeConfig, stop: threading.Event, timings: dict[str, float]) -> tuple[Status, dict[str, Any]]:
     """Get the sandbox from ``setup()``, run the agent, score. Returns (status, record fields); never raises."""
     result: AgentResult | None = None
     wd: Watchdog | None = None
@@ -356,6 +372,7 @@ def final_score(sandbox: Any, wd: Watchdog | None, task: Task, cfg: EpisodeConfi
         timeout = max(timeout, task.limits.verifier_timeout_s)
     if wd is not None:
         wd.phase, wd.protect = PHASE_SCORING, set  # scoring closes the shells
+    assert task.final_tests is not None, f"task {task.id} has no final tests"  # callers check it first
     sc = score(sandbox, task.final_tests, timeout_s=timeout)
     events: list[str] = []
     if wd is not None:

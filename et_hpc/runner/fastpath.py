@@ -1,23 +1,13 @@
 """The automatic choice of ``sandbox.warm`` and ``sandbox.local_copy`` ("auto", the defaults).
 
-A run's plan knows how many episodes each image serves on a node, how many run at once against the
-cores they have, and the images' sizes; from that:
-
-- ``local_copy``: ``unpack`` when unpacking pays on a node: each episode from an unpacked tree saves
-  about ``SAVED_S_PER_EPISODE`` (0.15 s of setup, 0.2-0.4 s of scoring, bench/RESULTS.md), and
-  unpacking costs about ``UNPACK_S_PER_MB`` of a SIF's size once per image and node (1.2 s for a
-  90 MB SIF; nothing for a tree this node has already). So unpack when the episodes per image on a
-  node save more than the unpacking costs (a group of 4 samples does; an evaluation with one
-  episode per image does not), ``unsquashfs`` is there, and scratch has room for the trees (about
-  3x the SIFs' size, within ``local_copy_budget_gb``). Else ``auto`` as before: a plain copy only
-  when the image cache and scratch are on different filesystems.
-- ``warm``: ``WARM`` sandboxes started ahead when a worker process runs more than one episode (there
-  is a next one to start while the current one runs) and the episodes at once leave a core for
-  it (concurrency <= cores); else 0.
-
-Explicit settings win. Per node: the local executor runs the whole plan here; a Slurm array task
-runs ``slurm.units_per_task`` units on ``slurm.cpus_per_task`` cores (each counted as a node of
-its own, the worst case); a continuous worker runs groups of ``samples`` episodes of one task.
+``choose(cfg, units, images)`` reads the run's plan (episodes per image on each node, episodes at
+once against the cores, the images' sizes): ``local_copy`` is ``unpack`` when the episodes per image
+on a node save more (``SAVED_S_PER_EPISODE`` each, bench/RESULTS.md) than unpacking costs
+(``UNPACK_S_PER_MB``, nothing for a tree already there), ``unsquashfs`` exists and the trees fit in
+scratch, else ``auto``; ``warm`` is ``WARM`` when a worker runs more than one episode and leaves a
+core for starts ahead, else 0. Explicit settings win. A node is the local executor's whole plan, a
+Slurm array task's units (on its own cores) or a continuous worker's groups of ``samples``.
+``resolve(cfg, choice)`` applies the choice.
 """
 
 from __future__ import annotations
@@ -76,30 +66,12 @@ def choose(cfg: RunConfig, units: list[tuple[str, int]], images: dict[str, Any],
     conc = cfg.node_concurrency(cores=cores)
     nodes = _per_node(cfg, units)
     out: dict[str, Any] = {"cores": cores, "concurrency": conc, "why": {}}
-
-    if sb.warm != "auto":
-        out["warm"], out["why"]["warm"] = sb.warm, "set in the run config"
-    else:
-        per_worker = max((sum(c.values()) for c in nodes), default=0)
-        if cfg.continuous.enabled:
-            per_worker = max(per_worker, 2)  # a continuous worker keeps going
-        if per_worker < 2:
-            out["warm"], out["why"]["warm"] = 0, "one episode per worker: nothing to start ahead"
-        elif conc > cores:
-            out["warm"], out["why"]["warm"] = 0, f"{conc} episodes at once on {cores} cores leave none for starts ahead"
-        else:
-            out["warm"], out["why"]["warm"] = WARM, f"{per_worker} episodes per worker, {conc} at once on {cores} cores"
-
+    out["warm"], out["why"]["warm"] = _choose_warm(cfg, nodes, cores, conc)
     if sb.local_copy != "auto":
         out["local_copy"], out["why"]["local_copy"] = sb.local_copy, "set in the run config"
         return out
     out["local_copy"] = "auto"
-    sizes: dict[str, float] = {}
-    for tid, img in images.items():
-        try:
-            sizes[tid] = Path(img.path).stat().st_size / 2**20
-        except (AttributeError, TypeError, OSError):
-            continue
+    sizes = _sif_sizes_mb(images)
     saved = cost = 0.0
     for node in nodes:
         for tid, n in node.items():
@@ -116,23 +88,54 @@ def choose(cfg: RunConfig, units: list[tuple[str, int]], images: dict[str, Any],
         eps = max((max(c.values(), default=0) for c in nodes), default=0)
         out["why"]["local_copy"] = (f"unpacking would cost {cost:.1f} s and save {saved:.1f} s "
                                     f"({eps} episode(s) per image per node at most): starts from the SIF")
-    elif not shutil.which("unsquashfs"):
-        out["why"]["local_copy"] = "unsquashfs (squashfs-tools) is not on PATH: starts from the SIF"
     else:
-        from et_hpc.paths import scratch_dir
-
-        try:
-            free_mb = shutil.disk_usage(scratch or scratch_dir()).free / 2**20
-        except OSError:
-            free_mb = 0.0
-        budget_mb = sb.local_copy_budget_gb * 1024
-        if per_node_mb > min(free_mb / 2, budget_mb):
-            out["why"]["local_copy"] = (f"the unpacked trees need about {per_node_mb:.0f} MB: more than half the free "
-                                        f"scratch ({free_mb:.0f} MB) or the budget ({budget_mb:.0f} MB)")
-        else:
-            out["local_copy"] = "unpack"
-            out["why"]["local_copy"] = f"unpacking costs {cost:.1f} s and saves {saved:.1f} s per run"
+        out["local_copy"], out["why"]["local_copy"] = _choose_unpack(cfg, saved, cost, per_node_mb, scratch)
     return out
+
+
+def _choose_warm(cfg: RunConfig, nodes: list[Counter], cores: int, conc: int) -> tuple[int, str]:
+    """``sandbox.warm`` and why: the run config's, else ``WARM`` when a worker runs more than one
+    episode and the episodes at once leave a core for starts ahead, else 0."""
+    if cfg.sandbox.warm != "auto":
+        return cfg.sandbox.warm, "set in the run config"
+    per_worker = max((sum(c.values()) for c in nodes), default=0)
+    if cfg.continuous.enabled:
+        per_worker = max(per_worker, 2)  # a continuous worker keeps going
+    if per_worker < 2:
+        return 0, "one episode per worker: nothing to start ahead"
+    if conc > cores:
+        return 0, f"{conc} episodes at once on {cores} cores leave none for starts ahead"
+    return WARM, f"{per_worker} episodes per worker, {conc} at once on {cores} cores"
+
+
+def _sif_sizes_mb(images: dict[str, Any]) -> dict[str, float]:
+    """Each task's image size in MB (tasks whose image has no readable path are left out)."""
+    sizes: dict[str, float] = {}
+    for tid, img in images.items():
+        try:
+            sizes[tid] = Path(img.path).stat().st_size / 2**20
+        except (AttributeError, TypeError, OSError):
+            continue
+    return sizes
+
+
+def _choose_unpack(cfg: RunConfig, saved: float, cost: float, per_node_mb: float,
+                   scratch: Path | None) -> tuple[str, str]:
+    """``local_copy`` and why, once unpacking saves more than it costs: ``unpack`` when
+    ``unsquashfs`` is there and the trees fit in half the free scratch and the budget, else ``auto``."""
+    if not shutil.which("unsquashfs"):
+        return "auto", "unsquashfs (squashfs-tools) is not on PATH: starts from the SIF"
+    from et_hpc.paths import scratch_dir
+
+    try:
+        free_mb = shutil.disk_usage(scratch or scratch_dir()).free / 2**20
+    except OSError:
+        free_mb = 0.0
+    budget_mb = cfg.sandbox.local_copy_budget_gb * 1024
+    if per_node_mb > min(free_mb / 2, budget_mb):
+        return "auto", (f"the unpacked trees need about {per_node_mb:.0f} MB: more than half the free "
+                        f"scratch ({free_mb:.0f} MB) or the budget ({budget_mb:.0f} MB)")
+    return "unpack", f"unpacking costs {cost:.1f} s and saves {saved:.1f} s per run"
 
 
 def resolve(cfg: RunConfig, choice: dict[str, Any]) -> RunConfig:

@@ -1,16 +1,13 @@
 """One Apptainer instance per episode, with its own writable layer, that always gets stopped.
 
-``Sandbox(sif, run_prefix=...)`` is a context manager; ``sif`` is a SIF file or a directory holding
-an unpacked root filesystem (``local_copy: unpack``), which the pristine bind then binds read-only. ``start()`` copies a sparse ext3 overlay
-(from a per-size template kept in node-local scratch, so creating one costs a ``cp --sparse``)
-and starts ``apptainer instance start --containall --cleanenv --overlay OV [--net --network none]``.
-``stop()`` kills the instance at once (``instance stop -t 0``) and deletes the overlay; it runs on
-``with`` exit, at interpreter exit and on SIGTERM/SIGINT/SIGUSR2. A registry file
-``<scratch>/live/<name>.json`` lets ``et_hpc.sandbox.reaper`` clean up after a killed worker.
-
-Nothing of the host environment reaches the container: apptainer runs with ``--cleanenv`` for the
-instance and for every exec, and without any ``APPTAINER*``/``SINGULARITY*`` variable of the
-caller's (``apptainer.clean_env``); host paths come in only through ``binds``.
+``Sandbox(sif, ...)`` is a context manager (``sif``: a SIF file or an unpacked root directory).
+``start()`` copies a sparse ext3 overlay from a per-size template in node-local scratch and starts
+``apptainer instance start --containall --cleanenv --overlay OV [--net --network none]``;
+``stop()`` kills the instance at once and deletes the overlay, on ``with`` exit, at interpreter
+exit and on SIGTERM/SIGINT/SIGUSR2. A registry file ``<scratch>/live/<name>.json`` lets
+``et_hpc.sandbox.reaper`` clean up after a killed worker. Nothing of the host environment reaches
+the container (``--cleanenv``, no ``APPTAINER*``/``SINGULARITY*`` variable of the caller's); host
+paths come in only through ``binds``. Options in docs/sandbox.md ("The sandbox").
 """
 
 from __future__ import annotations
@@ -19,7 +16,6 @@ import atexit
 import json
 import logging
 import os
-import secrets
 import shlex
 import signal
 import socket
@@ -30,12 +26,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from filelock import FileLock
-
 from et_hpc.errors import InfraError
 from et_hpc.host import apptainer, procfs
-from et_hpc.paths import scratch_dir
 from et_hpc.sandbox.config import DEFAULT_OVERLAY_MB
+from et_hpc.sandbox.prepare_script import PREPARE_SCRIPT
+from et_hpc.sandbox.scratch import copy_sparse, new_instance_name, overlay_template, scratch_paths
 from et_hpc.sandbox.shell import Shell, kill_session
 
 log = logging.getLogger(__name__)
@@ -53,108 +48,15 @@ _LIVE_LOCK = threading.Lock()
 _HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
 _installed = False
 
-# Run once in a new instance (as part of the first shell's startup, or as its own exec), by bash
-# and with bash's builtins only where it can: every program started in the instance costs a few
-# milliseconds of the episode's setup.
-# 1. Task images are built with --fakeroot and `useradd user` + `chown user:user`; the agent runs
-#    as the invoking uid, which apptainer names after the host account. Where the image has a
-#    `user` account (else, the account with uid 1000: the first `useradd`, which upstream's
-#    agent ran as), our uid and gid are given that name in the instance's /etc/passwd and
-#    /etc/group (apptainer writes both per instance, owned by us), so tests that check
-#    "owned by user" see the agent's files as `user`'s: other lines with our id are dropped,
-#    that account's ids become ours, the rest is kept as it was.
-# 2. Where the image's files keep foreign owners (setuid installs mount squashfs in the kernel),
-#    $HOME is copied up into the writable layer as ours (content, modes and times kept). When the
-#    image's own root (the pristine bind, which no overlay covers) is ours, every file of the image
-#    is (a rootless FUSE mount shows every file as owned by the mounting user; an unpacked tree was
-#    written by us), and $HOME is not searched.
-PREPARE_SCRIPT = r"""
-et_ids() {  # FILE NAME ID NEW K: drop lines whose 3rd field is ID (but NAME's); NAME's K id fields := NEW
-  # (status 2: FILE unreadable or without NAME, left alone)
-  local l out= found= re="^[^:]*:([^:]*):([0-9]*:){$5}(.*)$" own='^[^:]*:[^:]*:([^:]*):'
-  while IFS= read -r l || [ -n "$l" ]; do
-    case $l in
-      "$2":*) found=1; [[ $l =~ $re ]] && l="$2:${BASH_REMATCH[1]}:$4:${BASH_REMATCH[3]}" ;;
-      *) [[ $l =~ $own ]] && [ "${BASH_REMATCH[1]}" = "$3" ] && continue ;;
-    esac
-    out+=$l$'\n'
-  done 2>/dev/null <"$1" || return 2
-  [ -n "$found" ] || return 2
-  while [ "${out%$'\n'}" != "$out" ]; do out=${out%$'\n'}; done
-  printf '%s\n' "$out" 2>/dev/null >"$1"
-}
-me=$EUID mg=${GROUPS[0]} n= c= l= re='^([a-z_][a-z0-9_-]*):[^:]*:1000:'
-while IFS= read -r l || [ -n "$l" ]; do
-  case $l in user:*) n=user; break ;; esac
-  [ -z "$c" ] && [[ $l =~ $re ]] && c=${BASH_REMATCH[1]}
-done 2>/dev/null </etc/passwd
-[ -n "$n" ] || n=$c
-if [ -n "$n" ]; then
-  et_ids /etc/passwd "$n" "$me" "$me:$mg" 2; [ $? = 2 ] || et_ids /etc/group "$n" "$mg" "$mg" 1
-fi
-h=__HOME__
-if [ -d "$h" ] && ! __IMAGE_IS_OURS__ && [ -n "$(find "$h" -xdev ! -user "$me" -print 2>/dev/null | head -n 1)" ]; then
-  t="$h.et-hpc-$$"
-  cp -a "$h" "$t" 2>/dev/null && rm -rf "$h" 2>/dev/null; mv "$t" "$h" 2>/dev/null
-fi
-true
-"""
-
-
-def scratch_paths(scratch: Path | None = None) -> tuple[Path, Path, Path]:
-    """(live registry dir, overlays dir, templates dir) under node-local scratch."""
-    base = Path(scratch) if scratch else scratch_dir()
-    dirs = (base / "live", base / "overlays", base / "overlay-templates")
-    for d in dirs:
-        d.mkdir(parents=True, exist_ok=True, mode=0o700)
-    return dirs
-
-
-def new_instance_name(run_prefix: str) -> str:
-    """``<run_prefix>-<host>-<pid>-<rand>``, cut to apptainer's limits (prefix and host first)."""
-    host = socket.gethostname().split(".")[0]
-    tail = f"-{os.getpid()}-{secrets.token_hex(4)}"
-    head = apptainer.safe_name(f"{run_prefix}-{host}")
-    return head[: apptainer.NAME_MAX - len(tail)] + tail
-
-
-def overlay_template(size_mb: int, templates: Path) -> Path:
-    """A sparse ext3 overlay of ``size_mb`` MiB, created once per node (about 0.7 s) and copied after."""
-    path = templates / f"ext3-{int(size_mb)}M.img"
-    if path.exists():
-        return path
-    with FileLock(str(path) + ".lock", timeout=300):
-        if not path.exists():
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            tmp.unlink(missing_ok=True)
-            apptainer.overlay_create(tmp, size_mb, sparse=True)
-            os.replace(tmp, path)
-    return path
-
-
-def copy_sparse(src: Path, dst: Path) -> None:
-    cp = subprocess.run(["cp", "--sparse=always", str(src), str(dst)], capture_output=True, text=True)
-    if cp.returncode != 0:
-        raise InfraError(f"could not copy overlay {src} to {dst}: {cp.stderr.strip()[-300:]}")
-
-
 class Sandbox:
-    """One apptainer instance for one episode.
+    """One apptainer instance for one episode (the options: docs/sandbox.md, "The sandbox").
 
-    ``overlay_mb``: size of the per-episode writable layer (sparse ext3 on node-local scratch);
-    ``None`` or ``writable_tmpfs=True`` uses ``--writable-tmpfs`` instead (capped by apptainer's
-    ``sessiondir max size``, 64 MiB by default). ``network_none`` (default True) gives the
-    instance only a loopback interface; when the host refuses, the sandbox starts with the host
-    network and ``network_isolated`` is False (a warning is logged).
-    ``nproc``/``vmem_mb``/``fsize_mb`` are ``ulimit -u``/``-v``/``-f`` set in every shell of the
-    sandbox (and applied to scoring by et_hpc.sandbox.scoring); core dumps are off (``ulimit -c 0``).
-    ``warm_scoring`` (default True): once the first shell is up, load the image's pristine python
-    and pytest in the background so scoring finds them warm (``et_hpc.sandbox.scoring.start_warmup``).
-    ``overlay_image``: start on this existing ext3 overlay (a kept final state, et_hpc.runs.final_state)
-    instead of a fresh one; the sandbox owns it and deletes it at ``stop()``. With ``overlay_readonly``
-    it is mounted read-only under a ``--writable-tmpfs`` layer, so nothing run in the sandbox changes it.
-    ``before_overlay_delete(path)``: called by ``stop()`` once the instance is gone, before the
-    overlay is deleted (e.g. to archive it); its errors are logged, never raised.
+    ``overlay_mb``: the per-episode writable layer (``None`` or ``writable_tmpfs=True``: apptainer's
+    ``--writable-tmpfs``); ``network_none``: loopback only (``network_isolated`` says whether the
+    host allowed it); ``nproc``/``vmem_mb``/``fsize_mb``: ``ulimit -u``/``-v``/``-f`` of every shell
+    and of scoring; ``warm_scoring``: warm the pristine python and pytest once the first shell is
+    up; ``overlay_image`` (``overlay_readonly``): start on a kept overlay, which the sandbox owns;
+    ``before_overlay_delete(path)``: called by ``stop()`` before the overlay is deleted.
     """
 
     def __init__(
@@ -320,7 +222,7 @@ class Sandbox:
         self._warm_pending = False
         if self._warmer is not None:
             if self._warmer.poll() is None:
-                # SIGTERM: the helper kills and reaps its python (see enter._warm); SIGKILL only
+                # SIGTERM: the helper kills and reaps its python (see enter_pytest._warm); SIGKILL only
                 # if it does not end, which leaves a zombie for the host's init to reap
                 self._warmer.terminate()
                 try:

@@ -1,25 +1,13 @@
 """Harbor tasks: turn an ``environment/Dockerfile`` into an Apptainer def (a ``NormalisedRecipe``).
 
-The def is built rootless from the cached base image, offline, and behaves like ``docker build``:
-
-- ``FROM ubuntu:22.04`` -> ``Bootstrap: localimage`` on the base-map entry (the same SIF that
-  ``./ubuntu_22.04.sif`` names); an image the map does not know stays ``Bootstrap: docker``.
-- each ``RUN`` runs in its own ``/bin/sh`` (or the ``SHELL`` set), in the current ``WORKDIR``,
-  as the current ``USER``, with ``ENV``/``ARG`` exported; a failing ``RUN`` fails the build.
-  BuildKit heredocs (``RUN <<EOF`` and ``RUN cat <<'EOF' > f``) and line continuations are kept
-  exactly; the script text goes through a quoted heredoc (or base64 when a line would look like
-  a def section to Apptainer).
-- ``WORKDIR`` -> ``mkdir -p`` + ``cd`` for later steps, and the runtime cwd (``workdir``).
-- ``ENV`` -> exported for later steps and written to ``%environment``.
-- ``COPY``/``ADD`` from the build context -> ``%files`` into a staging dir, then copied into
-  place at the same point of the build (so ordering with ``RUN`` is kept); sources must exist.
-- ``USER`` -> later ``RUN`` steps use ``setpriv``; the runtime user is recorded (``user``).
-- ``CMD``/``ENTRYPOINT`` -> ``%runscript``; ``LABEL`` -> ``%labels``; ``EXPOSE`` and friends are
-  ignored (and said so in ``rewrites``).
-
-spython's converter was tried first: it strips the indentation of continued lines (changing
-quoted strings), ignores ``WORKDIR`` for later ``RUN`` steps and runs every step in one shell,
-so this module parses the Dockerfile itself.
+``convert_dockerfile(path, context_dir=..., base_map=...)`` returns a def built rootless from the
+cached base image, offline, that behaves like ``docker build``: ``FROM`` a base the map knows
+becomes ``Bootstrap: localimage``; each ``RUN`` runs in its own shell in the current ``WORKDIR``
+as the current ``USER`` with ``ENV``/``ARG`` set (heredocs and continuations kept exactly);
+``COPY``/``ADD`` from the build context are staged through ``%files`` and copied in place, in
+order; ``CMD``/``ENTRYPOINT`` become ``%runscript``. Every change is a line in ``rewrites``; what
+cannot be built as written raises ``TaskError`` naming the file and line. Each instruction's
+rules are beside ``_Converter`` (spython's converter changes continued lines and shares a shell).
 """
 
 from __future__ import annotations
@@ -196,6 +184,23 @@ def _parse_kv(args: str, path: Path, line: int, what: str) -> list[tuple[str, st
     return pairs
 
 
+# How each instruction is built:
+# - FROM ubuntu:22.04 -> Bootstrap: localimage on the base-map entry (the same SIF that
+#   ./ubuntu_22.04.sif names); an image the map does not know stays Bootstrap: docker.
+# - each RUN runs in its own /bin/sh (or the SHELL set), in the current WORKDIR, as the current
+#   USER, with ENV/ARG exported; a failing RUN fails the build. BuildKit heredocs (RUN <<EOF and
+#   RUN cat <<'EOF' > f) and line continuations are kept exactly; the script text goes through a
+#   quoted heredoc (or base64 when a line would look like a def section to Apptainer).
+# - WORKDIR -> mkdir -p + cd for later steps, and the runtime cwd (workdir).
+# - ENV -> exported for later steps and written to %environment.
+# - COPY/ADD from the build context -> %files into a staging dir, then copied into place at the
+#   same point of the build (so ordering with RUN is kept); sources must exist.
+# - USER -> later RUN steps use setpriv; the runtime user is recorded (user).
+# - CMD/ENTRYPOINT -> %runscript; LABEL -> %labels; EXPOSE and friends are ignored (and said so
+#   in rewrites).
+# spython's converter was tried first: it strips the indentation of continued lines (changing
+# quoted strings), ignores WORKDIR for later RUN steps and runs every step in one shell, so this
+# module parses the Dockerfile itself.
 class _Converter:
     def __init__(self, path: Path, context: Path, base_map: dict[str, Path]):
         self.path = path
@@ -351,6 +356,33 @@ class _Converter:
         self._copy(ins, add=True)
 
     def _copy(self, ins: Instruction, add: bool) -> None:
+        """``COPY``/``ADD``: heredoc bodies written in place, build-context sources staged through
+        ``%files`` and copied (``ADD`` unpacks tar archives), then ``--chown``/``--chmod``."""
+        args, chown, chmod = self._copy_flags(ins)
+        items = self._copy_items(ins, args)
+        dest = self.abs_dest(items[-1])
+        srcs = items[:-1]
+        q = shlex.quote(dest)
+        self.post.append(f"# {self.path.name}:{ins.line} {ins.cmd}")
+        heredoc_names = {hd.delimiter for hd in ins.heredocs}
+        for hd in ins.heredocs:  # COPY <<EOF /dest: the body becomes the file
+            body = [ln.lstrip("\t") for ln in hd.body] if hd.strip_tabs else hd.body
+            target = dest if not dest.endswith("/") else dest + hd.delimiter
+            self.post.append(f"mkdir -p {shlex.quote(str(PurePosixPath(target).parent))}")
+            self.post += write_file_lines(target, "\n".join(body) + "\n", "COPY")
+        srcs = [s for s in srcs if not (s.startswith("<<") and s.lstrip("<-").strip("'\"") in heredoc_names)]
+        hosts = [h for s in srcs for h in self._context_sources(ins, s)]
+        many = len(hosts) > 1 or dest.endswith("/")
+        for h in hosts:
+            self._copy_staged(h, dest, add=add, many=many)
+        if chown:
+            self.post.append(f"chown -R {shlex.quote(chown)} {q}")
+        if chmod:
+            self.post.append(f"chmod -R {shlex.quote(chmod)} {q}")
+
+    def _copy_flags(self, ins: Instruction) -> tuple[str, str | None, str | None]:
+        """The arguments after the ``--`` flags, and the ``--chown`` (substituted) and ``--chmod``
+        values; ``--from`` is refused (only the build context is there)."""
         args = ins.args
         chown = chmod = None
         while args.startswith("--"):
@@ -363,6 +395,10 @@ class _Converter:
                 chown = substitute(val, self.vars())
             elif name == "chmod":
                 chmod = val
+        return args, chown, chmod
+
+    def _copy_items(self, ins: Instruction, args: str) -> list[str]:
+        """The sources and the destination (last), JSON or shell form, with variables substituted."""
         items = _json_list(args)
         if items is None:
             try:
@@ -371,53 +407,46 @@ class _Converter:
                 raise self.err(ins, f"cannot be parsed ({e}); check its quotes") from None
         if len(items) < 2 and not ins.heredocs:
             raise self.err(ins, "needs a source and a destination")
-        items = [substitute(x, self.vars()) for x in items]
-        dest = self.abs_dest(items[-1])
-        srcs = items[:-1]
+        return [substitute(x, self.vars()) for x in items]
+
+    def _context_sources(self, ins: Instruction, s: str) -> list[Path]:
+        """The existing files the source ``s`` names in the build context (a glob sorted); an URL,
+        no match or a path outside the context is an error."""
+        if re.match(r"^[a-z]+://", s):
+            raise self.err(ins, f"{s}: downloading at build time is not supported offline; put the file in the build context")
+        pattern = str(self.context / s.lstrip("/"))
+        matches = sorted(Path(p) for p in globmod.glob(pattern)) if any(c in s for c in "*?[") else [Path(pattern)]
+        matches = [m for m in matches if m.exists()]
+        if not matches:
+            raise self.err(ins, f"source {s!r} not found in the build context {self.context}; add it there")
+        out = []
+        for m in matches:
+            mr = m.resolve()
+            if self.context.resolve() not in (mr, *mr.parents):
+                raise self.err(ins, f"source {s!r} is outside the build context {self.context}")
+            out.append(mr)
+        return out
+
+    def _copy_staged(self, h: Path, dest: str, *, add: bool, many: bool) -> None:
+        """Stage ``h`` through ``%files`` and copy it to ``dest`` as docker does: a directory's
+        content, an archive unpacked (``ADD``), into ``dest`` as a directory (``many``), or as
+        ``dest`` itself unless that is an existing directory."""
         q = shlex.quote(dest)
-        self.post.append(f"# {self.path.name}:{ins.line} {ins.cmd}")
-        heredoc_names = {hd.delimiter for hd in ins.heredocs}
-        for hd in ins.heredocs:  # COPY <<EOF /dest: the body becomes the file
-            body = [ln.lstrip("\t") for ln in hd.body] if hd.strip_tabs else hd.body
-            target = dest if not dest.endswith("/") else dest + hd.delimiter
-            self.post.append(f"mkdir -p {shlex.quote(str(PurePosixPath(target).parent))}")
-            self.post += write_file_lines(target, "\n".join(body) + "\n", "COPY")
-        srcs = [s for s in srcs if not (s.startswith("<<") and s.lstrip("<-").strip("'\"") in heredoc_names)]
-        hosts: list[Path] = []
-        for s in srcs:
-            if re.match(r"^[a-z]+://", s):
-                raise self.err(ins, f"{s}: downloading at build time is not supported offline; put the file in the build context")
-            pattern = str(self.context / s.lstrip("/"))
-            matches = sorted(Path(p) for p in globmod.glob(pattern)) if any(c in s for c in "*?[") else [Path(pattern)]
-            matches = [m for m in matches if m.exists()]
-            if not matches:
-                raise self.err(ins, f"source {s!r} not found in the build context {self.context}; add it there")
-            for m in matches:
-                mr = m.resolve()
-                if self.context.resolve() not in (mr, *mr.parents):
-                    raise self.err(ins, f"source {s!r} is outside the build context {self.context}")
-                hosts.append(mr)
-        many = len(hosts) > 1 or dest.endswith("/")
-        for h in hosts:
-            self.n_copy += 1
-            stage = f"{STAGE_DIR}/{self.n_copy}"
-            self.files.append((h, stage))
-            sq = shlex.quote(stage)
-            if h.is_dir():
-                self.post.append(f"mkdir -p {q} && cp -a {sq}/. {q}/")
-            elif add and re.search(r"\.(tar|tar\.gz|tgz|tar\.bz2|tbz2|tar\.xz|txz)$", h.name):
-                self.post.append(f"mkdir -p {q} && tar -xf {sq} -C {q}")
-            elif many:
-                self.post.append(f"mkdir -p {q} && cp -a {sq} {shlex.quote(dest.rstrip('/') + '/' + h.name)}")
-            else:
-                self.post.append(
-                    f"if [ -d {q} ]; then cp -a {sq} {shlex.quote(dest.rstrip('/') + '/' + h.name)}; "
-                    f"else mkdir -p {shlex.quote(str(PurePosixPath(dest).parent))} && cp -a {sq} {q}; fi"
-                )
-        if chown:
-            self.post.append(f"chown -R {shlex.quote(chown)} {q}")
-        if chmod:
-            self.post.append(f"chmod -R {shlex.quote(chmod)} {q}")
+        self.n_copy += 1
+        stage = f"{STAGE_DIR}/{self.n_copy}"
+        self.files.append((h, stage))
+        sq = shlex.quote(stage)
+        if h.is_dir():
+            self.post.append(f"mkdir -p {q} && cp -a {sq}/. {q}/")
+        elif add and re.search(r"\.(tar|tar\.gz|tgz|tar\.bz2|tbz2|tar\.xz|txz)$", h.name):
+            self.post.append(f"mkdir -p {q} && tar -xf {sq} -C {q}")
+        elif many:
+            self.post.append(f"mkdir -p {q} && cp -a {sq} {shlex.quote(dest.rstrip('/') + '/' + h.name)}")
+        else:
+            self.post.append(
+                f"if [ -d {q} ]; then cp -a {sq} {shlex.quote(dest.rstrip('/') + '/' + h.name)}; "
+                f"else mkdir -p {shlex.quote(str(PurePosixPath(dest).parent))} && cp -a {sq} {q}; fi"
+            )
 
     # -- output -------------------------------------------------------------------------------
     def runscript(self) -> list[str]:

@@ -2,13 +2,11 @@
 
 Normalising makes an Endless Terminals def buildable offline and reproducibly, and changes
 nothing else:
-
 - ``Bootstrap: localimage`` with a relative ``From:`` (``./ubuntu_22.04.sif``) is resolved
   through a *base map* (name as written -> cached base SIF). ``Bootstrap: docker`` naming an
   image that the base map knows (``ubuntu:22.04``) is switched to that local image too.
 - ``%post`` gets ``-c /bin/bash`` unless it already names a shell (generated defs use bash).
 - relative ``%files`` sources are made absolute against the context dir, and must exist.
-
 Every change is one human line in ``NormalisedRecipe.rewrites``. Harbor Dockerfiles are turned
 into the same ``NormalisedRecipe`` by :mod:`et_hpc.tasks.dockerfile`.
 """
@@ -19,7 +17,7 @@ import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from et_hpc.errors import TaskError
 from et_hpc.tasks.base_names import known_bases, lookup_base  # noqa: F401  (re-exported)
@@ -126,8 +124,22 @@ def normalise_def(def_path: Path, context_dir: Path | None, base_map: dict[str, 
     out = list(d.lines)
     rewrites: list[str] = []
     files: list[tuple[Path, str]] = []
-    base: Path | None = None
+    base = _rewrite_bootstrap(def_path, d, base_map, out, rewrites)
+    for sec in d.sections:
+        if sec.name == "post" and not _post_has_shell(sec.args):
+            new = ("%post " + sec.args).rstrip() + " -c /bin/bash"
+            out[sec.line - 1] = new
+            rewrites.append(f"line {sec.line}: %post{(' ' + sec.args) if sec.args else ''} -> {new.strip()}")
+        if sec.name in ("files", "appfiles") and not sec.args.startswith("from "):  # from: another build stage
+            _rewrite_files(def_path, sec, context, out, rewrites, files)
+    text = "\n".join(out) + "\n"
+    return NormalisedRecipe(text=text, files=files, base=base, rewrites=rewrites, kind="def", source=def_path)
 
+
+def _rewrite_bootstrap(def_path: Path, d: DefFile, base_map: dict[str, Path], out: list[str],
+                       rewrites: list[str]) -> Path | None:
+    """The base image the header names through ``base_map`` (``localimage``: required; ``docker``:
+    when the map knows it, switched to ``localimage``), rewritten in ``out``; None for another base."""
     boot_line, boot = d.header["bootstrap"]
     boot = boot.strip()
     frm = d.header.get("from")
@@ -136,58 +148,52 @@ def normalise_def(def_path: Path, context_dir: Path | None, base_map: dict[str, 
             raise TaskError(f"{def_path}: 'Bootstrap: localimage' without 'From:'; name the base SIF")
         ln, value = frm[0], frm[1].strip()
         if Path(value).is_absolute():
-            base = Path(value)
-        else:
-            found = lookup_base(value, base_map)
-            if found is None:
-                raise TaskError(
-                    f"{def_path}:{ln}: unknown base image {value!r}; known names: {known_bases(base_map)}"
-                )
-            base = found
-            out[ln - 1] = f"From: {base}"
-            rewrites.append(f"From: {value} -> {base}")
-    elif boot.lower() in ("docker", "docker-daemon") and frm and frm[1].strip():
+            return Path(value)
+        found = lookup_base(value, base_map)
+        if found is None:
+            raise TaskError(
+                f"{def_path}:{ln}: unknown base image {value!r}; known names: {known_bases(base_map)}"
+            )
+        out[ln - 1] = f"From: {found}"
+        rewrites.append(f"From: {value} -> {found}")
+        return found
+    if boot.lower() in ("docker", "docker-daemon") and frm and frm[1].strip():
         ln, value = frm[0], frm[1].strip()
         found = lookup_base(value, base_map)
         if found is not None:
-            base = found
             out[boot_line - 1] = "Bootstrap: localimage"
-            out[ln - 1] = f"From: {base}"
-            rewrites.append(f"Bootstrap: {boot} / From: {value} -> Bootstrap: localimage / From: {base} (cached base)")
+            out[ln - 1] = f"From: {found}"
+            rewrites.append(f"Bootstrap: {boot} / From: {value} -> Bootstrap: localimage / From: {found} (cached base)")
+        return found
+    return None
 
-    for sec in d.sections:
-        if sec.name == "post" and not _post_has_shell(sec.args):
-            new = ("%post " + sec.args).rstrip() + " -c /bin/bash"
-            out[sec.line - 1] = new
-            rewrites.append(f"line {sec.line}: %post{(' ' + sec.args) if sec.args else ''} -> {new.strip()}")
-        if sec.name in ("files", "appfiles"):
-            if sec.args.startswith("from "):
-                continue  # copies from another build stage, not from the host
-            for j, raw in enumerate(sec.body):
-                lineno = sec.line + 1 + j
-                s = raw.strip()
-                if not s or s.startswith("#"):
-                    continue
-                try:
-                    toks = shlex.split(s)
-                except ValueError as e:
-                    raise TaskError(f"{def_path}:{lineno}: cannot parse %files line ({e}); quote it properly") from None
-                src = toks[0]
-                dest = toks[1] if len(toks) > 1 else src
-                host = Path(src) if Path(src).is_absolute() else (context / src)
-                if not host.exists():
-                    raise TaskError(
-                        f"{def_path}:{lineno}: %files source {src!r} not found (looked in {context}); add it to the task folder"
-                    )
-                host = host.resolve()
-                files.append((host, dest))
-                if not Path(src).is_absolute():
-                    indent = raw[: len(raw) - len(raw.lstrip())]
-                    out[lineno - 1] = f"{indent}{shlex.quote(str(host))} {shlex.quote(dest)}"
-                    rewrites.append(f"line {lineno}: %files {src} -> {host} {dest}")
 
-    text = "\n".join(out) + "\n"
-    return NormalisedRecipe(text=text, files=files, base=base, rewrites=rewrites, kind="def", source=def_path)
+def _rewrite_files(def_path: Path, sec: Section, context: Path, out: list[str], rewrites: list[str],
+                   files: list[tuple[Path, str]]) -> None:
+    """A ``%files`` section's sources (relative ones from ``context``, which must exist) appended to
+    ``files``; relative sources rewritten in ``out`` as absolute paths."""
+    for j, raw in enumerate(sec.body):
+        lineno = sec.line + 1 + j
+        s = raw.strip()
+        if not s or s.startswith("#"):
+            continue
+        try:
+            toks = shlex.split(s)
+        except ValueError as e:
+            raise TaskError(f"{def_path}:{lineno}: cannot parse %files line ({e}); quote it properly") from None
+        src = toks[0]
+        dest = toks[1] if len(toks) > 1 else src
+        host = Path(src) if Path(src).is_absolute() else (context / src)
+        if not host.exists():
+            raise TaskError(
+                f"{def_path}:{lineno}: %files source {src!r} not found (looked in {context}); add it to the task folder"
+            )
+        host = host.resolve()
+        files.append((host, dest))
+        if not Path(src).is_absolute():
+            indent = raw[: len(raw) - len(raw.lstrip())]
+            out[lineno - 1] = f"{indent}{shlex.quote(str(host))} {shlex.quote(dest)}"
+            rewrites.append(f"line {lineno}: %files {src} -> {host} {dest}")
 
 
 def normalise(task_or_recipe_path: Task | Recipe | Path | str, *, base_map: dict[str, Path]) -> NormalisedRecipe:
@@ -208,7 +214,8 @@ def normalise(task_or_recipe_path: Task | Recipe | Path | str, *, base_map: dict
 
             recipe = load_task_folder(p).recipe
         else:
-            kind = "sif" if p.suffix == ".sif" else ("dockerfile" if "dockerfile" in p.name.lower() else "def")
+            kind: Literal["def", "dockerfile", "sif"] = (
+                "sif" if p.suffix == ".sif" else ("dockerfile" if "dockerfile" in p.name.lower() else "def"))
             recipe = Recipe(kind=kind, path=p, context_dir=p.parent)
     if recipe.kind == "sif":
         sif = Path(recipe.path).resolve()
