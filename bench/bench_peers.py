@@ -333,7 +333,7 @@ def _row(rs: list[dict[str, Any]]) -> dict[str, float]:
             "bg_stop": statistics.median(r.get("background_stop_s", 0.0) for r in rs)}
 
 
-def main() -> None:
+def _parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sif", type=Path)
     ap.add_argument("--reps", type=int, default=10)
@@ -344,20 +344,34 @@ def main() -> None:
     ap.add_argument("--json-out", type=Path, help="also write every lifecycle's timings here")
     ap.add_argument("--driver", choices=PEERS, help=argparse.SUPPRESS)
     a = ap.parse_args()
-    if a.driver:
-        driver(a.driver, str(a.sif))
-        return
-    if a.json_out:  # fail now, not after the run
+    if a.json_out and not a.driver:  # fail now, not after the run
         try:
             a.json_out.touch()
         except OSError as e:
             ap.error(f"--json-out: {e}")
-    sif = a.sif
-    if sif is None:
-        from et_hpc.images.base import ensure_base
+    return a
 
-        sif = ensure_base(source="debian").path
-    sif = Path(sif)
+
+def _lifecycles(runners: list, reps: int, results: dict[str, list[dict[str, Any]]],
+                errors: dict[str, list[str]]) -> None:
+    """``reps`` interleaved rounds of every runner after one untimed warm-up round (page cache, templates)."""
+    for rnd in range(reps + 1):
+        order = runners[rnd % len(runners):] + runners[:rnd % len(runners)]
+        for name, fn in order:
+            os.sync()  # untimed: no lifecycle pays for the previous one's writeback
+            r = fn()
+            if rnd == 0:
+                continue
+            if "error" in r:
+                errors[name].append(r["error"])
+            elif r["bad"]:
+                errors[name].append("; ".join(r["bad"]))
+            else:
+                results[name].append(r)
+
+
+def measure(sif: Path, a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:
+    """Every lifecycle, the memory per sandbox and the local-copy costs; the summary and the raw rows."""
     load0 = Path("/proc/loadavg").read_text().split()[:3]
     peers: list[Peer] = []
     if not a.no_peers:
@@ -374,19 +388,7 @@ def main() -> None:
         runners = [("et-hpc", lambda: et_lifecycle(sif, scratch)),
                    ("et-hpc unpacked", lambda: et_lifecycle(tree.path, scratch)),
                    ("et-hpc warm", lambda: et_warm_lifecycle(sif, scratch))] + [(p.name, p.run) for p in peers]
-        for rnd in range(a.reps + 1):  # round 0 warms page cache and templates
-            order = runners[rnd % len(runners):] + runners[:rnd % len(runners)]
-            for name, fn in order:
-                os.sync()  # untimed: no lifecycle pays for the previous one's writeback
-                r = fn()
-                if rnd == 0:
-                    continue
-                if "error" in r:
-                    errors[name].append(r["error"])
-                elif r["bad"]:
-                    errors[name].append("; ".join(r["bad"]))
-                else:
-                    results[name].append(r)
+        _lifecycles(runners, a.reps, results, errors)
         for p in peers:
             p.close()
         mem = sandbox_memory(sif, scratch, a.mem_sandboxes)
@@ -398,13 +400,30 @@ def main() -> None:
     out = {"load_start": load0, "load_end": load1, "rows": rows, "errors": errors, "memory": mem,
            "memory_unpacked": mem_tree, "local_copy": lc,
            "versions": {p.name: p.version for p in peers}}
-    if a.json_out:
-        a.json_out.write_text(json.dumps({**out, "raw": results}, indent=1))
-    if not a.markdown:
-        print(json.dumps(out, indent=2))
+    return out, results
+
+
+def _print_ratios(rows: dict[str, Any]) -> None:
+    if not rows.get("et-hpc"):
         return
-    print(f"load average at start {' '.join(load0)}, at end {' '.join(load1)}; {a.reps} lifecycles each "
-          f"(after one warm-up round), interleaved; peers: "
+    for mine in ("et-hpc", "et-hpc unpacked"):
+        for k, target in (("hermes", 6), ("mini", 25)):
+            if k in rows and mine in rows:
+                ratio = rows[k]["median"] / rows[mine]["median"]
+                print(f"\n{k} / {mine} (medians): {ratio:.1f}x (target >= {target}x: "
+                      f"{'met' if ratio >= target else 'NOT met'})", end="")
+    warm = rows.get("et-hpc warm")
+    if warm and "hermes" in rows:
+        ratio = rows["hermes"]["median"] / warm["median"]
+        print(f"\nhermes (cold) / et-hpc warm (medians): {ratio:.1f}x (target >= 30x: "
+              f"{'met' if ratio >= 30 else 'NOT met'})", end="")
+    print()
+
+
+def print_markdown(out: dict[str, Any], reps: int) -> None:
+    rows, mem, mem_tree, lc = out["rows"], out["memory"], out["memory_unpacked"], out["local_copy"]
+    print(f"load average at start {' '.join(out['load_start'])}, at end {' '.join(out['load_end'])}; {reps} "
+          "lifecycles each (after one warm-up round), interleaved; peers: "
           + ", ".join(f"{k} {v}" for k, v in out["versions"].items()) + "\n")
     print("| lifecycle (new sandbox, 10 commands, teardown; warm: started ahead, untimed) | n | median s | p95 s "
           "| setup s | 10 commands s | teardown s |")
@@ -413,21 +432,8 @@ def main() -> None:
         bg = f" (+{r['bg_stop']:.2f} in the background)" if r["bg_stop"] else ""
         print(f"| {k} | {r['n']} | {r['median']:.2f} | {r['p95']:.2f} | {r['setup']:.2f} | {r['cmds']:.3f} "
               f"| {r['stop']:.2f}{bg} |")
-    et = rows.get("et-hpc")
-    if et:
-        for mine in ("et-hpc", "et-hpc unpacked"):
-            for k, target in (("hermes", 6), ("mini", 25)):
-                if k in rows and mine in rows:
-                    ratio = rows[k]["median"] / rows[mine]["median"]
-                    print(f"\n{k} / {mine} (medians): {ratio:.1f}x (target >= {target}x: "
-                          f"{'met' if ratio >= target else 'NOT met'})", end="")
-        warm = rows.get("et-hpc warm")
-        if warm and "hermes" in rows:
-            ratio = rows["hermes"]["median"] / warm["median"]
-            print(f"\nhermes (cold) / et-hpc warm (medians): {ratio:.1f}x (target >= 30x: "
-                  f"{'met' if ratio >= 30 else 'NOT met'})", end="")
-        print()
-    for k, errs in errors.items():
+    _print_ratios(rows)
+    for k, errs in out["errors"].items():
         if errs:
             print(f"\n{k}: {len(errs)} failed lifecycles, first: {errs[0][:300]}")
     for what, m in (("from the SIF", mem), ("from the unpacked tree", mem_tree)):
@@ -441,6 +447,25 @@ def main() -> None:
           f"the copy {statistics.median(st['local']):.3f} s vs from the unpacked tree "
           f"{statistics.median(st['tree']):.3f} s (medians of {len(st['cache'])}; "
           f"{'same filesystem here' if lc['same_fs'] else 'different filesystems'}).")
+
+
+def main() -> None:
+    a = _parse_args()
+    if a.driver:
+        driver(a.driver, str(a.sif))
+        return
+    sif = a.sif
+    if sif is None:
+        from et_hpc.images.base import ensure_base
+
+        sif = ensure_base(source="debian").path
+    out, raw = measure(Path(sif), a)
+    if a.json_out:
+        a.json_out.write_text(json.dumps({**out, "raw": raw}, indent=1))
+    if a.markdown:
+        print_markdown(out, a.reps)
+    else:
+        print(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":
