@@ -79,8 +79,9 @@ def parse_minutes(text: str) -> int:
     m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", t)
     if not m:
         raise UserError(f"--time {text!r}: use minutes or [D-]HH:MM[:SS], e.g. 90 or 1:30:00")
-    d, a, b, c = (int(x) if x else None for x in m.groups())
-    if b is None and c is None:
+    d, b, c = (int(x) if x else None for x in m.group(1, 3, 4))
+    a = int(m.group(2))  # the one group the pattern always matches
+    if b is None:  # then c is None too: the pattern matches a third field only after a second
         mins = a if d is None else d * 1440 + a * 60
     elif c is None:  # A:B is MM:SS without days, HH:MM with days
         mins = a + math.ceil(b / 60) if d is None else d * 1440 + a * 60 + b

@@ -24,6 +24,7 @@ import socket
 import threading
 import time
 import uuid
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -111,7 +112,7 @@ def rescore_unit(task: RescoreTask, sample: int, cfg: RunConfig, image: Any,
             "slurm_array_task_id": array_task,
             "tests_digest": task.tests_digest,
             "rescored_from": f"{src.run_name}/{src.episode_id}",
-            "created_at": EpisodeRecord.model_fields["created_at"].default_factory(),
+            "created_at": datetime.now(timezone.utc),
             "timings": Timings.model_validate(t.model_dump()),
         })
 
@@ -146,6 +147,9 @@ def score_kept_state(run_dir: Path, value: str, task: Any, cfg: RunConfig, image
     from et_hpc.sandbox.watchdog import Watchdog
 
     timings = timings if timings is not None else {}
+    spec = sandbox_spec(task, cfg, image)
+    if spec is None:
+        raise InfraError(f"no image for task {task.id}: run 'et-hpc build'")
     archive = fs.archive_path(Path(run_dir), value)
     img = scratch_paths()[1] / f"rescore-{os.getpid()}-{secrets.token_hex(4)}.img"
     t = time.monotonic()
@@ -167,7 +171,6 @@ def score_kept_state(run_dir: Path, value: str, task: Any, cfg: RunConfig, image
                 + "): it is not started again, and scores 0")
         return ScoreResult(status="ok", reward=0.0, note=note, interpreter="none"), []
     events = [f"rescore: the kept {p} was left out (the image's applies)" for p in left_out]
-    spec = sandbox_spec(task, cfg, image)
     sb = Sandbox(Path(spec.image_path), run_prefix=spec.run_prefix, overlay_image=img, overlay_readonly=True,
                  network_none=spec.network_none, nproc=spec.nproc, vmem_mb=spec.vmem_mb, fsize_mb=spec.fsize_mb,
                  warm_scoring=False)

@@ -19,12 +19,16 @@ import time
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from itertools import chain, zip_longest
+from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from et_hpc.sandbox.sandbox import Sandbox
 from et_hpc.sandbox.shell import Shell
 from et_hpc.sandbox.watchdog import Watchdog
+
+if TYPE_CHECKING:
+    from et_hpc.images.local_copy import LocalImage, Mode
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +54,7 @@ class SandboxSpec:
     memory_mb: int | None = None  # watchdog (et_hpc.sandbox.watchdog); interval 0: none
     max_pids: int | None = None
     watchdog_interval_s: float = 0.0
-    local_copy: str = "auto"
+    local_copy: Mode = "auto"
     local_copy_budget_gb: float = 20.0
     binds: tuple[str, ...] = ()  # --bind options (SandboxConfig.bind_options)
 
@@ -62,7 +66,7 @@ class Ready:
 
     sandbox: Sandbox
     shell: Shell
-    sif: Any  # the image path, or a leased node-local copy: kept as long as the sandbox runs
+    sif: Path | LocalImage  # the image path, or a leased node-local copy: kept as long as the sandbox runs
     start_s: float  # seconds the start took
     watchdog: Watchdog | None = None
 
@@ -70,7 +74,7 @@ class Ready:
         _stop(self.sandbox, self.watchdog, self.sif)
 
 
-def _stop(sandbox: Sandbox, watchdog: Watchdog | None, sif: Any) -> None:
+def _stop(sandbox: Sandbox, watchdog: Watchdog | None, sif: Path | LocalImage) -> None:
     try:
         if watchdog is not None:
             watchdog.stop()
@@ -87,9 +91,8 @@ def start_ready(spec: SandboxSpec) -> Ready:
     from et_hpc.images.local_copy import episode_image
 
     t0 = time.monotonic()
-    options = SimpleNamespace(local_copy=spec.local_copy, local_copy_budget_gb=spec.local_copy_budget_gb)
-    sif = episode_image(SimpleNamespace(path=spec.image_path, digest=spec.image_digest), options)
-    sandbox = Sandbox(sif, run_prefix=spec.run_prefix, overlay_mb=spec.overlay_mb,
+    sif = episode_image(SimpleNamespace(path=spec.image_path, digest=spec.image_digest), spec)
+    sandbox = Sandbox(Path(sif), run_prefix=spec.run_prefix, overlay_mb=spec.overlay_mb,
                       writable_tmpfs=spec.writable_tmpfs, network_none=spec.network_none,
                       nproc=spec.nproc, vmem_mb=spec.vmem_mb, fsize_mb=spec.fsize_mb, binds=spec.binds)
     wd: Watchdog | None = None
@@ -100,7 +103,7 @@ def start_ready(spec: SandboxSpec) -> Ready:
         if spec.watchdog_interval_s:
             # the agent's shell is spared at first (the command that blew up returns killed) and gets the note
             wd = Watchdog(sandbox, memory_mb=spec.memory_mb, max_pids=spec.max_pids,
-                          interval_s=spec.watchdog_interval_s, protect=lambda: {shell.host_pid},
+                          interval_s=spec.watchdog_interval_s, protect=lambda: set() if shell.host_pid is None else {shell.host_pid},
                           on_event=shell.add_note)
             wd.prepare()
     except BaseException:
