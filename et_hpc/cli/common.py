@@ -24,7 +24,11 @@ def add_command(subparsers: argparse._SubParsersAction, name: str, **kw: Any) ->
 
 def add_subcommands(parser: argparse.ArgumentParser, dest: str, metavar: str = "SUBCOMMAND") -> argparse._SubParsersAction:
     """The subcommands of ``parser``; given none, the command prints its help and exits 2."""
-    parser.set_defaults(func=lambda a: (parser.print_help(), 2)[1])
+    def print_help(args: argparse.Namespace) -> int:
+        parser.print_help()
+        return 2
+
+    parser.set_defaults(func=print_help)
     return parser.add_subparsers(dest=dest, metavar=metavar)
 
 

@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from et_hpc.cli.common import add_command, add_subcommands
 from et_hpc.errors import UserError
+
+if TYPE_CHECKING:
+    from et_hpc.rollouts.stream import RolloutGroup
 
 HELP = """\
 The stream of a continuous run ('et-hpc run --continuous'): groups as workers commit them.
@@ -79,6 +82,7 @@ def cmd_tail(args: argparse.Namespace) -> int:
     run_dir = _run_dir(args)
     if not WorkQueue(run_dir).exists():
         raise UserError(f"{run_dir} is not a continuous run (no queue/): start one with 'et-hpc run --continuous'")
+    stream: RolloutStream | _EphemeralStream
     if args.consumer:
         stream = RolloutStream(run_dir, args.consumer)
     else:  # a cursor of its own that is never written
@@ -95,7 +99,7 @@ def cmd_tail(args: argparse.Namespace) -> int:
             g = groups[0]
             n += 1
             _print_group(g, args.json)
-            if args.consumer:
+            if isinstance(stream, RolloutStream):  # args.consumer: its cursor is kept
                 stream.commit()
     except KeyboardInterrupt:
         pass
@@ -125,7 +129,7 @@ class _EphemeralStream:
         s.state, s._dirty = None, False
         s.telemetry = fresh_telemetry()
 
-    def next_batch(self, *a: Any, **kw: Any):
+    def next_batch(self, *a: Any, **kw: Any) -> list[RolloutGroup]:
         return self._s.next_batch(*a, **kw)
 
 

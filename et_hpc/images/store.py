@@ -171,10 +171,11 @@ class ImageStore:
 
     # -- keys --------------------------------------------------------------------------------
     def normalised(self, task: Any) -> Any:
-        fn = self._normalise
-        if fn is None:
-            from et_hpc.tasks.recipe import normalise as fn  # noqa: N813
-        return fn(task, base_map=self.base_map)
+        if self._normalise is not None:
+            return self._normalise(task, base_map=self.base_map)
+        from et_hpc.tasks.recipe import normalise
+
+        return normalise(task, base_map=self.base_map)
 
     def base_digest(self, base: Path) -> str:
         """sha256 of a base SIF: from memory, its sidecar (.json with size/mtime), or computed once."""
@@ -276,9 +277,9 @@ class ImageStore:
             if res.status == "cached" or not build or (res.status == "failed" and not retry_failed):
                 res.seconds = time.monotonic() - t0
                 return res
-        key, recipe, res = self._resolve(task)
-        if res is not None:
-            return res
+        key, recipe, unbuildable = self._resolve(task)
+        if unbuildable is not None:
+            return unbuildable
         res = self._from_store(tid, key)
         if res.status == "cached" or not build or (res.status == "failed" and not retry_failed):
             res.seconds = time.monotonic() - t0

@@ -55,7 +55,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
 from pydantic import Field
@@ -413,7 +413,7 @@ class EndlessTerminalsEnv(BaseEnv):
         if not self.config.include_messages:
             group["messages"] = None
         self.counts["groups_sent"] += 1
-        return group  # type: ignore[return-value]
+        return cast("ScoredDataGroup", group)  # atropos_group fills every key of one (a plain dict)
 
     async def collect_trajectories(self, item: Any) -> tuple[ScoredDataGroup | None, list[Any]]:
         records = await self.run_episodes(item, self.config.group_size)

@@ -223,7 +223,7 @@ class Worker(Checkpointable):
                 if fl.stop.is_set():
                     break
                 # a group is G episodes of one task in a row: warm the slot's next one meanwhile
-                nxt = [(task, None, image)] if i + 1 < unit.samples else []
+                nxt = [(task, unit.sample_index(i + 1), image)] if i + 1 < unit.samples else []
                 ticket = self.warming.reserve(task, cfg, image, threading.current_thread().name, nxt)
                 rec = self.warming.run(self.runner, ticket, task, unit.sample_index(i), cfg, image, fl.stop)
                 if not isinstance(rec, EpisodeRecord):

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from et_hpc.errors import UserError
 from et_hpc.record import solved
@@ -35,8 +35,8 @@ from et_hpc.runs.store import RunStore
 log = logging.getLogger(__name__)
 
 Unit = tuple[str, int]  # (task_id, sample)
-OK = "ok"
-NO_IMAGE = "no_image"
+OK: Final = "ok"
+NO_IMAGE: Final = "no_image"
 
 
 # ---------------------------------------------------------------- records and stores

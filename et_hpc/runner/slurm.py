@@ -284,7 +284,7 @@ def submit(plan: Plan) -> list[dict[str, Any]]:
 
 def task_ids(subs: list[dict[str, Any]]) -> list[str]:
     """Slurm ids of every array task of ``subs`` (``"<array>_<i>"``, or ``"<job>"`` for one task)."""
-    out = []
+    out: list[str] = []
     for s in subs:
         out += s.get("job_ids") or [f"{s['array_id']}_{i}" for i in range(s["tasks"])]
     return out

@@ -120,7 +120,7 @@ def capacity(rows: list[dict[str, Any]], *, cores: int, nodes: list[int] | None 
              consumers: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The capacity dict of the module docstring. ``rows`` need the ``COLUMNS``; rows without
     ``start_s``/``stop_s``/``total_s`` (episodes refused before they started) are left out."""
-    seen: set[str] = set()
+    seen: set[str | None] = set()
     timed = []
     for r in rows:
         t = r.get("timings") or {}
