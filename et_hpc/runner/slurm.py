@@ -24,10 +24,10 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from submitit.helpers import Checkpointable, DelayedSubmission
 
@@ -39,9 +39,11 @@ from et_hpc.runner.base import Notify, Outcome, Progress
 from et_hpc.runner.config import RunConfig
 from et_hpc.runner.local import ExecResult, UnitPool, WorkItem, resolve_runner, stop_on_signals, work_items
 from et_hpc.runner.plan import OK, Plan, open_store
+from et_hpc.runs.store import RunStore
 from et_hpc.util import atomic_write_text
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 CHECKPOINT_GRACE_S = 60.0
 REAP_EVERY_S = 30.0  # an array task reaps dead workers' sandboxes on its node this often
 
@@ -63,7 +65,7 @@ class ChunkJob(Checkpointable):
         d["_pool"] = None
         return d
 
-    def todo(self, store: Any) -> list[WorkItem]:
+    def todo(self, store: RunStore) -> list[WorkItem]:
         done = store.units()
         keep = []
         for task, sample, image in self.items:
@@ -236,11 +238,11 @@ def key_by_reference(cfg: RunConfig) -> RunConfig:
     return cfg.model_copy(update={"policy": cfg.policy.model_copy(update={"api_key": None, "api_key_env": KEY_ENV})})
 
 
-def chunked(seq: list[Any], n: int) -> list[list[Any]]:
+def chunked(seq: list[T], n: int) -> list[list[T]]:
     return [seq[i:i + n] for i in range(0, len(seq), n)]
 
 
-def submit_array(tasks: Sequence[Any], spec: ArraySpec) -> SlurmArray:
+def submit_array(tasks: Sequence[Callable[[], Any]], spec: ArraySpec) -> SlurmArray:
     """Submit ``tasks`` as one submitit array (sbatch refusing it: one-line ``UserError``); with
     ``spec.run_dir``, append the submission to that run's ``jobs.json``."""
     ex = submitit_executor(spec.slurm, spec.folder / "%j", spec.name)
@@ -338,10 +340,10 @@ class SlurmExecutor:
     name = "slurm"
     in_process = False  # its arrays' tasks run in this process
 
-    def submit_array(self, tasks: Sequence[Any], spec: ArraySpec) -> SlurmArray:
+    def submit_array(self, tasks: Sequence[Callable[[], Any]], spec: ArraySpec) -> SlurmArray:
         return submit_array(tasks, spec)
 
-    def run(self, plan: Plan, store: Any, *, detach: bool = False, notify: Notify | None = None,
+    def run(self, plan: Plan, store: RunStore, *, detach: bool = False, notify: Notify | None = None,
             progress: Progress | None = None) -> Outcome:
         notify = notify or log.info
         cfg = plan.cfg
