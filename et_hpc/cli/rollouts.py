@@ -12,6 +12,7 @@ from et_hpc.errors import UserError
 
 if TYPE_CHECKING:
     from et_hpc.rollouts.stream import RolloutGroup
+    from et_hpc.runner.config import RunConfig
 
 HELP = """\
 The stream of a continuous run ('et-hpc run --continuous'): groups as workers commit them.
@@ -133,7 +134,7 @@ class _EphemeralStream:
         return self._s.next_batch(*a, **kw)
 
 
-def _print_group(g: Any, as_json: bool) -> None:
+def _print_group(g: RolloutGroup, as_json: bool) -> None:
     lat = max(0.0, g.received_at - g.committed_at)
     if as_json:
         print(json.dumps({"seq": g.seq, "group_id": g.group_id, "task_id": g.task_id,
@@ -166,7 +167,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_continuous(cfg: Any, args: argparse.Namespace) -> int:
+def cmd_continuous(cfg: RunConfig, args: argparse.Namespace) -> int:
     """``et-hpc run --continuous``: runs until stopped; prints the final queue status."""
     from et_hpc.rollouts.controller import run_continuous
     from et_hpc.util import format_table
