@@ -16,12 +16,12 @@ import atexit
 import logging
 import threading
 import time
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from itertools import chain, zip_longest
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeVar
 
 from et_hpc.sandbox.sandbox import Sandbox
 from et_hpc.sandbox.shell import Shell
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from et_hpc.images.local_copy import LocalImage, Mode
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Endless Terminals' recorded agents created files group-writable (0664): their shells ran with
 # umask 002, and generated final tests check modes against that. The agent's shell does the same.
@@ -185,7 +186,7 @@ class Ticket:
 class WarmPool:
     """Up to ``size`` sandboxes started ahead for the specs sources ``want`` (docs/sandbox.md)."""
 
-    def __init__(self, size: int, *, stop: threading.Event | None = None, starter: Any = start_ready) -> None:
+    def __init__(self, size: int, *, stop: threading.Event | None = None, starter: Callable[[SandboxSpec], Ready] = start_ready) -> None:
         self.size = max(0, int(size))
         self.closed = False
         self._closed = threading.Event()  # close() has finished
@@ -363,6 +364,6 @@ class WarmPool:
             ready.stop()
 
 
-def interleave(lists: Iterable[list[Any]]) -> list[Any]:
+def interleave(lists: Iterable[list[T]]) -> list[T]:
     """[[a, b], [c]] -> [a, c, b]"""
     return [x for x in chain.from_iterable(zip_longest(*lists)) if x is not None]
