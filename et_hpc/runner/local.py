@@ -34,7 +34,7 @@ from et_hpc.record import EpisodeRecord, write_failed_record
 from et_hpc.runner.arrays import ArraySpec, ArrayTask, LocalArray
 from et_hpc.runner.base import Notify, Outcome, Progress
 from et_hpc.runner.config import RunConfig
-from et_hpc.runner.plan import OK, Plan, Unit, open_store, rec_get, rec_passed
+from et_hpc.runner.plan import OK, Plan, Record, Unit, open_store, rec_get, rec_passed
 from et_hpc.runs.store import RunStore
 from et_hpc.util import progress_bar
 
@@ -362,13 +362,13 @@ class LocalExecutor:
         return Outcome(result=res)
 
 
-def _clean(rec: Any) -> bool:
+def _clean(rec: Record) -> bool:
     """Ok, and nothing in it that a signal to the job's processes could have caused."""
     return (rec_get(rec, "status") == OK and not rec_get(rec, "score_note")
             and rec_get(rec, "stop_reason") != "shell_broken")
 
 
-def _with_events(rec: Any, lines: list[str]) -> Any:
+def _with_events(rec: Record, lines: list[str]) -> Record:
     """``rec`` with ``lines`` put before its own events (a record object or a dict)."""
     if isinstance(rec, dict):
         return {**rec, "events": [*lines, *(rec.get("events") or [])]}

@@ -40,18 +40,19 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Unit = tuple[str, int]  # (task_id, sample)
+Record = EpisodeRecord | dict[str, Any]  # what a unit runner returns; a stored row read back
 OK: Final = "ok"
 NO_IMAGE: Final = "no_image"
 
 
 # ---------------------------------------------------------------- records and stores
-def rec_get(rec: Any, key: str, default: Any = None) -> Any:
+def rec_get(rec: Record, key: str, default: Any = None) -> Any:
     if isinstance(rec, dict):
         return rec.get(key, default)
     return getattr(rec, key, default)
 
 
-def rec_passed(rec: Any) -> bool:
+def rec_passed(rec: Record) -> bool:
     """An ok episode whose reward is full (Endless Terminals rewards are 0/1)."""
     if rec_get(rec, "status") != OK:
         return False
