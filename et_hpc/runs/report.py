@@ -100,7 +100,7 @@ def newcombe(k1: int, n1: int, k2: int, n2: int, z: float = Z95) -> tuple[float,
 
 
 # --- reading runs ----------------------------------------------------------------------------
-def _parse_time(s: Any) -> datetime | None:
+def _parse_time(s: object) -> datetime | None:
     if not isinstance(s, str) or not s:
         return None
     for parse in (datetime.fromisoformat, lambda v: datetime.strptime(v, "%Y-%m-%dT%H:%M:%S%z")):

@@ -67,7 +67,7 @@ class Site:
         return self.out / "index.html"
 
 
-def _js(value: Any) -> str:
+def _js(value: object) -> str:
     """``value`` as a JSON text that is also a safe JavaScript expression (ASCII only: lone
     surrogates and line separators cannot break it)."""
     return json.dumps(value, ensure_ascii=True, separators=(",", ":"), allow_nan=False)
