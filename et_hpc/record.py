@@ -362,7 +362,7 @@ def _escape(v: Any, name: str, escaped: list[str]) -> Any:
     return v
 
 
-def write_failed_record(rec: Any, cause: str) -> EpisodeRecord:
+def write_failed_record(rec: EpisodeRecord | dict[str, Any], cause: str) -> EpisodeRecord:
     """The error record that stands for ``rec`` (an EpisodeRecord or a dict) when its own record
     could not be written: same unit and episode id, status ``infra_error`` (outside the agent's
     reach: masked, and redone on resume), ``error`` naming the cause, an event keeping what the

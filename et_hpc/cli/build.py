@@ -10,16 +10,19 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from et_hpc.cli.common import add_command, add_source_args, check_base_once, load_source
-from et_hpc.errors import UserError
+from et_hpc.errors import TaskError, UserError
 from et_hpc.host.slurm import SlurmConfig
 from et_hpc.images.slurm_build import BuildChunk  # submitit pickles name this path too
 from et_hpc.images.store import ImageResult, ImageStore, default_jobs
 from et_hpc.runner.arrays import Array, ArraySpec
 from et_hpc.runner.executors import get_executor
 from et_hpc.util import format_table, one_line, progress_bar
+
+if TYPE_CHECKING:
+    from et_hpc.tasks.model import Task
 
 _check_base = check_base_once  # its old name
 
@@ -79,8 +82,9 @@ def parse_minutes(text: str) -> int:
     m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", t)
     if not m:
         raise UserError(f"--time {text!r}: use minutes or [D-]HH:MM[:SS], e.g. 90 or 1:30:00")
-    d, a, b, c = (int(x) if x else None for x in m.groups())
-    if b is None and c is None:
+    d, b, c = (int(x) if x else None for x in m.group(1, 3, 4))
+    a = int(m.group(2))  # the one group the pattern always matches
+    if b is None:  # then c is None too: the pattern matches a third field only after a second
         mins = a if d is None else d * 1440 + a * 60
     elif c is None:  # A:B is MM:SS without days, HH:MM with days
         mins = a + math.ceil(b / 60) if d is None else d * 1440 + a * 60 + b
@@ -129,7 +133,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     return report(results, res.errors, time.monotonic() - t0, args)
 
 
-def report(results: list[ImageResult], errors: list[Any], seconds: float, args: argparse.Namespace) -> int:
+def report(results: list[ImageResult], errors: list[TaskError], seconds: float, args: argparse.Namespace) -> int:
     counts: dict[str, int] = {}
     for r in results:
         counts[r.status] = counts.get(r.status, 0) + 1
@@ -160,7 +164,7 @@ def _one_line(s: str, width: int = 110) -> str:
 
 
 # -- Slurm -----------------------------------------------------------------------------------------
-def build_on_slurm(store: ImageStore, tasks: list[Any], args: argparse.Namespace) -> list[ImageResult]:
+def build_on_slurm(store: ImageStore, tasks: list[Task], args: argparse.Namespace) -> list[ImageResult]:
     from et_hpc.host import slurm as host_slurm
 
     time_min = parse_minutes(args.time)
@@ -217,7 +221,7 @@ def build_on_slurm(store: ImageStore, tasks: list[Any], args: argparse.Namespace
     return [by_id.get(t.id) or first[t.id] for t in tasks]
 
 
-def _collect(store: ImageStore, arr: Array, i: int, chunk: list[Any], st: str) -> dict[str, ImageResult]:
+def _collect(store: ImageStore, arr: Array, i: int, chunk: list[Task], st: str) -> dict[str, ImageResult]:
     """The results of array task ``i`` (in state ``st``): what it returned, else what the cache says."""
     from et_hpc.host import slurm as host_slurm
 
@@ -247,7 +251,7 @@ def _collect(store: ImageStore, arr: Array, i: int, chunk: list[Any], st: str) -
     return out
 
 
-def build_here(store: ImageStore, tasks: list[Any], args: argparse.Namespace) -> list[ImageResult]:
+def build_here(store: ImageStore, tasks: list[Task], args: argparse.Namespace) -> list[ImageResult]:
     """Every task's image built on this node, as one in-process task of the local executor."""
     chunk = BuildChunk(store.cache_dir, store.settings, store.base_map, tasks, args.retry_failed,
                        args.jobs or default_jobs())

@@ -9,6 +9,7 @@ from et_hpc.errors import UserError
 
 if TYPE_CHECKING:
     from et_hpc.images.store import ImageStore
+    from et_hpc.tasks.model import Task
 
 SOURCE_HELP = (
     "a task folder, a folder of task folders (native and Harbor mixed), a .parquet file or a folder "
@@ -24,7 +25,11 @@ def add_command(subparsers: argparse._SubParsersAction, name: str, **kw: Any) ->
 
 def add_subcommands(parser: argparse.ArgumentParser, dest: str, metavar: str = "SUBCOMMAND") -> argparse._SubParsersAction:
     """The subcommands of ``parser``; given none, the command prints its help and exits 2."""
-    parser.set_defaults(func=lambda a: (parser.print_help(), 2)[1])
+    def print_help(args: argparse.Namespace) -> int:
+        parser.print_help()
+        return 2
+
+    parser.set_defaults(func=print_help)
     return parser.add_subparsers(dest=dest, metavar=metavar)
 
 
@@ -53,7 +58,7 @@ def load_source(args: argparse.Namespace, validate: bool = False):
     )
 
 
-def check_base_once(store: ImageStore, tasks: list[Any]) -> None:
+def check_base_once(store: ImageStore, tasks: list[Task]) -> None:
     """A missing base image is one problem for the whole run, not one per task: say it once."""
     for t in tasks[:50]:
         r = store.lookup(t)

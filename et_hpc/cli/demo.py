@@ -153,8 +153,8 @@ def _model_runs(args, stamp: str, *, slurm: bool, rows: list[list[object]]) -> b
                 s = store.summary()
                 recs = store.records()
                 tokens = sum(r.completion_tokens or 0 for r in recs)
-                model_s = sum((r.timings.model_s or 0.0) for r in recs if r.timings)
-                total_s = sum((r.timings.total_s or 0.0) for r in recs if r.timings)
+                model_s = sum(((r.timings.model_s or 0.0) for r in recs if r.timings), 0.0)
+                total_s = sum(((r.timings.total_s or 0.0) for r in recs if r.timings), 0.0)
                 n = max(len(recs), 1)
                 errors = s.units - s.ok
                 good = rc in (0, 1) and errors == 0 and s.ok > 0

@@ -5,10 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from et_hpc.cli.common import add_command, add_subcommands
 from et_hpc.errors import UserError
+
+if TYPE_CHECKING:
+    from et_hpc.rollouts.stream import RolloutGroup
+    from et_hpc.runner.config import RunConfig
 
 HELP = """\
 The stream of a continuous run ('et-hpc run --continuous'): groups as workers commit them.
@@ -79,6 +83,7 @@ def cmd_tail(args: argparse.Namespace) -> int:
     run_dir = _run_dir(args)
     if not WorkQueue(run_dir).exists():
         raise UserError(f"{run_dir} is not a continuous run (no queue/): start one with 'et-hpc run --continuous'")
+    stream: RolloutStream | _EphemeralStream
     if args.consumer:
         stream = RolloutStream(run_dir, args.consumer)
     else:  # a cursor of its own that is never written
@@ -95,7 +100,7 @@ def cmd_tail(args: argparse.Namespace) -> int:
             g = groups[0]
             n += 1
             _print_group(g, args.json)
-            if args.consumer:
+            if isinstance(stream, RolloutStream):  # args.consumer: its cursor is kept
                 stream.commit()
     except KeyboardInterrupt:
         pass
@@ -125,11 +130,11 @@ class _EphemeralStream:
         s.state, s._dirty = None, False
         s.telemetry = fresh_telemetry()
 
-    def next_batch(self, *a: Any, **kw: Any):
+    def next_batch(self, *a: Any, **kw: Any) -> list[RolloutGroup]:
         return self._s.next_batch(*a, **kw)
 
 
-def _print_group(g: Any, as_json: bool) -> None:
+def _print_group(g: RolloutGroup, as_json: bool) -> None:
     lat = max(0.0, g.received_at - g.committed_at)
     if as_json:
         print(json.dumps({"seq": g.seq, "group_id": g.group_id, "task_id": g.task_id,
@@ -162,7 +167,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_continuous(cfg: Any, args: argparse.Namespace) -> int:
+def cmd_continuous(cfg: RunConfig, args: argparse.Namespace) -> int:
     """``et-hpc run --continuous``: runs until stopped; prints the final queue status."""
     from et_hpc.rollouts.controller import run_continuous
     from et_hpc.util import format_table

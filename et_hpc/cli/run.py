@@ -146,7 +146,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     return load_config(args.config, overrides)
 
 
-def unit_counts(plan: Plan, store: Any) -> dict[str, Any]:
+def unit_counts(plan: Plan, store: RunStore) -> dict[str, Any]:
     done = store.units()
     ok = err = no_img = 0
     for tid in plan.tasks:
@@ -161,7 +161,7 @@ def unit_counts(plan: Plan, store: Any) -> dict[str, Any]:
             "passed": passed, "pass_rate": round(passed / n_ok, 4) if n_ok else None}
 
 
-def pass_stats(store: Any) -> tuple[int, int]:
+def pass_stats(store: RunStore) -> tuple[int, int]:
     """(episodes with full reward, ok episodes) over the run, one record per unit."""
     s = store.summary()
     return int(s.solved), int(s.ok)
@@ -251,7 +251,7 @@ def _compact(store: RunStore) -> None:
               f"{res.shards_after} shards now", file=sys.stderr)
 
 
-def _execute(plan: Plan, store: Any, detach: bool) -> Outcome:
+def _execute(plan: Plan, store: RunStore, detach: bool) -> Outcome:
     """Run the plan with its executor; the Slurm wait shows a progress bar of stored units."""
     ex = get_executor(plan.cfg.executor)
     if ex.name != "slurm" or detach:

@@ -187,7 +187,7 @@ def slurm_job_ending() -> bool:
     if not job:
         return False
     m = re.search(r"JobState=(\S+)", query(["scontrol", "show", "job", job], timeout=20) or "")
-    return bool(m) and m.group(1) not in ("RUNNING", "COMPLETED", "FAILED")
+    return m is not None and m.group(1) not in ("RUNNING", "COMPLETED", "FAILED")
 
 
 class SlurmConfig(BaseModel):

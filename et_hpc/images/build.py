@@ -17,12 +17,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING
 
 from et_hpc.host.apptainer import clean_env as apptainer_clean_env
 
 if TYPE_CHECKING:
     from et_hpc.images.store import ImageStoreConfig
+    from et_hpc.tasks.model import NormalisedRecipe
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ def with_build_ca(text: str) -> str:
 
 
 
-def stage(recipe: Any, work: Path, settings: ImageStoreConfig) -> None:
+def stage(recipe: NormalisedRecipe, work: Path, settings: ImageStoreConfig) -> None:
     """Write the def into ``work`` with every copied-in file snapshotted beside it (node-local)."""
     mapping: dict[str, Path] = {}
     for i, (src, _dest) in enumerate(recipe.files):

@@ -15,10 +15,13 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from et_hpc.errors import UserError
 from et_hpc.util import atomic_write_text, sha256_file
+
+if TYPE_CHECKING:
+    from et_hpc.tasks.model import NormalisedRecipe
 
 log = logging.getLogger(__name__)
 
@@ -122,14 +125,15 @@ class LookupIndex:
                 return None
         return ent["key"]
 
-    def remember(self, task: Any, recipe: Any, key: str) -> None:
+    def remember(self, task: Any, recipe: NormalisedRecipe, key: str) -> None:
         tid = self._id(task)
         if tid is None:
             return
         r = task.recipe
         paths = [Path(r.path), Path(r.context_dir)] + [Path(src) for src, _ in recipe.files]
-        if getattr(recipe, "base", None):
-            paths.append(Path(recipe.base))
+        base = getattr(recipe, "base", None)
+        if base:
+            paths.append(Path(base))
         stats = []
         now = time.time_ns()
         for p in paths:
@@ -206,7 +210,7 @@ def base_digest(base: Path, memo: dict[str, tuple[tuple[int, int, int], str]]) -
     return digest
 
 
-def recipe_key(recipe: Any, digest_of_base: Callable[[Path], str], digests: DigestCache) -> str:
+def recipe_key(recipe: NormalisedRecipe, digest_of_base: Callable[[Path], str], digests: DigestCache) -> str:
     """The image key of a normalised recipe (see the module docstring)."""
     h = hashlib.sha256()
     h.update(f"et-hpc image store format {FORMAT}\n".encode())

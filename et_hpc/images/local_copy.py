@@ -23,7 +23,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from filelock import FileLock, Timeout
 
@@ -35,6 +35,27 @@ from et_hpc.util import atomic_write_text, fsync_dir, sha256_file
 log = logging.getLogger(__name__)
 
 Mode = Literal["auto", "always", "never", "unpack"]
+
+
+class ImageLike(Protocol):
+    """What ``episode_image`` reads of an image (an ``ImageResult`` that was found, or a spec's)."""
+
+    @property
+    def path(self) -> Path | str: ...
+
+    @property
+    def digest(self) -> str | None: ...
+
+
+class CopyOptions(Protocol):
+    """What ``episode_image`` reads of the run's sandbox options (``SandboxConfig``, ``SandboxSpec``)."""
+
+    @property
+    def local_copy(self) -> Mode: ...
+
+    @property
+    def local_copy_budget_gb(self) -> float: ...
+
 TREE = ".root"  # suffix of unpacked trees and their files
 CHUNK = 4 << 20
 FREE_MARGIN = 256 << 20  # leave this much free on scratch after a copy
@@ -178,7 +199,7 @@ def _remove_copy(d: Path, digest: str, kind: str = ".sif") -> bool:
     if fd is None:
         return False
     try:
-        files = (copy, meta, lease)
+        files: tuple[Path, ...] = (copy, meta, lease)
         if kind == TREE:
             meta.unlink(missing_ok=True)  # first: a half-removed tree is never taken for whole
             if copy.exists():
@@ -263,7 +284,8 @@ def clear_unused(scratch: Path | None = None, *, dry_run: bool = False,
     try:
         if not dry_run:
             _clean_temps(d)
-        removed, kept = [], []
+        removed: list[CopyInfo] = []
+        kept: list[CopyInfo] = []
         for c in list_copies(scratch):
             gone = not _in_use(d, c) if dry_run else _remove_copy(d, c.digest, c.kind)
             (removed if gone else kept).append(c)
@@ -525,22 +547,20 @@ def wants_copy(sif_path: Path | str, mode: Mode, scratch: Path | None = None) ->
         return False
 
 
-def episode_image(image: Any, options: Any, *, scratch: Path | None = None) -> Path | LocalImage:
+def episode_image(image: ImageLike, options: CopyOptions, *, scratch: Path | None = None) -> Path | LocalImage:
     """The image an episode should start from: a leased node-local copy or unpacked tree, or ``image.path``.
 
     ``options`` is the run config's sandbox section (``local_copy``, ``local_copy_budget_gb``).
     Never raises; keep the returned object alive while the sandbox runs (it holds the lease).
     """
     path = Path(image.path)
-    mode = getattr(options, "local_copy", "auto")
+    mode, budget_gb = options.local_copy, options.local_copy_budget_gb
     try:
         if mode == "unpack":
-            return local_tree(path, getattr(image, "digest", None), scratch=scratch,
-                              budget_gb=getattr(options, "local_copy_budget_gb", 20.0))
+            return local_tree(path, image.digest, scratch=scratch, budget_gb=budget_gb)
         if not wants_copy(path, mode, scratch):
             return path
-        return local_image(path, getattr(image, "digest", None), scratch=scratch,
-                           budget_gb=getattr(options, "local_copy_budget_gb", 20.0))
+        return local_image(path, image.digest, scratch=scratch, budget_gb=budget_gb)
     except Exception as e:  # noqa: BLE001 - the shared image still works; say why it is used
         log.warning("using the shared image %s, not a node-local copy: %s", path, e)
         return path

@@ -12,10 +12,14 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from et_hpc.images.store import ImageStore, ImageStoreConfig
+
+if TYPE_CHECKING:
+    from et_hpc.images.store import Buildable
 
 
 class BuildChunk:
@@ -25,7 +29,7 @@ class BuildChunk:
     store: ImageStore | None = None  # in this process: the caller's store (its digests already known)
 
     def __init__(self, cache_dir: Path, settings: ImageStoreConfig, base_map: dict[str, Path],
-                 tasks: list[Any], retry_failed: bool, jobs: int):
+                 tasks: Sequence[Buildable], retry_failed: bool, jobs: int):
         self.cache_dir, self.settings, self.base_map = cache_dir, settings, base_map
         self.tasks, self.retry_failed, self.jobs = tasks, retry_failed, jobs
 

@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -48,6 +48,11 @@ from et_hpc.images.build import (  # noqa: F401  (failure_reason, interrupted, r
 from et_hpc.images.keys import FORMAT, DigestCache, LookupIndex
 from et_hpc.images.lock import BuildLock, LockInfo, LockTimeout
 from et_hpc.util import atomic_write_text, file_tail, fsync_dir, progress_bar, sha256_file
+
+if TYPE_CHECKING:
+    from et_hpc.tasks.model import NormalisedRecipe, Recipe, Task
+
+    Buildable = Task | Recipe | Path | str  # what has an image: a task, its recipe, or a recipe file
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +127,7 @@ class ImageStore:
         base_map: dict[str, Path] | None = None,
         scratch: Path | None = None,
         settings: ImageStoreConfig | None = None,
-        normalise: Callable[..., Any] | None = None,
+        normalise: Callable[..., NormalisedRecipe] | None = None,
         **overrides: Any,
     ) -> None:
         self.cache_dir = Path(cache_dir) if cache_dir else paths.cache_dir()
@@ -175,20 +180,21 @@ class ImageStore:
         return self.cache_dir / "locks" / f"{key}.lock"
 
     # -- keys --------------------------------------------------------------------------------
-    def normalised(self, task: Any) -> Any:
-        fn = self._normalise
-        if fn is None:
-            from et_hpc.tasks.recipe import normalise as fn  # noqa: N813
-        return fn(task, base_map=self.base_map)
+    def normalised(self, task: Buildable) -> NormalisedRecipe:
+        if self._normalise is not None:
+            return self._normalise(task, base_map=self.base_map)
+        from et_hpc.tasks.recipe import normalise
+
+        return normalise(task, base_map=self.base_map)
 
     def base_digest(self, base: Path) -> str:
         """sha256 of a base SIF: from memory, its sidecar (.json with size/mtime), or computed once."""
         return keys.base_digest(base, self._base_digests)
 
-    def key_for(self, recipe: Any) -> str:
+    def key_for(self, recipe: NormalisedRecipe) -> str:
         return keys.recipe_key(recipe, self.base_digest, self._digests)
 
-    def _prebuilt(self, task: Any, recipe: Any) -> ImageResult | None:
+    def _prebuilt(self, task: Buildable, recipe: NormalisedRecipe) -> ImageResult | None:
         if getattr(recipe, "kind", "def") != "sif":
             return None
         sif = Path(recipe.files[0][0])
@@ -240,37 +246,38 @@ class ImageStore:
                 pass  # a read-only cache: verified again by the next process
         return None
 
-    def _resolve(self, task: Any) -> tuple[str, Any, ImageResult | None]:
-        """(key, normalised recipe, None) or ("", None, result) for prebuilt or unbuildable tasks."""
+    def _resolve(self, task: Buildable) -> tuple[str, NormalisedRecipe] | ImageResult:
+        """(key, normalised recipe), or the result of a prebuilt or unbuildable task."""
         tid = _task_id(task)
         try:
             recipe = self.normalised(task)
             pre = self._prebuilt(task, recipe)
             if pre is not None:
-                return "", None, pre
+                return pre
             key = self.key_for(recipe)
         except UserError as e:
-            return "", None, ImageResult(task_id=tid, key=None, status="failed", reason=str(e))
+            return ImageResult(task_id=tid, key=None, status="failed", reason=str(e))
         self.index.remember(task, recipe, key)
-        return key, recipe, None
+        return key, recipe
 
-    def lookup(self, task: Any) -> ImageResult:
+    def lookup(self, task: Buildable) -> ImageResult:
         """Where the task's image is, without building: cached, failed (with reason) or missing."""
         key = self.index.key(task)
         if key is None:
-            key, _, res = self._resolve(task)
-            if res is not None:
-                return res
+            resolved = self._resolve(task)
+            if isinstance(resolved, ImageResult):
+                return resolved
+            key = resolved[0]
         return self._from_store(_task_id(task), key)
 
-    def lookup_many(self, tasks: Iterable[Any]) -> list[ImageResult]:
+    def lookup_many(self, tasks: Iterable[Buildable]) -> list[ImageResult]:
         """``lookup`` for many tasks; saves the lookup index so the next process is fast too."""
         out = [self.lookup(t) for t in tasks]
         self.index.save()
         return out
 
     # -- building ----------------------------------------------------------------------------
-    def ensure(self, task: Any, *, retry_failed: bool = False, build: bool = True) -> ImageResult:
+    def ensure(self, task: Buildable, *, retry_failed: bool = False, build: bool = True) -> ImageResult:
         """The task's image, building it if needed (exactly one builder per key at a time)."""
         t0 = time.monotonic()
         started = time.time()
@@ -281,9 +288,10 @@ class ImageStore:
             if res.status == "cached" or not build or (res.status == "failed" and not retry_failed):
                 res.seconds = time.monotonic() - t0
                 return res
-        key, recipe, res = self._resolve(task)
-        if res is not None:
-            return res
+        resolved = self._resolve(task)
+        if isinstance(resolved, ImageResult):
+            return resolved
+        key, recipe = resolved
         res = self._from_store(tid, key)
         if res.status == "cached" or not build or (res.status == "failed" and not retry_failed):
             res.seconds = time.monotonic() - t0
@@ -344,7 +352,7 @@ class ImageStore:
             except OSError:
                 continue
 
-    def _build(self, tid: str, key: str, recipe: Any, lock: BuildLock) -> ImageResult:
+    def _build(self, tid: str, key: str, recipe: NormalisedRecipe, lock: BuildLock) -> ImageResult:
         s = self.settings
         sif = self.sif_path(key)
         sif.parent.mkdir(parents=True, exist_ok=True)
@@ -407,7 +415,7 @@ class ImageStore:
             tmp_out.unlink(missing_ok=True)
             _rmtree(work)
 
-    def ensure_many(self, tasks: Iterable[Any], *, jobs: int | None = None, progress: bool = True,
+    def ensure_many(self, tasks: Iterable[Buildable], *, jobs: int | None = None, progress: bool = True,
                     retry_failed: bool = False, build: bool = True) -> list[ImageResult]:
         """``ensure`` for many tasks with ``jobs`` builds at once; results in input order."""
         tasks = list(tasks)
@@ -442,5 +450,5 @@ class ImageStore:
 
 
 
-def _task_id(task: Any) -> str:
+def _task_id(task: Buildable) -> str:
     return str(getattr(task, "id", None) or task)

@@ -20,7 +20,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
 from pydantic import Field
@@ -35,6 +35,10 @@ from et_hpc.runs.export import atropos_group, validate_atropos_group
 from et_hpc.runs.store import RunStore, Store
 from et_hpc.sandbox.config import DEFAULT_OVERLAY_MB, SandboxConfig
 
+if TYPE_CHECKING:
+    from et_hpc.images.store import ImageResult
+    from et_hpc.tasks.model import Task
+
 log = logging.getLogger(__name__)
 
 SEED_DATASET = "obiwan96/endless-terminals-train"
@@ -44,7 +48,7 @@ SEED_DATASET = "obiwan96/endless-terminals-train"
 class _GroupRun:
     """One ``collect_trajectories`` group in flight: its members' records as they end."""
 
-    task: Any
+    task: Task
     group_id: str
     store: RunStore
     size: int
@@ -114,9 +118,9 @@ class EndlessTerminalsEnv(BaseEnv):
                  testing: bool = False) -> None:
         super().__init__(config, server_configs, slurm, testing)
         self.config: EndlessTerminalsEnvConfig = config
-        self.tasks: list[Any] = []
-        self.eval_tasks: list[Any] = []
-        self.images: dict[str, Any] = {}
+        self.tasks: list[Task] = []
+        self.eval_tasks: list[Task] = []
+        self.images: dict[str, ImageResult] = {}
         self._order: list[int] = []
         self._pos = 0
         self._epoch = -1
@@ -240,7 +244,7 @@ class EndlessTerminalsEnv(BaseEnv):
             self._next_sample[key] = first + n
         return list(range(first, first + n))
 
-    def _episode(self, task: Any, sample: int, cfg: EpisodeConfig) -> EpisodeRecord:
+    def _episode(self, task: Task, sample: int, cfg: EpisodeConfig) -> EpisodeRecord:
         from et_hpc.episode.run import run_episode
 
         return run_episode(task, sample, cfg, self.images[task.id], stop=self._stop)
@@ -252,7 +256,7 @@ class EndlessTerminalsEnv(BaseEnv):
             return rec
         return rec.model_copy(update={"reward": (rec.passed or 0) / rec.total})
 
-    async def run_episodes(self, task: Any, n: int, store: RunStore | None = None) -> list[EpisodeRecord]:
+    async def run_episodes(self, task: Task, n: int, store: RunStore | None = None) -> list[EpisodeRecord]:
         """``n`` episodes of ``task`` as one group (threads), stored as one shard when the last ends.
 
         The group's ``group_id`` is ``<task_id>@s<first sample>``. Episodes run in the pool, not in
@@ -378,7 +382,7 @@ class EndlessTerminalsEnv(BaseEnv):
         if not self.config.include_messages:
             group["messages"] = None
         self.counts["groups_sent"] += 1
-        return group  # type: ignore[return-value]
+        return cast("ScoredDataGroup", group)  # atropos_group fills every key of one (a plain dict)
 
     async def collect_trajectories(self, item: Any) -> tuple[ScoredDataGroup | None, list[Any]]:
         records = await self.run_episodes(item, self.config.group_size)

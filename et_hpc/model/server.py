@@ -133,7 +133,7 @@ class ModelServer:
                                          stdin=subprocess.DEVNULL, start_new_session=True,
                                          preexec_fn=_die_with(os.getpid()))
         finally:
-            if out is not subprocess.DEVNULL:
+            if not isinstance(out, int):  # not subprocess.DEVNULL
                 out.close()
         self.started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         end = time.monotonic() + self.cfg.start_timeout_s

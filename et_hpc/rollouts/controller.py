@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from et_hpc.errors import UserError
 from et_hpc.rollouts.queue import WorkQueue
@@ -26,10 +26,14 @@ from et_hpc.runner.config import RunConfig
 from et_hpc.runner.executors import get_executor
 from et_hpc.runner.plan import save_run_json
 
+if TYPE_CHECKING:
+    from et_hpc.images.store import ImageResult
+    from et_hpc.tasks.model import Task
+
 log = logging.getLogger(__name__)
 
 
-def prepare(cfg: RunConfig) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+def prepare(cfg: RunConfig) -> tuple[dict[str, Task], dict[str, ImageResult], list[str]]:
     """Tasks by id, their images (UserError when one is missing), task load errors."""
     from et_hpc.runner.plan import default_image_lookup, image_missing, load_run_tasks
 
@@ -38,7 +42,8 @@ def prepare(cfg: RunConfig) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
         raise UserError("no tasks were selected: check the source and the ids/glob/split filters")
     by_id = {t.id: t for t in tasks}
     lookup = default_image_lookup()
-    images, missing = {}, []
+    images: dict[str, ImageResult] = {}
+    missing: list[str] = []
     for tid, t in by_id.items():
         img = lookup(t)
         why = image_missing(img)
@@ -58,7 +63,7 @@ def write_run_json(cfg: RunConfig, run_dir: Path, n_tasks: int, sandbox: dict[st
                                  "sandbox": {**(sandbox or {}), "binds": list(cfg.sandbox.binds)}})
 
 
-def resolve_sandbox(cfg: RunConfig, images: dict[str, Any]) -> tuple[RunConfig, dict[str, Any]]:
+def resolve_sandbox(cfg: RunConfig, images: dict[str, ImageResult]) -> tuple[RunConfig, dict[str, Any]]:
     """``sandbox.warm``/``local_copy`` "auto" chosen for a continuous run (et_hpc.runner.fastpath)."""
     from et_hpc.runner.fastpath import check_binds, choose, resolve
 
@@ -69,7 +74,7 @@ def resolve_sandbox(cfg: RunConfig, images: dict[str, Any]) -> tuple[RunConfig, 
 
 
 class Controller:
-    def __init__(self, cfg: RunConfig, tasks: dict[str, Any], images: dict[str, Any], *, progress: bool = True):
+    def __init__(self, cfg: RunConfig, tasks: dict[str, Task], images: dict[str, ImageResult], *, progress: bool = True):
         self.cfg = cfg
         self.opts = cfg.continuous
         self.run_dir = cfg.run_dir()

@@ -16,7 +16,6 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from et_hpc.errors import UserError
 from et_hpc.util import atomic_write_text
@@ -28,7 +27,7 @@ _STEP = re.compile(r"@step-(\d+)\b")
 SWITCHING = "switching "
 
 
-def version_step(label: Any) -> int | None:
+def version_step(label: int | str | None) -> int | None:
     """The monotone id of a version label: an integer (trainer-owned), or N of ``...@step-N``
     (vllm.sbatch); during a switch (``switching OLD -> NEW``) the older step. None when the label
     names no step (a content hash, a model name) or is None."""
@@ -136,7 +135,7 @@ class VersionReader:
         self.path = version_path(run_dir)
         self.endpoint_file = endpoint_file
         self.endpoint_dir = endpoint_dir
-        self._key: Any = None
+        self._key: tuple[int, int, int] | None = None  # (inode, size, mtime) of the version file read
         self._value: PolicyVersion | None = None
 
     def current(self) -> PolicyVersion | None:

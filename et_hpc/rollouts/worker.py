@@ -21,15 +21,21 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from submitit.helpers import Checkpointable, DelayedSubmission
 
 from et_hpc.record import EpisodeRecord, records_to_table, write_failed_record
-from et_hpc.rollouts.queue import Lease, WorkQueue, new_worker_id
+from et_hpc.rollouts.queue import Lease, Unit, WorkQueue, new_worker_id
 from et_hpc.rollouts.versions import PolicyVersion, VersionReader
 from et_hpc.runner.config import RunConfig
 from et_hpc.runs.store import WRITE_ATTEMPTS, WRITE_RETRY_S
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+    from et_hpc.images.store import ImageResult
+    from et_hpc.tasks.model import Task
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +76,7 @@ class WorkerStats:
 class Worker(Checkpointable):
     """One worker process (a Slurm array task, or a thread of the local controller)."""
 
-    def __init__(self, cfg: RunConfig, run_dir: Path, tasks: dict[str, Any], images: dict[str, Any],
+    def __init__(self, cfg: RunConfig, run_dir: Path, tasks: dict[str, Task], images: dict[str, ImageResult],
                  index: int = 0, concurrency: int | None = None):
         self.cfg = cfg
         self.run_dir = Path(run_dir)
@@ -201,7 +207,7 @@ class Worker(Checkpointable):
                 if fl.stop.is_set():
                     break
                 # a group is G episodes of one task in a row: warm the slot's next one meanwhile
-                nxt = [(task, None, image)] if i + 1 < unit.samples else []
+                nxt = [(task, unit.sample_index(i + 1), image)] if i + 1 < unit.samples else []
                 ticket = self.warming.reserve(task, cfg, image, threading.current_thread().name, nxt)
                 rec = self.warming.run(self.runner, ticket, task, unit.sample_index(i), cfg, image, fl.stop)
                 if not isinstance(rec, EpisodeRecord):
@@ -247,7 +253,7 @@ class Worker(Checkpointable):
         log.error("unit %s: its records could not be written (%s); committing error records", fl.lease.unit.uid, cause)
         return self._commit_once(fl, records_to_table([write_failed_record(r, cause) for r in recs]))
 
-    def _commit_once(self, fl: _InFlight, table: Any) -> int | None:
+    def _commit_once(self, fl: _InFlight, table: pa.Table) -> int | None:
         tmp = self.queue.results_path(fl.lease)
         (tmp.parent / f".tmp-{tmp.name}").unlink(missing_ok=True)  # left by a failed attempt
         return self.queue.commit(fl.lease, table)
@@ -266,7 +272,7 @@ class Worker(Checkpointable):
                 self.stats.abandoned += why == "abandoned"
             log.info("unit %s given back (%s)", fl.lease.unit.uid, why or "stopping")
 
-    def _tag(self, rec: EpisodeRecord, unit: Any, fl: _InFlight) -> EpisodeRecord:
+    def _tag(self, rec: EpisodeRecord, unit: Unit, fl: _InFlight) -> EpisodeRecord:
         """The unit's ``group_id``; with trainer-owned versions also the episode's own versions:
         ``policy_version`` = the unit's start version (the group's), ``policy_versions`` = it plus
         every version published while *this* episode ran (its start to its end), and

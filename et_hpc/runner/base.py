@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from et_hpc.runner.arrays import Array, ArraySpec, ArrayTask
+    from et_hpc.runner.local import ExecResult
     from et_hpc.runner.plan import Plan
+    from et_hpc.runs.store import RunStore
 
 Notify = Callable[[str], None]
 Progress = Callable[[int, dict[str, int]], None]
@@ -30,14 +32,14 @@ class Outcome:
     detached: bool = False  # submitted and returned without waiting
     submissions: list[dict[str, Any]] = field(default_factory=list)  # slurm: the arrays submitted
     failed_tasks: dict[str, str] = field(default_factory=dict)  # slurm: array task -> end state, not completed
-    result: Any = None  # local: the ``ExecResult``
+    result: ExecResult | None = None  # local
 
 
 class Executor(Protocol):
     name: str
     in_process: bool  # its arrays' tasks run in this process (local) or as processes of their own
 
-    def run(self, plan: Plan, store: Any, *, detach: bool = False, notify: Notify | None = None,
+    def run(self, plan: Plan, store: RunStore, *, detach: bool = False, notify: Notify | None = None,
             progress: Progress | None = None) -> Outcome: ...
 
     def submit_array(self, tasks: Sequence[ArrayTask], spec: ArraySpec) -> Array: ...

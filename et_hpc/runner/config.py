@@ -9,6 +9,7 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic.fields import FieldInfo
 
 from et_hpc.episode.config import EpisodeConfig
 from et_hpc.errors import UserError
@@ -91,7 +92,7 @@ class RunConfig(EpisodeConfig):
         return default_concurrency(cores, mem_gb)
 
 
-def _key(name: str, field: Any) -> str:
+def _key(name: str, field: FieldInfo) -> str:
     if get_origin(field.annotation) is Literal:
         return f"{name} ({'|'.join(map(str, get_args(field.annotation)))})"
     return f"{name} ({field.examples[0]})" if field.examples else name

@@ -16,9 +16,9 @@ import logging
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
@@ -28,8 +28,14 @@ from et_hpc.record import EpisodeRecord, write_failed_record
 from et_hpc.runner.arrays import ArraySpec, ArrayTask, LocalArray
 from et_hpc.runner.base import Notify, Outcome, Progress
 from et_hpc.runner.config import RunConfig
-from et_hpc.runner.plan import OK, Plan, Unit, open_store, rec_get, rec_passed
+from et_hpc.runner.plan import OK, Plan, Record, Unit, open_store, rec_get, rec_passed
+from et_hpc.runs.store import RunStore
 from et_hpc.util import progress_bar
+
+if TYPE_CHECKING:
+    from et_hpc.images.store import ImageResult
+    from et_hpc.sandbox.warm import SandboxSpec, Ticket, WarmPool
+    from et_hpc.tasks.model import Task
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +43,12 @@ log = logging.getLogger(__name__)
 # policy's own retry budget against the server already, and no_image will not change by itself.
 RETRIED = ("infra_error", "shell_error", "score_error")
 
-UnitRunner = Callable[..., Any]  # (task, sample, cfg, image, stop) -> record
-WorkItem = tuple[Any, int, Any]  # (task, sample, image)
+UnitRunner = Callable[..., Any]  # (task, sample, cfg, image, stop) -> record (an EpisodeRecord or its dict)
+WorkItem = tuple[Any, int, "ImageResult | None"]  # (task, sample, image): the task is what the unit runner takes
 
 
-def episode_runner(task: Any, sample: int, cfg: RunConfig, image: Any, stop: threading.Event,
-                   warm: Any = None) -> Any:
+def episode_runner(task: Task, sample: int, cfg: RunConfig, image: ImageResult | None, stop: threading.Event,
+                   warm: Ticket | None = None) -> EpisodeRecord:
     """The default unit runner: one real episode (``et_hpc.episode.run.run_episode``), called directly.
 
     ``warm``: a reserved warm sandbox (et_hpc.sandbox.warm.Ticket), passed only to runners that
@@ -64,17 +70,18 @@ class Warming:
     def __init__(self, runner: UnitRunner, cfg: RunConfig, stop: threading.Event) -> None:
         self.size = cfg.sandbox.warm_count() if getattr(runner, "uses_warm_pool", False) else 0
         self.stop = stop
-        self.pool: Any = None  # made at the first reserve
+        self.pool: WarmPool | None = None  # made at the first reserve
         self._lock = threading.Lock()
         self._closed = False
 
     @staticmethod
-    def spec(task: Any, cfg: RunConfig, image: Any) -> Any:
+    def spec(task: Task, cfg: RunConfig, image: ImageResult | None) -> SandboxSpec | None:
         from et_hpc.episode.run import sandbox_spec
 
         return sandbox_spec(task, cfg, image)
 
-    def reserve(self, task: Any, cfg: RunConfig, image: Any, source: Any, upcoming: list[WorkItem]) -> Any:
+    def reserve(self, task: Task, cfg: RunConfig, image: ImageResult | None, source: Hashable,
+                upcoming: list[WorkItem]) -> Ticket | None:
         """A ticket for ``task``'s sandbox (or None); then warm ``upcoming`` for ``source``."""
         if not self.size:
             return None
@@ -90,8 +97,8 @@ class Warming:
         pool.want(source, [self.spec(t, cfg, im) for t, _, im in upcoming])
         return ticket
 
-    def run(self, runner: UnitRunner, ticket: Any, task: Any, sample: int, cfg: RunConfig, image: Any,
-            stop: threading.Event) -> Any:
+    def run(self, runner: UnitRunner, ticket: Ticket | None, task: Any, sample: int, cfg: RunConfig,
+            image: ImageResult | None, stop: threading.Event) -> Any:
         """``runner`` on the unit, with ``ticket`` when there is one; the ticket is discarded after."""
         if ticket is None:
             return runner(task, sample, cfg, image, stop)
@@ -167,7 +174,7 @@ def stop_on_signals(stop: threading.Event, signals: tuple[int, ...] = (signal.SI
 class UnitPool:
     """Threads that pull work items and run them with a unit runner until done or stopped."""
 
-    def __init__(self, items: list[WorkItem], runner: UnitRunner, cfg: RunConfig, store: Any,
+    def __init__(self, items: list[WorkItem], runner: UnitRunner, cfg: RunConfig, store: RunStore,
                  concurrency: int, stop: threading.Event, progress: tqdm | None = None,
                  ready_at: float | None = None):
         self.items = list(items)
@@ -182,7 +189,7 @@ class UnitPool:
         n = max(1, min(concurrency, len(self.items) or 1))
         self.threads = [threading.Thread(target=self._work, name=f"unit-{i}", daemon=True) for i in range(n)]
 
-    def _take(self) -> tuple[WorkItem, Any] | None:
+    def _take(self) -> tuple[WorkItem, Ticket | None] | None:
         """The next item and its warm sandbox ticket (None without one); the pool then warms the
         ``sandbox.warm`` items after it."""
         with self._lock:
@@ -308,7 +315,7 @@ class UnitPool:
         return self.result
 
 
-def run_local(plan: Plan, runner: UnitRunner | None = None, *, store: Any = None,
+def run_local(plan: Plan, runner: UnitRunner | None = None, *, store: RunStore | None = None,
               stop: threading.Event | None = None, progress: bool = True,
               handle_signals: bool = True) -> ExecResult:
     """Run every unit of ``plan`` on this machine with ``cfg.node_concurrency()`` at once."""
@@ -341,7 +348,7 @@ class LocalExecutor:
         """Each task's ``run(stop)`` in a thread of this process (``spec`` names the threads)."""
         return LocalArray(tasks, spec.name)
 
-    def run(self, plan: Plan, store: Any, *, detach: bool = False, notify: Notify | None = None,
+    def run(self, plan: Plan, store: RunStore, *, detach: bool = False, notify: Notify | None = None,
             progress: Progress | None = None) -> Outcome:
         res = run_local(plan, store=store)
         if res.interrupted:
@@ -349,13 +356,13 @@ class LocalExecutor:
         return Outcome(result=res)
 
 
-def _clean(rec: Any) -> bool:
+def _clean(rec: Record) -> bool:
     """Ok, and nothing in it that a signal to the job's processes could have caused."""
     return (rec_get(rec, "status") == OK and not rec_get(rec, "score_note")
             and rec_get(rec, "stop_reason") != "shell_broken")
 
 
-def _with_events(rec: Any, lines: list[str]) -> Any:
+def _with_events(rec: Record, lines: list[str]) -> Record:
     """``rec`` with ``lines`` put before its own events (a record object or a dict)."""
     if isinstance(rec, dict):
         return {**rec, "events": [*lines, *(rec.get("events") or [])]}

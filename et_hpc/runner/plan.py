@@ -11,33 +11,39 @@ Specification: docs/runner.md ("Planning").
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Final
 
 from et_hpc.errors import UserError
-from et_hpc.record import solved
+from et_hpc.record import EpisodeRecord, solved
 from et_hpc.runner.config import RunConfig
 from et_hpc.runs.shards import RUN_CONFIG, read_run_config, write_run_config
 from et_hpc.runs.store import RunStore
 
+if TYPE_CHECKING:
+    from et_hpc.images.store import ImageResult
+    from et_hpc.tasks.model import Task
+
 log = logging.getLogger(__name__)
 
 Unit = tuple[str, int]  # (task_id, sample)
-OK = "ok"
-NO_IMAGE = "no_image"
+Record = EpisodeRecord | dict[str, Any]  # what a unit runner returns; a stored row read back
+OK: Final = "ok"
+NO_IMAGE: Final = "no_image"
 
 
 # ---------------------------------------------------------------- records and stores
-def rec_get(rec: Any, key: str, default: Any = None) -> Any:
+def rec_get(rec: Record, key: str, default: Any = None) -> Any:
     if isinstance(rec, dict):
         return rec.get(key, default)
     return getattr(rec, key, default)
 
 
-def rec_passed(rec: Any) -> bool:
+def rec_passed(rec: Record) -> bool:
     """An ok episode whose reward is full (Endless Terminals rewards are 0/1)."""
     if rec_get(rec, "status") != OK:
         return False
@@ -59,8 +65,8 @@ def store_records(store: RunStore) -> list[dict[str, Any]]:
 class Plan:
     cfg: RunConfig
     run_dir: Path
-    tasks: dict[str, Any]
-    images: dict[str, Any]
+    tasks: dict[str, Any]  # a Task for episodes; what the unit runner takes (rescore: RescoreTask)
+    images: dict[str, ImageResult]
     units: list[Unit]  # still to run
     total: int  # tasks x samples
     done_ok: int = 0
@@ -90,7 +96,7 @@ class Plan:
         }
 
 
-def load_run_tasks(cfg: RunConfig) -> tuple[list[Any], list[str]]:
+def load_run_tasks(cfg: RunConfig) -> tuple[list[Task], list[str]]:
     from et_hpc.tasks.loader import load_tasks
     sel = cfg.tasks
     source = sel.source or (str(sel.tasks_dir) if sel.tasks_dir else None)
@@ -102,7 +108,7 @@ def load_run_tasks(cfg: RunConfig) -> tuple[list[Any], list[str]]:
     return list(res.tasks), errors
 
 
-def image_missing(img: Any) -> str | None:
+def image_missing(img: ImageResult | None) -> str | None:
     """None when the image is usable, else the reason it is not (one line)."""
     if img is None:
         return "not built"
@@ -118,12 +124,12 @@ def image_missing(img: Any) -> str | None:
     return (lines[0] if lines else "not built")[:300]
 
 
-def build_failed(img: Any) -> bool:
+def build_failed(img: ImageResult | None) -> bool:
     """The image is missing because its build failed or cannot start (not: was never tried)."""
     return img is not None and str(getattr(img, "status", "") or "") == "failed"
 
 
-def default_image_lookup() -> Callable[[Any], Any]:
+def default_image_lookup() -> Callable[[Task], ImageResult]:
     from et_hpc.images.store import ImageStore
     return ImageStore().lookup
 
@@ -132,8 +138,8 @@ def _shown(items: list[str], n: int = 5) -> str:
     return ", ".join(items[:n]) + (f" and {len(items) - n} more" if len(items) > n else "")
 
 
-def make_plan(cfg: RunConfig, *, tasks: list[Any] | None = None,
-              image_lookup: Callable[[Any], Any] | None = None, store: Any = None,
+def make_plan(cfg: RunConfig, *, tasks: list[Task] | None = None,
+              image_lookup: Callable[[Task], ImageResult] | None = None, store: RunStore | None = None,
               write: bool = True) -> Plan:
     """Units still to run for ``cfg`` (see the module doc for tasks without an image).
 
@@ -164,7 +170,7 @@ def make_plan(cfg: RunConfig, *, tasks: list[Any] | None = None,
                     err += 1
                 todo.append((tid, s))
     need = sorted({tid for tid, _ in todo})
-    images: dict[str, Any] = {}
+    images: dict[str, ImageResult] = {}
     no_image: dict[str, str] = {}
     unbuilt: list[str] = []
     if need:
@@ -204,12 +210,8 @@ def make_plan(cfg: RunConfig, *, tasks: list[Any] | None = None,
     return plan
 
 
-def no_image_record(plan: Plan, unit: Unit) -> Any:
+def no_image_record(plan: Plan, unit: Unit) -> EpisodeRecord:
     """The record of a unit whose task has no image: status no_image, reward None, the reason."""
-    import socket
-
-    from et_hpc.record import EpisodeRecord
-
     tid, sample = unit
     task = plan.tasks[tid]
     kind = getattr(plan.cfg.policy, "kind", None)
@@ -218,7 +220,7 @@ def no_image_record(plan: Plan, unit: Unit) -> Any:
                          stop_reason=NO_IMAGE, error=f"no image: {plan.no_image[tid]}")
 
 
-def record_no_image(plan: Plan, store: Any) -> int:
+def record_no_image(plan: Plan, store: RunStore) -> int:
     """Write one ``no_image`` record per unit that lacks one (one shard); returns how many."""
     if not plan.no_image_new:
         return 0

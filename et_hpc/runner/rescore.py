@@ -24,17 +24,26 @@ import socket
 import threading
 import time
 import uuid
+from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
 from et_hpc.errors import InfraError, UserError
-from et_hpc.record import EpisodeRecord, TestResult, Timings, records_from_table, solved
+from et_hpc.record import EpisodeRecord, Status, TestResult, Timings, records_from_table, solved
 from et_hpc.runner.config import RunConfig, _apply
 from et_hpc.runner.plan import OK, Plan, image_missing, load_run_tasks, open_store, read_run_json, save_run_json
 from et_hpc.runs import final_state as fs
 from et_hpc.util import atomic_write_text
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from et_hpc.images.store import ImageResult
+    from et_hpc.sandbox.sandbox import Sandbox
+    from et_hpc.sandbox.scoring import ScoreResult
+    from et_hpc.tasks.model import Task
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +58,7 @@ class RescoreTask:
     source run whose kept states it regrades (picklable: it travels to Slurm array tasks)."""
 
     id: str
-    task: Any
+    task: Task
     source_run: str
     tests_digest: str
 
@@ -71,7 +80,7 @@ def _slurm_ids() -> tuple[str | None, int | None]:
     return job, int(task) if task and task.isdigit() else None
 
 
-def rescore_unit(task: RescoreTask, sample: int, cfg: RunConfig, image: Any,
+def rescore_unit(task: RescoreTask, sample: int, cfg: RunConfig, image: ImageResult | None,
                  stop: threading.Event | None = None) -> EpisodeRecord:
     """The unit runner of a rescore (docs/rescore.md). Never raises for infrastructure trouble:
     a missing or damaged kept state, a sandbox that will not start or scoring that breaks become a
@@ -86,18 +95,18 @@ def rescore_unit(task: RescoreTask, sample: int, cfg: RunConfig, image: Any,
     events = [f"rescored {src.run_name}/{src.episode_id} with tests {task.tests_digest}"]
     timings: dict[str, float] = {}
 
-    def record(status: str, *, sc: Any = None, error: str | None = None) -> EpisodeRecord:
-        ok = status == OK and sc is not None
+    def record(status: Status, *, sc: ScoreResult | None = None, error: str | None = None) -> EpisodeRecord:
+        ok = sc if status == OK else None  # the score that counts
         t = src.timings.model_copy(update={"score_s": timings.get("score_s")})
         return src.model_copy(update={
             "episode_id": str(uuid.uuid4()),
             "run_name": cfg.run_name(),
             "status": status,
-            "reward": sc.reward if ok else None,
+            "reward": ok.reward if ok is not None else None,
             "passed": sc.passed if sc is not None else None,
             "total": sc.total if sc is not None else None,
             "tests": [TestResult(name=x.name, outcome=x.outcome) for x in (sc.tests if sc is not None else [])],
-            "score_note": sc.note if ok else None,
+            "score_note": ok.note if ok is not None else None,
             "interpreter": sc.interpreter if sc is not None else None,
             "error": error,
             "events": [*src.events, *events, *((sc.notes or []) if sc is not None else []),
@@ -111,7 +120,7 @@ def rescore_unit(task: RescoreTask, sample: int, cfg: RunConfig, image: Any,
             "slurm_array_task_id": array_task,
             "tests_digest": task.tests_digest,
             "rescored_from": f"{src.run_name}/{src.episode_id}",
-            "created_at": EpisodeRecord.model_fields["created_at"].default_factory(),
+            "created_at": datetime.now(timezone.utc),
             "timings": Timings.model_validate(t.model_dump()),
         })
 
@@ -135,8 +144,8 @@ def rescore_unit(task: RescoreTask, sample: int, cfg: RunConfig, image: Any,
     return record(OK, sc=sc)
 
 
-def score_kept_state(run_dir: Path, value: str, task: Any, cfg: RunConfig, image: Any,
-                     timings: dict[str, float] | None = None) -> tuple[Any, list[str]]:
+def score_kept_state(run_dir: Path, value: str, task: Task, cfg: RunConfig, image: ImageResult,
+                     timings: dict[str, float] | None = None) -> tuple[ScoreResult, list[str]]:
     """Score the kept state ``value`` of ``run_dir`` with ``task.final_tests`` in a fresh sandbox of
     ``image`` (the kept overlay read-only under a tmpfs), through ``final_score`` as a live episode.
     Returns (score result, watchdog events); raises ``InfraError``/``OSError`` for what is outside the
@@ -146,6 +155,9 @@ def score_kept_state(run_dir: Path, value: str, task: Any, cfg: RunConfig, image
     from et_hpc.sandbox.watchdog import Watchdog
 
     timings = timings if timings is not None else {}
+    spec = sandbox_spec(task, cfg, image)
+    if spec is None:
+        raise InfraError(f"no image for task {task.id}: run 'et-hpc build'")
     archive = fs.archive_path(Path(run_dir), value)
     img = scratch_paths()[1] / f"rescore-{os.getpid()}-{secrets.token_hex(4)}.img"
     t = time.monotonic()
@@ -167,7 +179,6 @@ def score_kept_state(run_dir: Path, value: str, task: Any, cfg: RunConfig, image
                 + "): it is not started again, and scores 0")
         return ScoreResult(status="ok", reward=0.0, note=note, interpreter="none"), []
     events = [f"rescore: the kept {p} was left out (the image's applies)" for p in left_out]
-    spec = sandbox_spec(task, cfg, image)
     sb = Sandbox(Path(spec.image_path), run_prefix=spec.run_prefix, overlay_image=img, overlay_readonly=True,
                  network_none=spec.network_none, nproc=spec.nproc, vmem_mb=spec.vmem_mb, fsize_mb=spec.fsize_mb,
                  warm_scoring=False)
@@ -226,7 +237,7 @@ if n and fix("/etc/passwd", n, me, [me, mg]):
 """
 
 
-def prepare_accounts(sb: Any) -> None:
+def prepare_accounts(sb: Sandbox) -> None:
     """Name the agent's uid ``user`` in the instance (as a live episode's first shell does), with the
     image's pristine Python: nothing of the kept state runs."""
     from et_hpc.sandbox.scoring import pristine_layout
@@ -283,7 +294,7 @@ def _read_source(src_dir: Path) -> tuple[RunConfig, list[EpisodeRecord], list[Ep
 
 
 def _new_tests(src_dir: Path, src_cfg: RunConfig, tests: Path | None,
-               task_source: str | None) -> tuple[dict[str, Any], dict[str, Path]]:
+               task_source: str | None) -> tuple[dict[str, Task], dict[str, Path]]:
     """The tasks by id, and the new final tests per task id (from ``--task-source`` or ``--tests``)."""
     if task_source is not None:
         from et_hpc.tasks.loader import load_tasks
@@ -335,8 +346,8 @@ def _check_resume(run_dir: Path, src_dir: Path, digests: dict[str, str]) -> None
         raise UserError(f"run {run_dir} was rescored with {what}: pick another --run-name")
 
 
-def _skip_reason(r: EpisodeRecord, texts: dict[str, str], images: dict[str, Any], lookup: Any,
-                 by_id: dict[str, Any]) -> str | None:
+def _skip_reason(r: EpisodeRecord, texts: dict[str, str], images: dict[str, ImageResult],
+                 lookup: Callable[[Task], ImageResult], by_id: dict[str, Task]) -> str | None:
     """Why episode ``r`` cannot be rescored (listed, never guessed), or ``None``."""
     if r.status != OK:
         return f"status {r.status} (nothing was scored)"
@@ -346,8 +357,9 @@ def _skip_reason(r: EpisodeRecord, texts: dict[str, str], images: dict[str, Any]
         return "no new tests for its task"
     if r.task_id not in images:
         return f"no image: {image_missing(lookup(by_id[r.task_id]))}"
-    if r.image_digest and getattr(images[r.task_id], "digest", None) not in (None, r.image_digest):
-        return f"its image changed ({r.image_digest[:12]} -> {images[r.task_id].digest[:12]})"
+    digest: str | None = getattr(images[r.task_id], "digest", None)
+    if r.image_digest and digest is not None and digest != r.image_digest:
+        return f"its image changed ({r.image_digest[:12]} -> {digest[:12]})"
     return None
 
 
@@ -369,7 +381,7 @@ def _write_plan(plan: Plan, src_dir: Path, usable: list[str], new_tests: dict[st
 
 def plan_rescore(source: str, *, tests: Path | None = None, task_source: str | None = None,
                  run_name: str | None = None, store: Path | None = None, overrides: list | None = None,
-                 image_lookup: Any = None, write: bool = True) -> Plan:
+                 image_lookup: Callable[[Task], ImageResult] | None = None, write: bool = True) -> Plan:
     """The plan of a rescore of ``source`` (docs/rescore.md). ``UserError`` (one line) for a
     missing run, a run without kept states, tests that are missing or not valid Python."""
     from et_hpc.paths import find_run_dir

@@ -18,10 +18,10 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from submitit.helpers import Checkpointable, DelayedSubmission
 
@@ -33,9 +33,11 @@ from et_hpc.runner.base import Notify, Outcome, Progress
 from et_hpc.runner.config import RunConfig
 from et_hpc.runner.local import ExecResult, UnitPool, WorkItem, resolve_runner, stop_on_signals, work_items
 from et_hpc.runner.plan import OK, Plan, open_store
+from et_hpc.runs.store import RunStore
 from et_hpc.util import atomic_write_text
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 CHECKPOINT_GRACE_S = 60.0
 REAP_EVERY_S = 30.0  # an array task reaps dead workers' sandboxes on its node this often
 
@@ -57,7 +59,7 @@ class ChunkJob(Checkpointable):
         d["_pool"] = None
         return d
 
-    def todo(self, store: Any) -> list[WorkItem]:
+    def todo(self, store: RunStore) -> list[WorkItem]:
         done = store.units()
         keep = []
         for task, sample, image in self.items:
@@ -230,11 +232,11 @@ def key_by_reference(cfg: RunConfig) -> RunConfig:
     return cfg.model_copy(update={"policy": cfg.policy.model_copy(update={"api_key": None, "api_key_env": KEY_ENV})})
 
 
-def chunked(seq: list[Any], n: int) -> list[list[Any]]:
+def chunked(seq: list[T], n: int) -> list[list[T]]:
     return [seq[i:i + n] for i in range(0, len(seq), n)]
 
 
-def submit_array(tasks: Sequence[Any], spec: ArraySpec) -> SlurmArray:
+def submit_array(tasks: Sequence[Callable[[], Any]], spec: ArraySpec) -> SlurmArray:
     """Submit ``tasks`` as one submitit array (sbatch refusing it: one-line ``UserError``); with
     ``spec.run_dir``, append the submission to that run's ``jobs.json``."""
     ex = submitit_executor(spec.slurm, spec.folder / "%j", spec.name)
@@ -278,7 +280,7 @@ def submit(plan: Plan) -> list[dict[str, Any]]:
 
 def task_ids(subs: list[dict[str, Any]]) -> list[str]:
     """Slurm ids of every array task of ``subs`` (``"<array>_<i>"``, or ``"<job>"`` for one task)."""
-    out = []
+    out: list[str] = []
     for s in subs:
         out += s.get("job_ids") or [f"{s['array_id']}_{i}" for i in range(s["tasks"])]
     return out
@@ -332,10 +334,10 @@ class SlurmExecutor:
     name = "slurm"
     in_process = False  # its arrays' tasks run in this process
 
-    def submit_array(self, tasks: Sequence[Any], spec: ArraySpec) -> SlurmArray:
+    def submit_array(self, tasks: Sequence[Callable[[], Any]], spec: ArraySpec) -> SlurmArray:
         return submit_array(tasks, spec)
 
-    def run(self, plan: Plan, store: Any, *, detach: bool = False, notify: Notify | None = None,
+    def run(self, plan: Plan, store: RunStore, *, detach: bool = False, notify: Notify | None = None,
             progress: Progress | None = None) -> Outcome:
         notify = notify or log.info
         cfg = plan.cfg

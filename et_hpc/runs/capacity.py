@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from et_hpc.host import slurm
 from et_hpc.util import num, pct
+
+if TYPE_CHECKING:
+    from et_hpc.runs.store import RunStore
 
 MODEL = ("episodes/hour per node = 3600 * min(K / T, C / c): T = mean episode wall time (slot held), "
          "c = mean node CPU time per episode (setup + exec + score + teardown + warm; model time is spent on "
@@ -83,7 +87,7 @@ def _rate(n: int, seconds: float) -> float | None:
     return n * 3600.0 / seconds if seconds > 0 else None
 
 
-def _per(rows: list[dict[str, Any]], key: Any) -> list[dict[str, Any]]:
+def _per(rows: list[dict[str, Any]], key: Callable[[dict[str, Any]], str]) -> list[dict[str, Any]]:
     by: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
         by.setdefault(key(r), []).append(r)
@@ -120,7 +124,7 @@ def capacity(rows: list[dict[str, Any]], *, cores: int, nodes: list[int] | None 
              consumers: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The capacity dict of the module docstring. ``rows`` need the ``COLUMNS``; rows without
     ``start_s``/``stop_s``/``total_s`` (episodes refused before they started) are left out."""
-    seen: set[str] = set()
+    seen: set[str | None] = set()
     timed = []
     for r in rows:
         t = r.get("timings") or {}
@@ -248,7 +252,7 @@ def _file_gpu_hours(path: Path) -> float | None:
     return sacct_gpu_hours(str(job)) if job is not None else None
 
 
-def run_capacity(store: Any, *, cores: int, nodes: list[int] | None = None, per_node: list[int] | None = None,
+def run_capacity(store: RunStore, *, cores: int, nodes: list[int] | None = None, per_node: list[int] | None = None,
                  gpu_hours: float | None = None) -> dict[str, Any]:
     """``capacity`` of one ``RunStore``: every raw row, the accepted count from ``select()``, the
     GPU-hours given (else from sacct of the endpoint file's job) and the stream consumers."""

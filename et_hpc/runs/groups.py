@@ -26,6 +26,7 @@ OnError = Literal["mask", "keep-ok"]
 ON_ERROR: tuple[str, ...] = get_args(OnError)
 GROUP_COLS = ["run_name", "group_id", "task_id", "policy_version", "schema_version"]
 _GROUP_READ_COLS = GROUP_COLS + ["sample", "status", "reward"]
+GroupKey = tuple[str, str, str] | tuple[str, str, str, str | None]  # (run, "g", group_id) | (run, "t", task, version)
 GROUP_ID_SCHEMA = 4  # rows written with this schema version or later are grouped by group_id
 
 
@@ -57,7 +58,7 @@ class Group(BaseModel):
     group_id: str = ""  # the sampled group; "" for a legacy group (see legacy_group)
 
     @property
-    def key(self) -> tuple[str, ...]:
+    def key(self) -> GroupKey:
         return group_key(self.run_name, self.task_id, self.policy_version, self.group_id or None)
 
     @property
@@ -77,7 +78,7 @@ def legacy_group(group_id: str | None, task_id: str, schema_version: int | None)
 
 
 def group_key(run_name: str, task_id: str, policy_version: str | None = None,
-              group_id: str | None = None) -> tuple[str, ...]:
+              group_id: str | None = None) -> GroupKey:
     """The key of the group an episode belongs to: ``(run_name, "g", group_id)``; without a
     ``group_id`` (a legacy row) ``(run_name, "t", task_id, policy_version)``."""
     if group_id:
@@ -95,7 +96,7 @@ def groups_of(table: pa.Table) -> list[Group]:
     if missing:
         raise ValueError(f"groups_of needs columns {missing}")
     cols = {c: table.column(c).to_pylist() for c in _GROUP_READ_COLS}
-    by_key: dict[tuple, list[int]] = {}
+    by_key: dict[GroupKey, list[int]] = {}
     for i, (run, gid, task, version, sv) in enumerate(zip(cols["run_name"], cols["group_id"], cols["task_id"],
                                                          cols["policy_version"], cols["schema_version"])):
         key = group_key(run, task, version, None if legacy_group(gid, task, sv) else gid)

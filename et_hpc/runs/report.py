@@ -100,7 +100,7 @@ def newcombe(k1: int, n1: int, k2: int, n2: int, z: float = Z95) -> tuple[float,
 
 
 # --- reading runs ----------------------------------------------------------------------------
-def _parse_time(s: Any) -> datetime | None:
+def _parse_time(s: object) -> datetime | None:
     if not isinstance(s, str) or not s:
         return None
     for parse in (datetime.fromisoformat, lambda v: datetime.strptime(v, "%Y-%m-%dT%H:%M:%S%z")):
@@ -263,7 +263,7 @@ def format_text(rep: Report) -> str:
 
 def svg_chart(runs: list[RunRow], width: int = 760, height: int = 300) -> str:
     """An inline SVG line chart of pass rate per run with the 95% intervals as error bars."""
-    pts = [(i, r) for i, r in enumerate(runs) if r.pass_rate is not None]
+    pts = [(i, r, r.pass_rate) for i, r in enumerate(runs) if r.pass_rate is not None]
     labels = [r.run if len(r.run) <= 32 else r.run[:14] + "…" + r.run[-17:] for r in runs]
     longest = max((len(s) for s in labels), default=0)
     left, right, top, bottom = max(50, int(5.3 * longest)), 20, 20, 25 + int(3.3 * longest)
@@ -283,10 +283,10 @@ def svg_chart(runs: list[RunRow], width: int = 760, height: int = 300) -> str:
         out.append(f'<line x1="{left}" y1="{y(v):.1f}" x2="{left + w}" y2="{y(v):.1f}" stroke="#ddd"/>'
                    f'<text x="{left - 6}" y="{y(v) + 4:.1f}" font-size="11" text-anchor="end">{int(v * 100)}%</text>')
     if pts:
-        path = " ".join(f"{'M' if k == 0 else 'L'}{x(i):.1f},{y(r.pass_rate):.1f}" for k, (i, r) in enumerate(pts))
+        path = " ".join(f"{'M' if k == 0 else 'L'}{x(i):.1f},{y(rate):.1f}" for k, (i, _, rate) in enumerate(pts))
         out.append(f'<path d="{path}" fill="none" stroke="#1f77b4" stroke-width="2"/>')
-    for i, r in pts:
-        cx, cy = x(i), y(r.pass_rate)
+    for i, r, rate in pts:
+        cx, cy = x(i), y(rate)
         if r.pass_rate_ci:
             lo, hi = y(r.pass_rate_ci[0]), y(r.pass_rate_ci[1])
             out.append(f'<line x1="{cx:.1f}" y1="{lo:.1f}" x2="{cx:.1f}" y2="{hi:.1f}" stroke="#555"/>'

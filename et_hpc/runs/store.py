@@ -118,7 +118,7 @@ class RunStore:
                             self.path, len(records), i + 1, attempts, type(e).__name__, e)
         raise StoreWriteError(f"{type(last).__name__}: {last}") from last
 
-    def write_or_error(self, records: list[Any]) -> tuple[Path | None, str | None]:
+    def write_or_error(self, records: list[EpisodeRecord]) -> tuple[Path | None, str | None]:
         """Write ``records``; when that fails after its retries, write one ``infra_error`` record
         per episode instead (``write_failed_record``: the unit is then visible and redone on
         resume). Returns (the shard, the cause of the failure or None). Raises StoreWriteError

@@ -13,7 +13,7 @@ import base64
 import hashlib
 import json
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -67,7 +67,7 @@ class Site:
         return self.out / "index.html"
 
 
-def _js(value: Any) -> str:
+def _js(value: object) -> str:
     """``value`` as a JSON text that is also a safe JavaScript expression (ASCII only: lone
     surrogates and line separators cannot break it)."""
     return json.dumps(value, ensure_ascii=True, separators=(",", ":"), allow_nan=False)
@@ -242,7 +242,7 @@ def page_html(runs: list[RunSite], title: str) -> str:
     return page.replace("/*SCRIPT_HASH*/", f"'sha256-{digest}'")
 
 
-def build_site(run_dirs: list[Path | str], out: Path | str) -> Site:
+def build_site(run_dirs: Sequence[Path | str], out: Path | str) -> Site:
     """Write the viewer of ``run_dirs`` into ``out`` (replacing an earlier viewer there)."""
     if not run_dirs:
         raise UserError("no run given; pass one or more run folders (e.g. et-hpc-runs/my-run)")
@@ -264,7 +264,7 @@ def build_site(run_dirs: list[Path | str], out: Path | str) -> Site:
     return site
 
 
-def default_out(run_dirs: list[Path | str]) -> Path:
+def default_out(run_dirs: Sequence[Path | str]) -> Path:
     """Where the viewer goes without ``-o``: beside the first run, in a folder the store skips."""
     first = Path(run_dirs[0]).expanduser().resolve()
     name = first.name if len(run_dirs) == 1 else f"{first.name}+{len(run_dirs) - 1}"

@@ -105,7 +105,7 @@ class _Capture:
     def feed(self, data: bytes) -> bytes | None:
         """Add bytes; when the end marker completes, record the result and return what follows it."""
         self.buf += data
-        if self.end_token is not None:
+        if self.marker is not None and self.end_token is not None:  # set together by set_marker
             start = max(0, self.scan_from - len(self.end_token))
             i = self.buf.find(self.end_token, start)
             if i >= 0:

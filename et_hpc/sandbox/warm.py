@@ -16,17 +16,22 @@ import atexit
 import logging
 import threading
 import time
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from itertools import chain, zip_longest
+from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar
 
 from et_hpc.sandbox.sandbox import Sandbox
 from et_hpc.sandbox.shell import Shell
 from et_hpc.sandbox.watchdog import Watchdog
 
+if TYPE_CHECKING:
+    from et_hpc.images.local_copy import LocalImage, Mode
+
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Endless Terminals' recorded agents created files group-writable (0664): their shells ran with
 # umask 002, and generated final tests check modes against that. The agent's shell does the same.
@@ -50,7 +55,7 @@ class SandboxSpec:
     memory_mb: int | None = None  # watchdog (et_hpc.sandbox.watchdog); interval 0: none
     max_pids: int | None = None
     watchdog_interval_s: float = 0.0
-    local_copy: str = "auto"
+    local_copy: Mode = "auto"
     local_copy_budget_gb: float = 20.0
     binds: tuple[str, ...] = ()  # --bind options (SandboxConfig.bind_options)
 
@@ -62,7 +67,7 @@ class Ready:
 
     sandbox: Sandbox
     shell: Shell
-    sif: Any  # the image path, or a leased node-local copy: kept as long as the sandbox runs
+    sif: Path | LocalImage  # the image path, or a leased node-local copy: kept as long as the sandbox runs
     start_s: float  # seconds the start took
     watchdog: Watchdog | None = None
 
@@ -70,7 +75,7 @@ class Ready:
         _stop(self.sandbox, self.watchdog, self.sif)
 
 
-def _stop(sandbox: Sandbox, watchdog: Watchdog | None, sif: Any) -> None:
+def _stop(sandbox: Sandbox, watchdog: Watchdog | None, sif: Path | LocalImage) -> None:
     try:
         if watchdog is not None:
             watchdog.stop()
@@ -87,9 +92,8 @@ def start_ready(spec: SandboxSpec) -> Ready:
     from et_hpc.images.local_copy import episode_image
 
     t0 = time.monotonic()
-    options = SimpleNamespace(local_copy=spec.local_copy, local_copy_budget_gb=spec.local_copy_budget_gb)
-    sif = episode_image(SimpleNamespace(path=spec.image_path, digest=spec.image_digest), options)
-    sandbox = Sandbox(sif, run_prefix=spec.run_prefix, overlay_mb=spec.overlay_mb,
+    sif = episode_image(SimpleNamespace(path=spec.image_path, digest=spec.image_digest), spec)
+    sandbox = Sandbox(Path(sif), run_prefix=spec.run_prefix, overlay_mb=spec.overlay_mb,
                       writable_tmpfs=spec.writable_tmpfs, network_none=spec.network_none,
                       nproc=spec.nproc, vmem_mb=spec.vmem_mb, fsize_mb=spec.fsize_mb, binds=spec.binds)
     wd: Watchdog | None = None
@@ -100,7 +104,7 @@ def start_ready(spec: SandboxSpec) -> Ready:
         if spec.watchdog_interval_s:
             # the agent's shell is spared at first (the command that blew up returns killed) and gets the note
             wd = Watchdog(sandbox, memory_mb=spec.memory_mb, max_pids=spec.max_pids,
-                          interval_s=spec.watchdog_interval_s, protect=lambda: {shell.host_pid},
+                          interval_s=spec.watchdog_interval_s, protect=lambda: set() if shell.host_pid is None else {shell.host_pid},
                           on_event=shell.add_note)
             wd.prepare()
     except BaseException:
@@ -182,7 +186,7 @@ class Ticket:
 class WarmPool:
     """Up to ``size`` sandboxes started ahead for the specs sources ``want`` (docs/sandbox.md)."""
 
-    def __init__(self, size: int, *, stop: threading.Event | None = None, starter: Any = start_ready) -> None:
+    def __init__(self, size: int, *, stop: threading.Event | None = None, starter: Callable[[SandboxSpec], Ready] = start_ready) -> None:
         self.size = max(0, int(size))
         self.closed = False
         self._closed = threading.Event()  # close() has finished
@@ -360,6 +364,6 @@ class WarmPool:
             ready.stop()
 
 
-def interleave(lists: Iterable[list[Any]]) -> list[Any]:
+def interleave(lists: Iterable[list[T]]) -> list[T]:
     """[[a, b], [c]] -> [a, c, b]"""
     return [x for x in chain.from_iterable(zip_longest(*lists)) if x is not None]

@@ -19,11 +19,14 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from et_hpc.errors import InfraError
 from et_hpc.host import apptainer, procfs
 from et_hpc.sandbox.hidden_memory import Sample, TmpfsProbe, held_files, host_tmpfs_devs, nested_tmpfs
+
+if TYPE_CHECKING:
+    from et_hpc.sandbox.sandbox import Sandbox
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +56,7 @@ class Watchdog:
 
     def __init__(
         self,
-        sandbox: Any = None,
+        sandbox: Sandbox | None = None,
         *,
         init_pid: int | None = None,
         memory_mb: int | None = DEFAULT_MEMORY_MB,
@@ -107,7 +110,7 @@ class Watchdog:
         if self.ns is not None:
             return self
         pid = self._init_pid or getattr(self.sandbox, "init_pid", None)
-        if not pid and hasattr(self.sandbox, "init_process"):
+        if not pid and self.sandbox is not None and hasattr(self.sandbox, "init_process"):
             pid = self.sandbox.init_process()[0]  # (host pid, start time), found once per start
         if not pid:
             name = getattr(self.sandbox, "name", None)

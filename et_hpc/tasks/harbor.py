@@ -12,6 +12,7 @@ which offline nodes cannot do; the final tests run with the image's own pytest i
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -21,13 +22,13 @@ from et_hpc.tasks.files import read_text
 from et_hpc.tasks.model import Limits, Recipe, Task
 from et_hpc.tasks.native import read_task_json, task_from_folder
 
-try:  # Python 3.11+
+if sys.version_info >= (3, 11):
     import tomllib as _toml
-except ModuleNotFoundError:  # pragma: no cover - 3.10
+else:  # pragma: no cover - 3.10
     try:
-        import tomli as _toml  # type: ignore[no-redef]
+        import tomli as _toml
     except ModuleNotFoundError:
-        _toml = None  # type: ignore[assignment]
+        _toml = None
 
 MARKERS = ("instruction.md", "task.toml", "environment/Dockerfile")
 
@@ -82,7 +83,8 @@ def load_harbor(folder: Path) -> Task:
     prompt = read_text(ins, "instruction.md")
     if not prompt.strip():
         raise TaskError(f"{ins}: empty; write the task prompt into it")
-    limits, meta = Limits(), {}
+    limits = Limits()
+    meta: dict = {}
     tt = folder / "task.toml"
     if tt.exists():
         limits, meta = limits_and_meta(read_toml(tt), tt)

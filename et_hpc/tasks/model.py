@@ -12,6 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+SourceKind = Literal["native", "harbor", "parquet"]  # what a task was loaded from
+
 
 class Limits(BaseModel):
     """Per-task budgets; ``None`` means "use the run's configured default"."""
@@ -49,7 +51,7 @@ class Task(BaseModel):
     recorded_runs: list[Path] = Field(default_factory=list)  # solutions/*_summary.json
     limits: Limits = Field(default_factory=Limits)
     source: Path  # the task folder
-    source_kind: Literal["native", "harbor", "parquet"] = "native"
+    source_kind: SourceKind = "native"
     split: str | None = None
     metadata: dict = Field(default_factory=dict)  # e.g. difficulty, category, name
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from et_hpc.errors import TaskError
 from et_hpc.tasks.files import read_text
-from et_hpc.tasks.model import Limits, Recipe, Task
+from et_hpc.tasks.model import Limits, Recipe, SourceKind, Task
 
 MARKERS = ("task.json", "container.def", "container.sif")
 _SMALL = 4096  # summaries at most this big are parsed to see whether they hold any run
@@ -87,7 +87,7 @@ def load_native(folder: Path) -> Task:
                             initial=folder / "test_initial_state.py", final=folder / "test_final_state.py")
 
 
-def task_from_folder(folder: Path, *, prompt: str, truth: str | None, recipe: Recipe, kind: str,
+def task_from_folder(folder: Path, *, prompt: str, truth: str | None, recipe: Recipe, kind: SourceKind,
                      initial: Path, final: Path, metadata: dict, limits: Limits | None = None) -> Task:
     """The Task of a task folder, with the optional files (tests, solution, recorded runs) that exist."""
     solve = folder / "solution" / "solve.sh"

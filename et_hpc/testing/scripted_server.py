@@ -393,7 +393,7 @@ class ScriptedServer:
                                  reasoning)
         ids = tk.encode(gen) + ([] if finish == "length" else [tk.EOS_ID])
         prompt_tokens, completion_tokens = len(prompt_ids), len(ids)
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+        usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                  "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": None}
         usage.update(extra.get("usage") or {})
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
