@@ -30,16 +30,19 @@ def main() -> None:
         pol_s: list[float] = []
         exec_s: list[float] = []
         per_turn: list[float] = []
-        with ScriptedServer(script) as srv, tempfile.TemporaryDirectory() as home, \
-                Shell(["bash", "--noprofile", "--norc"], home=home) as sh:
-                for _ in range(args.episodes):
-                    pol = OpenAIPolicy(srv.base_url, "scripted", mode=mode)
-                    t0 = time.perf_counter()
-                    r = run_agent("bench", sh, pol, BudgetConfig(max_turns=args.turns, context_tokens=10**9))
-                    per_turn.append((time.perf_counter() - t0) / len(r.turns))
-                    assert r.stop_reason == "max_turns", r.stop_reason
-                    pol_s += [t.policy_s for t in r.turns]
-                    exec_s += [t.exec_s for t in r.turns]
+        with (
+            ScriptedServer(script) as srv,
+            tempfile.TemporaryDirectory() as home,
+            Shell(["bash", "--noprofile", "--norc"], home=home) as sh,
+        ):
+            for _ in range(args.episodes):
+                pol = OpenAIPolicy(srv.base_url, "scripted", mode=mode)
+                t0 = time.perf_counter()
+                r = run_agent("bench", sh, pol, BudgetConfig(max_turns=args.turns, context_tokens=10**9))
+                per_turn.append((time.perf_counter() - t0) / len(r.turns))
+                assert r.stop_reason == "max_turns", r.stop_reason
+                pol_s += [t.policy_s for t in r.turns]
+                exec_s += [t.exec_s for t in r.turns]
         q = statistics.quantiles
         print(
             f"{mode}: {args.episodes}x{args.turns} turns | per turn mean {statistics.mean(per_turn) * 1e3:.2f} ms | "

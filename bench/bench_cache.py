@@ -40,8 +40,10 @@ def make_tasks(root: Path, n: int) -> None:
             (d / "data.csv").write_text("a,b\n" + "".join(f"{j},{j * i}\n" for j in range(200)))
             files = "%files\n    data.csv /home/user/data.csv\n\n"
         (d / "container.def").write_text(
-            "Bootstrap: localimage\nFrom: ./ubuntu_22.04.sif\n\n" + files +
-            f"%post\n    mkdir -p /home/user\n    echo {i} > /home/user/n.txt\n    chmod -R 777 /home/user\n")
+            "Bootstrap: localimage\nFrom: ./ubuntu_22.04.sif\n\n"
+            + files
+            + f"%post\n    mkdir -p /home/user\n    echo {i} > /home/user/n.txt\n    chmod -R 777 /home/user\n"
+        )
         (d / "test_final_state.py").write_text("def test_x():\n    assert True\n")
 
 
@@ -102,8 +104,7 @@ def main() -> None:
         store = ImageStore(cache, base_map=bm)
         cold, counts = timed_lookups(store, tasks)
         warm, _ = timed_lookups(store, tasks)
-        child = subprocess.run([sys.executable, "-c", CHILD, str(root), str(cache), str(base)],
-                               capture_output=True, text=True, check=True)
+        child = subprocess.run([sys.executable, "-c", CHILD, str(root), str(cache), str(base)], capture_output=True, text=True, check=True)
         fresh = json.loads(child.stdout)
         rows = [
             ("load_tasks (not a lookup; for scale)", t_load),
@@ -133,7 +134,7 @@ def main() -> None:
         if MARK in text:
             start = text.index(MARK)
             nxt = text.find("\n## ", start + len(MARK))
-            text = text[:start] + section + (text[nxt + 1:] if nxt != -1 else "")
+            text = text[:start] + section + (text[nxt + 1 :] if nxt != -1 else "")
         else:
             text = text.rstrip("\n") + "\n\n" + section
         res.write_text(text)

@@ -61,9 +61,11 @@ def main() -> int:
                 for shape, units in SHAPES:
                     scratch = t / f"scratch-{c}-{units}-r{rnd}"
                     scratch.mkdir(mode=0o700)
-                    for label, tree, env in (("baseline", base_tree, {"ET_HPC_SCRATCH": str(t / f"base-{c}-{units}")}),
-                                             ("now, fresh node", REPO, {"ET_HPC_SCRATCH": str(scratch)}),
-                                             ("now", REPO, {"ET_HPC_SCRATCH": str(scratch)})):
+                    for label, tree, env in (
+                        ("baseline", base_tree, {"ET_HPC_SCRATCH": str(t / f"base-{c}-{units}")}),
+                        ("now, fresh node", REPO, {"ET_HPC_SCRATCH": str(scratch)}),
+                        ("now", REPO, {"ET_HPC_SCRATCH": str(scratch)}),
+                    ):
                         name = f"{label.split(',')[0]}{'-fresh' if 'fresh' in label else ''}-c{c}-u{units}-r{rnd}"
                         wall, ts = run_once(tree, t / "store", name, units, c, None, env)
                         meta = json.loads((t / "store" / name / "run.json").read_text())
@@ -72,8 +74,7 @@ def main() -> int:
                         chosen[key] = f"warm {sb['warm']}, {sb['local_copy']}" if "warm" in sb else "warm 0, auto (old)"
                         walls.setdefault(key, []).append(wall)
                         timings.setdefault(key, []).extend(ts)
-                        print(f"{name}: {wall:.1f} s, {60 * units / wall:.1f} episodes/min ({chosen[key]})",
-                              file=sys.stderr)
+                        print(f"{name}: {wall:.1f} s, {60 * units / wall:.1f} episodes/min ({chosen[key]})", file=sys.stderr)
         for c in concs:
             for shape, units in SHAPES:
                 base_rate = None
@@ -83,18 +84,25 @@ def main() -> int:
                     rate = 60 * units * len(ws) / sum(ws)
                     base_rate = base_rate or rate
                     oh = [overhead(x) for x in ts]
-                    med = {k: statistics.median([x[k] for x in ts if x.get(k) is not None] or [float("nan")])
-                           for k in ("setup_s", "score_s")}
-                    rows.append(f"| {shape} | {c} | {label} | {chosen[key]} | {rate:.1f} | {rate / base_rate:.2f}x | "
-                                f"{statistics.median(oh):.2f} / {pct(oh, 0.95):.2f} | {med['setup_s']:.3f} | "
-                                f"{med['score_s']:.2f} |")
+                    med = {
+                        k: statistics.median([x[k] for x in ts if x.get(k) is not None] or [float("nan")]) for k in ("setup_s", "score_s")
+                    }
+                    rows.append(
+                        f"| {shape} | {c} | {label} | {chosen[key]} | {rate:.1f} | {rate / base_rate:.2f}x | "
+                        f"{statistics.median(oh):.2f} / {pct(oh, 0.95):.2f} | {med['setup_s']:.3f} | "
+                        f"{med['score_s']:.2f} |"
+                    )
     load = os.getloadavg()
-    lines = [f"`python bench/bench_defaults.py --baseline {a.baseline} --concurrency {a.concurrency} --rounds {a.rounds}` "
-             f"at {rev}: "
-             f"real oracle episodes on the 4 demo tasks with no --set, load average {load[0]:.1f} at the end.", "",
-             "| shape | concurrency | setting | chosen | episodes/min | x baseline | overhead median / p95 s | "
-             "setup median s | scoring median s |",
-             "|---|---|---|---|---|---|---|---|---|", *rows]
+    lines = [
+        f"`python bench/bench_defaults.py --baseline {a.baseline} --concurrency {a.concurrency} --rounds {a.rounds}` "
+        f"at {rev}: "
+        f"real oracle episodes on the 4 demo tasks with no --set, load average {load[0]:.1f} at the end.",
+        "",
+        "| shape | concurrency | setting | chosen | episodes/min | x baseline | overhead median / p95 s | "
+        "setup median s | scoring median s |",
+        "|---|---|---|---|---|---|---|---|---|",
+        *rows,
+    ]
     text = "\n".join(lines) + "\n"
     print(text)
     if a.append:

@@ -39,10 +39,21 @@ def synthetic(i: int, group: int, turns: int, rng: random.Random) -> EpisodeReco
         msgs.append({"role": "assistant", "content": f"<command>ls {t}</command>"})
         msgs.append({"role": "user", "content": "Command executed successfully. Output: a b c\n\n(exit_code=0)"})
     return EpisodeRecord(
-        run_name="bench", task_id=f"task_{g:06d}", sample=i % group, status="infra_error" if error else "ok",
-        reward=None if error else float(rng.random() > 0.5), messages=msgs, turns=turns, stop_reason="done",
-        prompt_token_ids=prompts, token_ids=completions, logprobs=lps, tokens_source="server-exact",
-        sampling_params={"temperature": 0.6}, policy_kind="openai-tools", model="m",
+        run_name="bench",
+        task_id=f"task_{g:06d}",
+        sample=i % group,
+        status="infra_error" if error else "ok",
+        reward=None if error else float(rng.random() > 0.5),
+        messages=msgs,
+        turns=turns,
+        stop_reason="done",
+        prompt_token_ids=prompts,
+        token_ids=completions,
+        logprobs=lps,
+        tokens_source="server-exact",
+        sampling_params={"temperature": 0.6},
+        policy_kind="openai-tools",
+        model="m",
     )
 
 
@@ -85,12 +96,18 @@ def main() -> None:
         n_tok = sum(len(r.token_sequence()[0]) for g in groups[:50] for r in g) / max(1, sum(len(g) for g in groups[:50]))
         rows = [
             ("read + select + records (mask)", t_load, CPU["load"], f"{counts.episodes} episodes in {counts.selected} groups"),
-            ("export atropos (mask, drop zero-variance)", t_at, CPU["atropos"],
-             f"{res_a.groups} groups, {res_a.episodes} episodes, {size_a:.0f} MiB"),
+            (
+                "export atropos (mask, drop zero-variance)",
+                t_at,
+                CPU["atropos"],
+                f"{res_a.groups} groups, {res_a.episodes} episodes, {size_a:.0f} MiB",
+            ),
             ("export skyrl (mask)", t_sk, CPU["skyrl"], f"{res_s.rows} rows, {size_s:.0f} MiB"),
         ]
-        print(f"{tokens} episodes, {a.group} per group, {a.turns} turns, ~{n_tok:.0f} tokens per episode; "
-              f"write {t_write:.1f} s; {counts.masked} groups masked; {platform.node()}, {os.cpu_count()} cores")
+        print(
+            f"{tokens} episodes, {a.group} per group, {a.turns} turns, ~{n_tok:.0f} tokens per episode; "
+            f"write {t_write:.1f} s; {counts.masked} groups masked; {platform.node()}, {os.cpu_count()} cores"
+        )
         if a.markdown:
             print("| step | wall s | CPU s | episodes/s (wall) | what |\n|---|---|---|---|---|")
             for name, t, c, what in rows:

@@ -46,13 +46,16 @@ def rss_mb(sid: int) -> float:
 
 
 def speeds(srv, key: str, reps: int = 3) -> tuple[float, float, int]:
-    prompt = "Summarise the following shell session.\n" + "\n".join(f"$ ls /srv/data/{i}\nfile_{i}.csv  notes_{i}.txt"
-                                                                    for i in range(40))
+    prompt = "Summarise the following shell session.\n" + "\n".join(f"$ ls /srv/data/{i}\nfile_{i}.csv  notes_{i}.txt" for i in range(40))
     url = f"http://127.0.0.1:{srv.port}/completion"
     pre, dec, n = [], [], 0
     for _ in range(reps):
-        r = httpx.post(url, headers={"Authorization": f"Bearer {key}"}, timeout=300, json={
-            "prompt": prompt, "n_predict": 128, "temperature": 0, "ignore_eos": True, "cache_prompt": False})
+        r = httpx.post(
+            url,
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=300,
+            json={"prompt": prompt, "n_predict": 128, "temperature": 0, "ignore_eos": True, "cache_prompt": False},
+        )
         t = r.json()["timings"]
         pre.append(t["prompt_per_second"])
         dec.append(t["predicted_per_second"])
@@ -63,11 +66,35 @@ def speeds(srv, key: str, reps: int = 3) -> tuple[float, float, int]:
 def episodes(store: Path, name: str, ep: Path, mode: str, conc: int, a: argparse.Namespace) -> dict:
     t0 = time.monotonic()
     tasks = ["--set", f"tasks.ids=[{a.tasks}]"] if a.tasks else []
-    r = subprocess.run([*ET, "run", str(REPO / "defs" / "demo"), "--policy", "openai", "--samples", str(a.samples),
-                        "--concurrency", str(conc), "--store", str(store), "--run-name", name, "--json", *tasks,
-                        "--set", f"policy.endpoint_file={ep}", "--set", f"policy.mode={mode}",
-                        "--set", f"budgets.max_turns={a.turns}", "--set", f"budgets.max_tokens_per_turn={a.max_tokens}"],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            *ET,
+            "run",
+            str(REPO / "defs" / "demo"),
+            "--policy",
+            "openai",
+            "--samples",
+            str(a.samples),
+            "--concurrency",
+            str(conc),
+            "--store",
+            str(store),
+            "--run-name",
+            name,
+            "--json",
+            *tasks,
+            "--set",
+            f"policy.endpoint_file={ep}",
+            "--set",
+            f"policy.mode={mode}",
+            "--set",
+            f"budgets.max_turns={a.turns}",
+            "--set",
+            f"budgets.max_tokens_per_turn={a.max_tokens}",
+        ],
+        capture_output=True,
+        text=True,
+    )
     wall = time.monotonic() - t0
     if r.returncode not in (0, 1):
         raise SystemExit(r.stderr[-2000:])
@@ -77,13 +104,22 @@ def episodes(store: Path, name: str, ep: Path, mode: str, conc: int, a: argparse
     model = sum(x.timings.model_s or 0 for x in recs)
     total = sum(x.timings.total_s or 0 for x in recs)
     toks = sum(x.completion_tokens or 0 for x in recs)
-    cap = subprocess.run([*ET, "status", name, "--store", str(store), "--capacity", "--cores", "64", "--json"],
-                         capture_output=True, text=True)
-    return {"mode": mode, "concurrency": conc, "episodes": len(recs), "wall_s": round(wall, 1),
-            "per_hour": round(3600 * len(recs) / wall, 1), "model_share": round(model / total, 3) if total else None,
-            "ok": sum(x.status == "ok" for x in recs), "solved": sum((x.reward or 0) >= 1 for x in recs),
-            "tok_s": round(toks / model, 1) if model else None, "tokens_source": sorted({str(x.tokens_source) for x in recs}),
-            "capacity": cap.stdout if cap.returncode == 0 else cap.stderr}
+    cap = subprocess.run(
+        [*ET, "status", name, "--store", str(store), "--capacity", "--cores", "64", "--json"], capture_output=True, text=True
+    )
+    return {
+        "mode": mode,
+        "concurrency": conc,
+        "episodes": len(recs),
+        "wall_s": round(wall, 1),
+        "per_hour": round(3600 * len(recs) / wall, 1),
+        "model_share": round(model / total, 3) if total else None,
+        "ok": sum(x.status == "ok" for x in recs),
+        "solved": sum((x.reward or 0) >= 1 for x in recs),
+        "tok_s": round(toks / model, 1) if model else None,
+        "tokens_source": sorted({str(x.tokens_source) for x in recs}),
+        "capacity": cap.stdout if cap.returncode == 0 else cap.stderr,
+    }
 
 
 def main() -> None:
@@ -108,8 +144,11 @@ def main() -> None:
         idle = rss_mb(srv.proc.pid)
         if not a.no_speeds:
             pre, dec, n = speeds(srv, key)
-            print(f"model {srv.alias}: prefill {pre:.0f} tok/s ({n}-token prompt), decode {dec:.0f} tok/s; "
-                  f"server RSS {idle:.0f} MB idle, {rss_mb(srv.proc.pid):.0f} MB after use", flush=True)
+            print(
+                f"model {srv.alias}: prefill {pre:.0f} tok/s ({n}-token prompt), decode {dec:.0f} tok/s; "
+                f"server RSS {idle:.0f} MB idle, {rss_mb(srv.proc.pid):.0f} MB after use",
+                flush=True,
+            )
         stamp = time.strftime("%H%M%S")
         for mode in a.modes.split(","):
             for conc in map(int, a.concurrency.split(",")):

@@ -78,12 +78,14 @@ def _check(outputs: list[str]) -> list[str]:
 
 # -- peer drivers (run under the peers' interpreter) -----------------------------------------
 
+
 def _hermes_lifecycle(sif: str) -> tuple[float, float, float, list[str]]:
     from tools.terminal_tool import _create_environment
 
     t0 = time.perf_counter()
-    env = _create_environment("singularity", sif, "/", 60, task_id=f"bench-{uuid.uuid4().hex[:8]}",
-                              container_config={"container_cpu": 0, "container_memory": 0})
+    env = _create_environment(
+        "singularity", sif, "/", 60, task_id=f"bench-{uuid.uuid4().hex[:8]}", container_config={"container_cpu": 0, "container_memory": 0}
+    )
     t1 = time.perf_counter()
     outs = [env.execute(cmd)["output"] for cmd, _ in COMMANDS]
     t2 = time.perf_counter()
@@ -132,8 +134,9 @@ def driver(name: str, sif: str) -> None:
 class Peer:
     def __init__(self, name: str, python: Path, sif: Path) -> None:
         self.name = name
-        self.proc = subprocess.Popen([str(python), __file__, "--driver", name, "--sif", str(sif)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [str(python), __file__, "--driver", name, "--sif", str(sif)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         self.version = json.loads(self._line())["version"]
 
     def _line(self) -> str:
@@ -157,9 +160,13 @@ class Peer:
 
 def ensure_peers_venv(venv: Path) -> Path:
     py = venv / "bin" / "python"
-    ok = py.exists() and subprocess.run(
-        [str(py), "-c", "import tools.environments.singularity, minisweagent.environments.singularity"],
-        capture_output=True).returncode == 0
+    ok = (
+        py.exists()
+        and subprocess.run(
+            [str(py), "-c", "import tools.environments.singularity, minisweagent.environments.singularity"], capture_output=True
+        ).returncode
+        == 0
+    )
     if not ok:
         print(f"installing {' '.join(PEER_PACKAGES)} into {venv} (once)", file=sys.stderr)
         subprocess.run([sys.executable if not py.exists() else str(py), "-m", "venv", str(venv)], check=True)
@@ -168,6 +175,7 @@ def ensure_peers_venv(venv: Path) -> Path:
 
 
 # -- et-hpc ----------------------------------------------------------------------------------
+
 
 def et_lifecycle(sif: Path, scratch: Path) -> dict[str, Any]:
     from et_hpc.sandbox.sandbox import Sandbox
@@ -194,9 +202,19 @@ def et_warm_lifecycle(sif: Path, scratch: Path) -> dict[str, Any]:
     from et_hpc.sandbox.warm import SandboxSpec, WarmPool, dead_reason, start_ready
 
     os.environ["ET_HPC_SCRATCH"] = str(scratch)
-    spec = SandboxSpec(image_path=str(sif), image_digest=None, run_prefix="bench", overlay_mb=512,
-                       writable_tmpfs=False, network_none=True, nproc=None, vmem_mb=None, fsize_mb=None,
-                       output_limit=50_000, local_copy="never")
+    spec = SandboxSpec(
+        image_path=str(sif),
+        image_digest=None,
+        run_prefix="bench",
+        overlay_mb=512,
+        writable_tmpfs=False,
+        network_none=True,
+        nproc=None,
+        vmem_mb=None,
+        fsize_mb=None,
+        output_limit=50_000,
+        local_copy="never",
+    )
     ready = start_ready(spec)
     t0 = time.perf_counter()
     dead = dead_reason(ready)
@@ -210,8 +228,13 @@ def et_warm_lifecycle(sif: Path, scratch: Path) -> dict[str, Any]:
     t4 = time.perf_counter()
     if not handed:
         raise RuntimeError("the pool refused the sandbox")
-    return {"setup_s": t1 - t0, "cmds_s": t2 - t1, "stop_s": t3 - t2, "background_stop_s": t4 - t3,
-            "bad": _check(outs) + ([dead] if dead else [])}
+    return {
+        "setup_s": t1 - t0,
+        "cmds_s": t2 - t1,
+        "stop_s": t3 - t2,
+        "background_stop_s": t4 - t3,
+        "bad": _check(outs) + ([dead] if dead else []),
+    }
 
 
 def _proc_mem_kb(pid: int) -> tuple[int, int]:
@@ -238,7 +261,7 @@ def _procs() -> dict[int, tuple[int, int]]:
             s = open(f"/proc/{d}/stat").read()
         except OSError:
             continue
-        f = s[s.rindex(")") + 2:].split()
+        f = s[s.rindex(")") + 2 :].split()
         out[int(d)] = (int(f[1]), int(f[3]))
     return out
 
@@ -271,8 +294,7 @@ def sandbox_memory(sif: Path, scratch: Path, n: int) -> dict[str, Any]:
         pids |= kids - {me}
         mem = [_proc_mem_kb(p) for p in pids]
         rss, pss = sum(m[0] for m in mem), sum(m[1] for m in mem)
-        return {"sandboxes": n, "processes": len(pids), "rss_mb_per_sandbox": rss / 1024 / n,
-                "pss_mb_per_sandbox": pss / 1024 / n}
+        return {"sandboxes": n, "processes": len(pids), "rss_mb_per_sandbox": rss / 1024 / n, "pss_mb_per_sandbox": pss / 1024 / n}
     finally:
         for sb in boxes:
             sb.stop()
@@ -306,18 +328,25 @@ def local_copy_bench(sif: Path, scratch: Path, reps: int) -> dict[str, Any]:
     starts: dict[str, list[float]] = {k: [] for k in paths}
     for i in range(reps):
         keys = list(paths)
-        for which in keys[i % 3:] + keys[:i % 3]:
+        for which in keys[i % 3 :] + keys[: i % 3]:
             t = time.perf_counter()
             sb = Sandbox(paths[which], run_prefix="bench", scratch=scratch).start()
             starts[which].append(time.perf_counter() - t)
             sb.stop()
     li.release()
     tree.release()
-    return {"same_fs": not different_filesystem(sif, scratch), "size_mb": sif.stat().st_size / 1e6,
-            "copy_s": copy_s, "reuse_s": reuse_s, "unpack_s": unpack_s, "starts": starts}
+    return {
+        "same_fs": not different_filesystem(sif, scratch),
+        "size_mb": sif.stat().st_size / 1e6,
+        "copy_s": copy_s,
+        "reuse_s": reuse_s,
+        "unpack_s": unpack_s,
+        "starts": starts,
+    }
 
 
 # -- report ----------------------------------------------------------------------------------
+
 
 def _p95(xs: list[float]) -> float:
     s = sorted(xs)
@@ -326,11 +355,15 @@ def _p95(xs: list[float]) -> float:
 
 def _row(rs: list[dict[str, Any]]) -> dict[str, float]:
     tot = [r["setup_s"] + r["cmds_s"] + r["stop_s"] for r in rs]
-    return {"n": len(rs), "median": statistics.median(tot), "p95": _p95(tot),
-            "setup": statistics.median(r["setup_s"] for r in rs),
-            "cmds": statistics.median(r["cmds_s"] for r in rs),
-            "stop": statistics.median(r["stop_s"] for r in rs),
-            "bg_stop": statistics.median(r.get("background_stop_s", 0.0) for r in rs)}
+    return {
+        "n": len(rs),
+        "median": statistics.median(tot),
+        "p95": _p95(tot),
+        "setup": statistics.median(r["setup_s"] for r in rs),
+        "cmds": statistics.median(r["cmds_s"] for r in rs),
+        "stop": statistics.median(r["stop_s"] for r in rs),
+        "bg_stop": statistics.median(r.get("background_stop_s", 0.0) for r in rs),
+    }
 
 
 def _parse_args() -> argparse.Namespace:
@@ -352,11 +385,10 @@ def _parse_args() -> argparse.Namespace:
     return a
 
 
-def _lifecycles(runners: list, reps: int, results: dict[str, list[dict[str, Any]]],
-                errors: dict[str, list[str]]) -> None:
+def _lifecycles(runners: list, reps: int, results: dict[str, list[dict[str, Any]]], errors: dict[str, list[str]]) -> None:
     """``reps`` interleaved rounds of every runner after one untimed warm-up round (page cache, templates)."""
     for rnd in range(reps + 1):
-        order = runners[rnd % len(runners):] + runners[:rnd % len(runners)]
+        order = runners[rnd % len(runners) :] + runners[: rnd % len(runners)]
         for name, fn in order:
             os.sync()  # untimed: no lifecycle pays for the previous one's writeback
             r = fn()
@@ -377,17 +409,18 @@ def measure(sif: Path, a: argparse.Namespace) -> tuple[dict[str, Any], dict[str,
     if not a.no_peers:
         py = ensure_peers_venv(a.peers_venv)
         peers = [Peer(n, py, sif) for n in PEERS]
-    results: dict[str, list[dict[str, Any]]] = {"et-hpc": [], "et-hpc unpacked": [], "et-hpc warm": [],
-                                                **{p.name: [] for p in peers}}
+    results: dict[str, list[dict[str, Any]]] = {"et-hpc": [], "et-hpc unpacked": [], "et-hpc warm": [], **{p.name: [] for p in peers}}
     errors: dict[str, list[str]] = {k: [] for k in results}
     with tempfile.TemporaryDirectory(prefix="bench-peers-") as d:
         scratch = Path(d)
         from et_hpc.images.local_copy import local_tree
 
         tree = local_tree(sif, None, scratch=scratch / "trees")  # once per node, untimed (see local_copy_bench)
-        runners = [("et-hpc", lambda: et_lifecycle(sif, scratch)),
-                   ("et-hpc unpacked", lambda: et_lifecycle(tree.path, scratch)),
-                   ("et-hpc warm", lambda: et_warm_lifecycle(sif, scratch))] + [(p.name, p.run) for p in peers]
+        runners = [
+            ("et-hpc", lambda: et_lifecycle(sif, scratch)),
+            ("et-hpc unpacked", lambda: et_lifecycle(tree.path, scratch)),
+            ("et-hpc warm", lambda: et_warm_lifecycle(sif, scratch)),
+        ] + [(p.name, p.run) for p in peers]
         _lifecycles(runners, a.reps, results, errors)
         for p in peers:
             p.close()
@@ -397,9 +430,16 @@ def measure(sif: Path, a: argparse.Namespace) -> tuple[dict[str, Any], dict[str,
         lc = local_copy_bench(sif, scratch, a.reps)
     load1 = Path("/proc/loadavg").read_text().split()[:3]
     rows = {k: _row(v) for k, v in results.items() if v}
-    out = {"load_start": load0, "load_end": load1, "rows": rows, "errors": errors, "memory": mem,
-           "memory_unpacked": mem_tree, "local_copy": lc,
-           "versions": {p.name: p.version for p in peers}}
+    out = {
+        "load_start": load0,
+        "load_end": load1,
+        "rows": rows,
+        "errors": errors,
+        "memory": mem,
+        "memory_unpacked": mem_tree,
+        "local_copy": lc,
+        "versions": {p.name: p.version for p in peers},
+    }
     return out, results
 
 
@@ -410,43 +450,47 @@ def _print_ratios(rows: dict[str, Any]) -> None:
         for k, target in (("hermes", 6), ("mini", 25)):
             if k in rows and mine in rows:
                 ratio = rows[k]["median"] / rows[mine]["median"]
-                print(f"\n{k} / {mine} (medians): {ratio:.1f}x (target >= {target}x: "
-                      f"{'met' if ratio >= target else 'NOT met'})", end="")
+                print(f"\n{k} / {mine} (medians): {ratio:.1f}x (target >= {target}x: {'met' if ratio >= target else 'NOT met'})", end="")
     warm = rows.get("et-hpc warm")
     if warm and "hermes" in rows:
         ratio = rows["hermes"]["median"] / warm["median"]
-        print(f"\nhermes (cold) / et-hpc warm (medians): {ratio:.1f}x (target >= 30x: "
-              f"{'met' if ratio >= 30 else 'NOT met'})", end="")
+        print(f"\nhermes (cold) / et-hpc warm (medians): {ratio:.1f}x (target >= 30x: {'met' if ratio >= 30 else 'NOT met'})", end="")
     print()
 
 
 def print_markdown(out: dict[str, Any], reps: int) -> None:
     rows, mem, mem_tree, lc = out["rows"], out["memory"], out["memory_unpacked"], out["local_copy"]
-    print(f"load average at start {' '.join(out['load_start'])}, at end {' '.join(out['load_end'])}; {reps} "
-          "lifecycles each (after one warm-up round), interleaved; peers: "
-          + ", ".join(f"{k} {v}" for k, v in out["versions"].items()) + "\n")
-    print("| lifecycle (new sandbox, 10 commands, teardown; warm: started ahead, untimed) | n | median s | p95 s "
-          "| setup s | 10 commands s | teardown s |")
+    print(
+        f"load average at start {' '.join(out['load_start'])}, at end {' '.join(out['load_end'])}; {reps} "
+        "lifecycles each (after one warm-up round), interleaved; peers: " + ", ".join(f"{k} {v}" for k, v in out["versions"].items()) + "\n"
+    )
+    print(
+        "| lifecycle (new sandbox, 10 commands, teardown; warm: started ahead, untimed) | n | median s | p95 s "
+        "| setup s | 10 commands s | teardown s |"
+    )
     print("|---|---|---|---|---|---|---|")
     for k, r in rows.items():
         bg = f" (+{r['bg_stop']:.2f} in the background)" if r["bg_stop"] else ""
-        print(f"| {k} | {r['n']} | {r['median']:.2f} | {r['p95']:.2f} | {r['setup']:.2f} | {r['cmds']:.3f} "
-              f"| {r['stop']:.2f}{bg} |")
+        print(f"| {k} | {r['n']} | {r['median']:.2f} | {r['p95']:.2f} | {r['setup']:.2f} | {r['cmds']:.3f} | {r['stop']:.2f}{bg} |")
     _print_ratios(rows)
     for k, errs in out["errors"].items():
         if errs:
             print(f"\n{k}: {len(errs)} failed lifecycles, first: {errs[0][:300]}")
     for what, m in (("from the SIF", mem), ("from the unpacked tree", mem_tree)):
-        print(f"\nMemory, {what}: {m['sandboxes']} live et-hpc sandboxes (each with its shell), {m['processes']} "
-              f"processes: {m['rss_mb_per_sandbox']:.1f} MB RSS, {m['pss_mb_per_sandbox']:.1f} MB PSS per sandbox.")
+        print(
+            f"\nMemory, {what}: {m['sandboxes']} live et-hpc sandboxes (each with its shell), {m['processes']} "
+            f"processes: {m['rss_mb_per_sandbox']:.1f} MB RSS, {m['pss_mb_per_sandbox']:.1f} MB PSS per sandbox."
+        )
     st = lc["starts"]
-    print(f"\nLocal copy of the {lc['size_mb']:.0f} MB SIF: copy+sha256 {statistics.median(lc['copy_s']):.2f} s "
-          f"(median of {len(lc['copy_s'])}), reuse of a present copy {lc['reuse_s'] * 1000:.1f} ms; "
-          f"unpacking it (sha256 + unsquashfs) {statistics.median(lc['unpack_s']):.2f} s (median of "
-          f"{len(lc['unpack_s'])}); sandbox start from the cache {statistics.median(st['cache']):.3f} s vs from "
-          f"the copy {statistics.median(st['local']):.3f} s vs from the unpacked tree "
-          f"{statistics.median(st['tree']):.3f} s (medians of {len(st['cache'])}; "
-          f"{'same filesystem here' if lc['same_fs'] else 'different filesystems'}).")
+    print(
+        f"\nLocal copy of the {lc['size_mb']:.0f} MB SIF: copy+sha256 {statistics.median(lc['copy_s']):.2f} s "
+        f"(median of {len(lc['copy_s'])}), reuse of a present copy {lc['reuse_s'] * 1000:.1f} ms; "
+        f"unpacking it (sha256 + unsquashfs) {statistics.median(lc['unpack_s']):.2f} s (median of "
+        f"{len(lc['unpack_s'])}); sandbox start from the cache {statistics.median(st['cache']):.3f} s vs from "
+        f"the copy {statistics.median(st['local']):.3f} s vs from the unpacked tree "
+        f"{statistics.median(st['tree']):.3f} s (medians of {len(st['cache'])}; "
+        f"{'same filesystem here' if lc['same_fs'] else 'different filesystems'})."
+    )
 
 
 def main() -> None:

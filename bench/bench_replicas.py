@@ -46,9 +46,27 @@ def start_servers(root: Path, n: int, turns: int) -> tuple[Path, list[tuple[subp
     for i in range(n):
         log = root / f"server{i}.log"
         with open(log, "w") as out:
-            procs.append((subprocess.Popen([sys.executable, "-m", "et_hpc.testing.scripted_server", "--script", str(script),
-                                            "--port", "0", "--endpoint-dir", str(d), "--log-requests"],
-                                           stdout=out, stderr=subprocess.STDOUT), log))
+            procs.append(
+                (
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            "-m",
+                            "et_hpc.testing.scripted_server",
+                            "--script",
+                            str(script),
+                            "--port",
+                            "0",
+                            "--endpoint-dir",
+                            str(d),
+                            "--log-requests",
+                        ],
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                    ),
+                    log,
+                )
+            )
     end = time.monotonic() + 30
     while len(list(d.glob("*.json"))) < n:
         if time.monotonic() > end:
@@ -122,11 +140,16 @@ def run(args: argparse.Namespace, kill: bool) -> dict:
                 p.wait(timeout=30)
     normal = [t for e in out for t, moved in e["lats"] if not moved]
     moved = [t for e in out for t, m in e["lats"] if m]
-    return {"episodes": len(out), "lost": sum(e["lost"] for e in out), "wall_s": wall, "shares": shares,
-            "failovers": sum(len(e["events"]) for e in out),
-            "found_dead": sum("found dead" in ev for e in out for ev in e["events"]),
-            "turn_median_s": statistics.median(normal) if normal else None,
-            "failover_turns_s": sorted(moved)}
+    return {
+        "episodes": len(out),
+        "lost": sum(e["lost"] for e in out),
+        "wall_s": wall,
+        "shares": shares,
+        "failovers": sum(len(e["events"]) for e in out),
+        "found_dead": sum("found dead" in ev for e in out for ev in e["events"]),
+        "turn_median_s": statistics.median(normal) if normal else None,
+        "failover_turns_s": sorted(moved),
+    }
 
 
 def main() -> None:
@@ -150,14 +173,14 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- |")
     for name, r in (("no faults", spread), ("one server SIGKILLed", fo)):
         shares = " / ".join(str(v) for v in r["shares"].values())
-        print(f"| {name} | {r['episodes']} | {r['lost']} | {r['failovers']} ({r['found_dead']}) | {shares} | "
-              f"{r['wall_s']:.1f} |")
-    print(f"\nNo faults: largest deviation from an even share {dev * 100:.0f}%. Median turn "
-          f"{spread['turn_median_s'] * 1000:.1f} ms.")
+        print(f"| {name} | {r['episodes']} | {r['lost']} | {r['failovers']} ({r['found_dead']}) | {shares} | {r['wall_s']:.1f} |")
+    print(f"\nNo faults: largest deviation from an even share {dev * 100:.0f}%. Median turn {spread['turn_median_s'] * 1000:.1f} ms.")
     if ft:
-        print(f"Failed-over turns: {len(ft)}, latency median {statistics.median(ft) * 1000:.0f} ms, max "
-              f"{max(ft) * 1000:.0f} ms (median turn {med * 1000:.1f} ms): extra "
-              f"**{(statistics.median(ft) - med) * 1000:.0f} ms** per failed-over turn.")
+        print(
+            f"Failed-over turns: {len(ft)}, latency median {statistics.median(ft) * 1000:.0f} ms, max "
+            f"{max(ft) * 1000:.0f} ms (median turn {med * 1000:.1f} ms): extra "
+            f"**{(statistics.median(ft) - med) * 1000:.0f} ms** per failed-over turn."
+        )
 
 
 if __name__ == "__main__":

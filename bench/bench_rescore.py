@@ -28,8 +28,7 @@ DEMO = HERE.parent / "defs" / "demo"
 
 def _cli(args: list[str], env_store: Path) -> float:
     t = time.monotonic()
-    cp = subprocess.run([sys.executable, "-m", "et_hpc.cli", *args, "--store", str(env_store)], capture_output=True,
-                        text=True)
+    cp = subprocess.run([sys.executable, "-m", "et_hpc.cli", *args, "--store", str(env_store)], capture_output=True, text=True)
     if cp.returncode != 0:
         sys.exit(f"{' '.join(args[:2])} failed: {cp.stderr[-1500:]}")
     return time.monotonic() - t
@@ -51,10 +50,11 @@ def main() -> int:
 
     root = Path(tempfile.mkdtemp(prefix="bench-rescore-"))
     run = ["run", str(DEMO), "--policy", "oracle", "--samples", str(a.samples), "--concurrency", str(a.concurrency)]
-    wall = {"live": _cli([*run, "--run-name", "plain"], root),
-            "kept": _cli([*run, "--run-name", "kept", "--set", "sandbox.keep_final_state=true"], root),
-            "rescore": _cli(["rescore", "kept", "--task-source", str(DEMO), "--run-name", "again",
-                             "--concurrency", str(a.concurrency)], root)}
+    wall = {
+        "live": _cli([*run, "--run-name", "plain"], root),
+        "kept": _cli([*run, "--run-name", "kept", "--set", "sandbox.keep_final_state=true"], root),
+        "rescore": _cli(["rescore", "kept", "--task-source", str(DEMO), "--run-name", "again", "--concurrency", str(a.concurrency)], root),
+    }
     plain = records_from_table(RunStore(root / "plain").read())
     kept = records_from_table(RunStore(root / "kept").read())
     again = records_from_table(RunStore(root / "again").read())
@@ -63,16 +63,19 @@ def main() -> int:
     rows = []
     for tid in sorted({r.task_id for r in kept}):
         sizes = [fs.size_of(root / "kept", r.final_state) or 0 for r in kept if r.task_id == tid]
-        rows.append(f"| {tid} | {statistics.median(sizes) / 1024:.1f} KiB | "
-                    f"{_med([r.timings.teardown_s for r in plain if r.task_id == tid])} | "
-                    f"{_med([r.timings.teardown_s for r in kept if r.task_id == tid])} |")
+        rows.append(
+            f"| {tid} | {statistics.median(sizes) / 1024:.1f} KiB | "
+            f"{_med([r.timings.teardown_s for r in plain if r.task_id == tid])} | "
+            f"{_med([r.timings.teardown_s for r in kept if r.task_id == tid])} |"
+        )
     resc = [float(m.group(1)) for r in again for e in r.events if (m := re.search(r"rescore: .* total ([0-9.]+) s", e))]
     lines = [
         "## Kept final states and rescoring (bench/bench_rescore.py)\n",
-        f"{n} oracle episodes of the 4 demo tasks ({a.samples} samples each), concurrency {a.concurrency}, "
-        "local runner, 2-core VM.\n",
+        f"{n} oracle episodes of the 4 demo tasks ({a.samples} samples each), concurrency {a.concurrency}, local runner, 2-core VM.\n",
         "| task | kept archive (median) | teardown without keeping, s | teardown with keeping, s |",
-        "|---|---|---|---|", *rows, "",
+        "|---|---|---|---|",
+        *rows,
+        "",
         "| per episode (median) | live, without keeping | live, keeping | rescore (same tests) |",
         "|---|---|---|---|",
         f"| episode total_s / rescore total, s | {_med([r.timings.total_s for r in plain])} | "

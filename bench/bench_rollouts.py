@@ -37,9 +37,20 @@ from et_hpc.rollouts.queue import WorkQueue, slot_name  # noqa: E402
 
 
 def _table(task: str, epoch: int, g: int = 8):
-    return records_to_table([EpisodeRecord(run_name="b", task_id=task, sample=epoch * g + i, group_id=f"{task}@e{epoch}",
-                                           status="ok", reward=float(i % 2), messages=[{"role": "user", "content": "x" * 400}])
-                             for i in range(g)])
+    return records_to_table(
+        [
+            EpisodeRecord(
+                run_name="b",
+                task_id=task,
+                sample=epoch * g + i,
+                group_id=f"{task}@e{epoch}",
+                status="ok",
+                reward=float(i % 2),
+                messages=[{"role": "user", "content": "x" * 400}],
+            )
+            for i in range(g)
+        ]
+    )
 
 
 def _claim_all(run_dir: str, out: str, start: float) -> None:
@@ -94,8 +105,7 @@ def bench_poll(tmp: Path, groups: int) -> dict:
     new_ms = (time.perf_counter() - t) * 1000
     assert len(got) == 10
     s.close()
-    return {"groups": groups, "episodes": groups * 8, "empty_poll_ms": round(empty_ms, 3),
-            "read_10_new_ms": round(new_ms, 1)}
+    return {"groups": groups, "episodes": groups * 8, "empty_poll_ms": round(empty_ms, 3), "read_10_new_ms": round(new_ms, 1)}
 
 
 def _producer(run_dir: str, n: int) -> None:
@@ -104,8 +114,7 @@ def _producer(run_dir: str, n: int) -> None:
     for _ in range(n):
         lease = q.claim("p")
         t0 = time.time()
-        q.commit(lease, _table(lease.unit.task_id, lease.unit.epoch).replace_schema_metadata(
-            {b"t0": str(t0).encode()}))
+        q.commit(lease, _table(lease.unit.task_id, lease.unit.epoch).replace_schema_metadata({b"t0": str(t0).encode()}))
         time.sleep(rng.uniform(0.05, 0.4))
 
 
@@ -125,8 +134,12 @@ def bench_latency(tmp: Path, n: int) -> dict:
             lats.append(g.received_at - t0)
     p.join()
     lats.sort()
-    return {"groups": n, "p50_ms": round(1000 * statistics.median(lats), 1),
-            "p95_ms": round(1000 * lats[int(0.95 * (n - 1))], 1), "poll_s": s.poll_s}
+    return {
+        "groups": n,
+        "p50_ms": round(1000 * statistics.median(lats), 1),
+        "p95_ms": round(1000 * lats[int(0.95 * (n - 1))], 1),
+        "poll_s": s.poll_s,
+    }
 
 
 def bench_episodes(tmp: Path) -> dict:
@@ -134,8 +147,12 @@ def bench_episodes(tmp: Path) -> dict:
     env = dict(os.environ)
     common = ["--policy", "oracle", "--concurrency", "2", "--store", str(tmp / "store"), "--no-compact"]
     t = time.monotonic()
-    r = subprocess.run(et + ["run", str(REPO / "defs" / "demo"), "--samples", "4", "--run-name", "fixed", "--json", *common],
-                       env=env, capture_output=True, text=True)
+    r = subprocess.run(
+        et + ["run", str(REPO / "defs" / "demo"), "--samples", "4", "--run-name", "fixed", "--json", *common],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     fixed_s = time.monotonic() - t
     run_dir = tmp / "store" / "cont"
@@ -153,16 +170,39 @@ def bench_episodes(tmp: Path) -> dict:
     th = threading.Thread(target=consume, daemon=True)
     th.start()
     t = time.monotonic()
-    r = subprocess.run(et + ["run", str(REPO / "defs" / "demo"), "--samples", "4", "--run-name", "cont", "--continuous",
-                             "--target-groups", "4", "--set", "continuous.poll_s=0.5", "--json", *common[:-1]],
-                       env=env, capture_output=True, text=True)
+    r = subprocess.run(
+        et
+        + [
+            "run",
+            str(REPO / "defs" / "demo"),
+            "--samples",
+            "4",
+            "--run-name",
+            "cont",
+            "--continuous",
+            "--target-groups",
+            "4",
+            "--set",
+            "continuous.poll_s=0.5",
+            "--json",
+            *common[:-1],
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     cont_s = time.monotonic() - t
     assert r.returncode == 0, r.stderr[-2000:]
     th.join(30)
     stop.set()
-    return {"episodes": 16, "fixed_s": round(fixed_s, 1), "fixed_eps_per_min": round(16 * 60 / fixed_s, 1),
-            "continuous_s": round(cont_s, 1), "continuous_eps_per_min": round(16 * 60 / cont_s, 1),
-            "last_episode_to_trainer_s": [round(x, 2) for x in sorted(lats)]}
+    return {
+        "episodes": 16,
+        "fixed_s": round(fixed_s, 1),
+        "fixed_eps_per_min": round(16 * 60 / fixed_s, 1),
+        "continuous_s": round(cont_s, 1),
+        "continuous_eps_per_min": round(16 * 60 / cont_s, 1),
+        "last_episode_to_trainer_s": [round(x, 2) for x in sorted(lats)],
+    }
 
 
 def main() -> int:

@@ -52,8 +52,10 @@ def sleep_runner(task: Task, sample: int, cfg: RunConfig, image, stop: threading
 def synthetic_tasks(root: Path, n: int, sleep_s: float) -> list[Task]:
     sif = root / "img.sif"
     sif.write_text("stand-in")
-    return [Task(id=f"b{i:04d}", prompt="-", recipe=Recipe(kind="sif", path=sif, context_dir=root),
-                 source=root, metadata={"sleep_s": sleep_s}) for i in range(n)]
+    return [
+        Task(id=f"b{i:04d}", prompt="-", recipe=Recipe(kind="sif", path=sif, context_dir=root), source=root, metadata={"sleep_s": sleep_s})
+        for i in range(n)
+    ]
 
 
 def lookup(task: Task):
@@ -64,8 +66,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runner", default="bench_runner:sleep_runner", help="unit runner module:function")
     ap.add_argument("--tasks-dir", help="real tasks (their images must be built)")
-    ap.add_argument("--demo", action="store_true",
-                    help="real oracle episodes on defs/demo (sets --runner, --tasks-dir, --policy)")
+    ap.add_argument("--demo", action="store_true", help="real oracle episodes on defs/demo (sets --runner, --tasks-dir, --policy)")
     ap.add_argument("--policy", default="oracle")
     ap.add_argument("--units", type=int, default=16)
     ap.add_argument("--sleep-s", type=float, default=2.0)
@@ -84,8 +85,9 @@ def main() -> int:
         tasks = None if a.tasks_dir else synthetic_tasks(root, a.units, a.sleep_s)
         look = None if a.tasks_dir else lookup
         samples = 1
-        base = dict(store=root / "store", unit_runner=a.runner, policy={"kind": a.policy},
-                    tasks={"tasks_dir": a.tasks_dir} if a.tasks_dir else {})
+        base = dict(
+            store=root / "store", unit_runner=a.runner, policy={"kind": a.policy}, tasks={"tasks_dir": a.tasks_dir} if a.tasks_dir else {}
+        )
         if a.demo:
             samples = max(1, a.units // 4)
         elif a.tasks_dir:
@@ -101,10 +103,13 @@ def main() -> int:
             print(f"local c={c}: {res.ok + res.errors} episodes ({res.errors} errors) in {dt:.1f} s", file=sys.stderr)
         for c in levels if a.slurm else []:
             par, per_task = max(1, c // 2), min(c, 2)
-            cfg = RunConfig(name=f"slurm-c{c}", concurrency=per_task, executor="slurm",
-                            slurm=SlurmConfig(cpus_per_task=1, time_min=30, array_parallelism=par,
-                                               units_per_task=a.units_per_task or 1),
-                            **base)
+            cfg = RunConfig(
+                name=f"slurm-c{c}",
+                concurrency=per_task,
+                executor="slurm",
+                slurm=SlurmConfig(cpus_per_task=1, time_min=30, array_parallelism=par, units_per_task=a.units_per_task or 1),
+                **base,
+            )
             plan = make_plan(cfg, tasks=tasks, image_lookup=look)
             n_units = len(plan.units)
             upt = a.units_per_task or max(1, -(-n_units // (2 * par)))
@@ -116,16 +121,17 @@ def main() -> int:
             n = sum(1 for u in plan.units if u in done)
             rows.append((f"slurm ({par} tasks x {per_task}, {upt}/task)", c, n, dt))
             print(f"slurm c={c}: {n} episodes in {dt:.1f} s, array tasks {watch.counts(states)}", file=sys.stderr)
-    table = ["| executor | concurrency | episodes | seconds | episodes/min |",
-             "|---|---|---|---|---|"]
+    table = ["| executor | concurrency | episodes | seconds | episodes/min |", "|---|---|---|---|---|"]
     table += [f"| {e} | {c} | {n} | {dt:.1f} | {60 * n / dt:.1f} |" for e, c, n, dt in rows]
     text = "\n".join(table)
     print(text)
     if a.append:
         what = a.runner if a.runner != "bench_runner:sleep_runner" else f"stand-in episodes (sleep {a.sleep_s:g} s)"
         with open(a.append, "a") as f:
-            f.write(f"\n## Runner throughput (bench/bench_runner.py)\n{what}, {a.units} units, "
-                    f"{os.cpu_count()} cores, shared machine.\n\n{text}\n")
+            f.write(
+                f"\n## Runner throughput (bench/bench_runner.py)\n{what}, {a.units} units, "
+                f"{os.cpu_count()} cores, shared machine.\n\n{text}\n"
+            )
     return 0
 
 

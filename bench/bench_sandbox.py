@@ -125,8 +125,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as d:
             Sandbox(sif, run_prefix="bench", scratch=Path(d)).start().stop()  # warm template and page cache
             rows = bench_setup(sif, Path(d), a.episodes)
-        print(f"load average at start: {' '.join(load)}, at end: "
-              f"{' '.join(Path('/proc/loadavg').read_text().split()[:3])}\n")
+        print(f"load average at start: {' '.join(load)}, at end: {' '.join(Path('/proc/loadavg').read_text().split()[:3])}\n")
         print("| episode setup part | median ms |\n|---|---|")
         for name, ms in rows:
             print(f"| {name} | {ms:.1f} |")
@@ -139,12 +138,13 @@ def main() -> None:
             ("overlay (copied sparse template) + network none", bench_episodes(sif, scratch, a.episodes)),
             ("overlay, host network", bench_episodes(sif, scratch, a.episodes, network_none=False)),
             ("writable-tmpfs + network none", bench_episodes(sif, scratch, a.episodes, writable_tmpfs=True)),
-            ("writable-tmpfs, host network, no pristine bind",
-             bench_episodes(sif, scratch, a.episodes, writable_tmpfs=True, network_none=False, pristine=False)),
+            (
+                "writable-tmpfs, host network, no pristine bind",
+                bench_episodes(sif, scratch, a.episodes, writable_tmpfs=True, network_none=False, pristine=False),
+            ),
         ]
         t = time.perf_counter()
-        subprocess.run(["apptainer", "-s", "overlay", "create", "--sparse", "--size", "512", str(scratch / "x.img")],
-                       check=True)
+        subprocess.run(["apptainer", "-s", "overlay", "create", "--sparse", "--size", "512", str(scratch / "x.img")], check=True)
         create_ms = (time.perf_counter() - t) * 1000
         t = time.perf_counter()
         subprocess.run(["cp", "--sparse=always", str(scratch / "x.img"), str(scratch / "y.img")], check=True)
@@ -157,8 +157,9 @@ def main() -> None:
         print("| episode sandbox | start ms | stop ms | start+stop ms |\n|---|---|---|---|")
         for name, r in rows:
             print(f"| {name} | {r['start_ms']:.0f} | {r['stop_ms']:.0f} | {r['total_ms']:.0f} |")
-        print(f"\n512 MiB sparse overlay: `apptainer overlay create` {create_ms:.0f} ms, "
-              f"`cp --sparse=always` of a template {copy_ms:.0f} ms.")
+        print(
+            f"\n512 MiB sparse overlay: `apptainer overlay create` {create_ms:.0f} ms, `cp --sparse=always` of a template {copy_ms:.0f} ms."
+        )
     else:
         print(cmd, rows, {"overlay_create_ms": create_ms, "overlay_copy_ms": copy_ms})
 

@@ -58,8 +58,7 @@ STAGES = [
 
 
 def stage_table(runs: list[dict[str, float]], total: list[float]) -> str:
-    lines = ["| stage (mark) | spent on | median ms since the previous mark | median ms from start |",
-             "|---|---|---|---|"]
+    lines = ["| stage (mark) | spent on | median ms since the previous mark | median ms from start |", "|---|---|---|---|"]
     prev: list[float] = [0.0] * len(runs)
     for key, what in STAGES:
         have = [(i, r[key]) for i, r in enumerate(runs) if key in r]
@@ -68,8 +67,7 @@ def stage_table(runs: list[dict[str, float]], total: list[float]) -> str:
         delta = [v - prev[i] for i, v in have]
         for i, v in have:
             prev[i] = v
-        lines.append(f"| `{key}` | {what} | {statistics.median(delta) * 1000:.1f} | "
-                     f"{statistics.median(v for _, v in have) * 1000:.1f} |")
+        lines.append(f"| `{key}` | {what} | {statistics.median(delta) * 1000:.1f} | {statistics.median(v for _, v in have) * 1000:.1f} |")
     lines.append(f"| total | `scoring.score` | | {statistics.median(total) * 1000:.1f} |")
     return "\n".join(lines)
 

@@ -24,14 +24,33 @@ from pathlib import Path
 from et_hpc.record import EpisodeRecord, TestResult, Timings
 from et_hpc.runs.store import RunStore
 
-WORDS = ["ls", "cd", "cat", "grep", "awk", "sed", "sort", "uniq", "wc", "echo", "mkdir", "chmod", "python3", "pytest",
-         "config.yaml", "data.csv", "/home/user"]
+WORDS = [
+    "ls",
+    "cd",
+    "cat",
+    "grep",
+    "awk",
+    "sed",
+    "sort",
+    "uniq",
+    "wc",
+    "echo",
+    "mkdir",
+    "chmod",
+    "python3",
+    "pytest",
+    "config.yaml",
+    "data.csv",
+    "/home/user",
+]
 
 
 def synthetic(i: int, rng: random.Random, run: str) -> EpisodeRecord:
     target = rng.randint(2000, 8000)
-    msgs = [{"role": "system", "content": "You are a highly capable Linux terminal agent."},
-            {"role": "user", "content": "Task: " + " ".join(rng.choices(WORDS, k=60))}]
+    msgs = [
+        {"role": "system", "content": "You are a highly capable Linux terminal agent."},
+        {"role": "user", "content": "Task: " + " ".join(rng.choices(WORDS, k=60))},
+    ]
     size = sum(len(m["content"]) for m in msgs)
     while size < target:
         cmd = " ".join(rng.choices(WORDS, k=rng.randint(3, 12)))
@@ -42,14 +61,30 @@ def synthetic(i: int, rng: random.Random, run: str) -> EpisodeRecord:
     ok = rng.random() > 0.05
     reward = float(rng.random() > 0.5) if ok else None
     return EpisodeRecord(
-        run_name=run, task_id=f"task_{i // 8:06d}", sample=i % 8, split="train", policy_kind="vllm",
-        model="Qwen/Qwen3-8B", sampling_params={"temperature": 0.6, "max_tokens": 2048}, messages=msgs,
-        turns=(len(msgs) - 2) // 2, stop_reason="done", status="ok" if ok else "infra_error", reward=reward,
-        passed=int(reward or 0), total=1, tests=[TestResult(name="test_final.py::test_ok", outcome="passed")],
-        prompt_tokens=size // 4, completion_tokens=size // 16,
+        run_name=run,
+        task_id=f"task_{i // 8:06d}",
+        sample=i % 8,
+        split="train",
+        policy_kind="vllm",
+        model="Qwen/Qwen3-8B",
+        sampling_params={"temperature": 0.6, "max_tokens": 2048},
+        messages=msgs,
+        turns=(len(msgs) - 2) // 2,
+        stop_reason="done",
+        status="ok" if ok else "infra_error",
+        reward=reward,
+        passed=int(reward or 0),
+        total=1,
+        tests=[TestResult(name="test_final.py::test_ok", outcome="passed")],
+        prompt_tokens=size // 4,
+        completion_tokens=size // 16,
         timings=Timings(start_s=1.7e9 + i, stop_s=1.7e9 + i + 30, agent_s=25.0, score_s=3.0, total_s=30.0),
-        image_digest="sha256:" + "ab" * 32, image_path="/cache/images/x.sif", host="node001",
-        slurm_job_id="4242_1", slurm_array_task_id=i % 64, versions={"et-hpc": "0.1.0", "apptainer": "1.4.5"},
+        image_digest="sha256:" + "ab" * 32,
+        image_path="/cache/images/x.sif",
+        host="node001",
+        slurm_job_id="4242_1",
+        slurm_array_task_id=i % 64,
+        versions={"et-hpc": "0.1.0", "apptainer": "1.4.5"},
         created_at=datetime.now(timezone.utc),
     )
 
@@ -93,11 +128,20 @@ def bench(n: int, per_file: int, base: Path) -> dict:
 
 
 def to_markdown(results: list[dict]) -> str:
-    cols = [("per_file", "records/shard"), ("shards", "shards"), ("bytes", "MB on disk"), ("write_s", "write s"),
-            ("before_read_s", "read() s"), ("before_units_s", "units() s"), ("compact_s", "compact s"),
-            ("shards_after", "shards after"), ("after_read_s", "read() s after"),
-            ("after_read_nomsg_s", "read(4 cols) s after"), ("after_units_s", "units() s after"),
-            ("after_summary_s", "summary() s after")]
+    cols = [
+        ("per_file", "records/shard"),
+        ("shards", "shards"),
+        ("bytes", "MB on disk"),
+        ("write_s", "write s"),
+        ("before_read_s", "read() s"),
+        ("before_units_s", "units() s"),
+        ("compact_s", "compact s"),
+        ("shards_after", "shards after"),
+        ("after_read_s", "read() s after"),
+        ("after_read_nomsg_s", "read(4 cols) s after"),
+        ("after_units_s", "units() s after"),
+        ("after_summary_s", "summary() s after"),
+    ]
     lines = ["| records | " + " | ".join(c[1] for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for r in results:
         cells = []
@@ -112,8 +156,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--records", type=int, default=100_000)
     ap.add_argument("--per-file", default="1,64", help="comma-separated records per shard")
-    ap.add_argument("--records-single", type=int, default=None,
-                    help="records for the 1-record/shard case (default: --records)")
+    ap.add_argument("--records-single", type=int, default=None, help="records for the 1-record/shard case (default: --records)")
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir, removed at the end)")
     ap.add_argument("--markdown", action="store_true")
     a = ap.parse_args()

@@ -54,11 +54,28 @@ def overhead(t: dict) -> float:
     return t["total_s"] - (t.get("agent_s") or 0.0)
 
 
-def run_once(tree: Path, store: Path, name: str, units: int, conc: int, sets: list[str] | None,
-             extra_env: dict[str, str] | None = None) -> tuple[float, list[dict]]:
-    cmd = [sys.executable, "-m", "et_hpc.cli", "run", str(REPO / "defs" / "demo"), "--policy", "oracle",
-           "--samples", str(units // 4), "--concurrency", str(conc), "--store", str(store), "--run-name", name,
-           "--json", "--no-compact"]
+def run_once(
+    tree: Path, store: Path, name: str, units: int, conc: int, sets: list[str] | None, extra_env: dict[str, str] | None = None
+) -> tuple[float, list[dict]]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "et_hpc.cli",
+        "run",
+        str(REPO / "defs" / "demo"),
+        "--policy",
+        "oracle",
+        "--samples",
+        str(units // 4),
+        "--concurrency",
+        str(conc),
+        "--store",
+        str(store),
+        "--run-name",
+        name,
+        "--json",
+        "--no-compact",
+    ]
     for kv in sets or []:
         cmd += ["--set", kv]
     env = dict(os.environ, PYTHONPATH=str(tree), **(extra_env or {}))
@@ -87,8 +104,12 @@ def main() -> int:
     a = ap.parse_args()
     concs = [int(c) for c in a.concurrency.split(",")]
     warm, unpack = f"sandbox.warm={a.warm}", "sandbox.local_copy=unpack"
-    settings = [("baseline", None), ("now", ["sandbox.warm=0"]), (f"now+warm{a.warm}", [warm]),
-                (f"now+warm{a.warm}+unpack", [warm, unpack])]
+    settings = [
+        ("baseline", None),
+        ("now", ["sandbox.warm=0"]),
+        (f"now+warm{a.warm}", [warm]),
+        (f"now+warm{a.warm}+unpack", [warm, unpack]),
+    ]
     walls: dict[tuple[str, int], list[float]] = {}
     timings: dict[tuple[str, int], list[dict]] = {}
     with tempfile.TemporaryDirectory(prefix="et-bench-tp-") as tmp:
@@ -131,10 +152,11 @@ def main() -> int:
             def med(k: str, ts: list[dict] = ts) -> float:
                 return statistics.median([t[k] for t in ts if t.get(k) is not None] or [float("nan")])
 
-            out[f"{label}-c{c}"] = {"episodes_per_min": rate, "overhead_median_s": statistics.median(oh),
-                                   "overhead_p95_s": pct(oh, 0.95)}
-            lines.append(f"| {label} | {c} | {rate:.1f} | {rate / base_rate:.2f}x | {statistics.median(oh):.2f} / "
-                         f"{pct(oh, 0.95):.2f} | {med('setup_s'):.3f} | {med('score_s'):.2f} | {med('teardown_s'):.2f} |")
+            out[f"{label}-c{c}"] = {"episodes_per_min": rate, "overhead_median_s": statistics.median(oh), "overhead_p95_s": pct(oh, 0.95)}
+            lines.append(
+                f"| {label} | {c} | {rate:.1f} | {rate / base_rate:.2f}x | {statistics.median(oh):.2f} / "
+                f"{pct(oh, 0.95):.2f} | {med('setup_s'):.3f} | {med('score_s'):.2f} | {med('teardown_s'):.2f} |"
+            )
     text = "\n".join(lines) + "\n"
     print(text)
     print(json.dumps(out, indent=1), file=sys.stderr)

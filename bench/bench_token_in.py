@@ -33,8 +33,9 @@ def script(turns: int) -> dict:
 
 def one(turns: int, token_in: bool, home: Path) -> tuple[float, int, int, str]:
     with ScriptedServer(script(turns)) as srv, Shell(["bash", "--noprofile", "--norc"], home=str(home)) as sh:
-        p = OpenAIPolicy(srv.base_url, mode="text", token_in=token_in, return_token_ids=True, logprobs=True,
-                         backoff_base_s=0.01, rng=random.Random(0))
+        p = OpenAIPolicy(
+            srv.base_url, mode="text", token_in=token_in, return_token_ids=True, logprobs=True, backoff_base_s=0.01, rng=random.Random(0)
+        )
         r = run_agent("Do the task.", sh, p, BudgetConfig(max_turns=turns + 1))
         assert r.status == "ok", r.error
         policy_s = sum(tr.policy_s for tr in r.turns)

@@ -63,25 +63,30 @@ def main() -> None:
     base = None
     for name, (srv_kw, pol_kw) in VARIANTS.items():
         per_turn, policy, capture, last_prompt, sources = [], [], [], 0, set()
-        with ScriptedServer(script, **srv_kw) as srv, tempfile.TemporaryDirectory() as home, \
-                Shell(["bash", "--noprofile", "--norc"], home=home) as sh:
-                for _ in range(args.episodes):
-                    pol = _Timed(OpenAIPolicy(srv.base_url, "scripted", mode=args.mode, **pol_kw))
-                    t0 = time.perf_counter()
-                    r = run_agent("bench", sh, pol, BudgetConfig(max_turns=args.turns, context_tokens=10**9))
-                    wall = time.perf_counter() - t0
-                    assert r.stop_reason == "max_turns", (r.stop_reason, r.error)
-                    per_turn.append(wall / len(r.turns))
-                    policy.append(statistics.mean(t.policy_s for t in r.turns))
-                    capture.append(pol.capture_s)
-                    last_prompt = r.usage.last_prompt_tokens
-                    sources.add((r.tokens.tokens_source, r.tokens.token_drift))
-                    pol.policy.close()
+        with (
+            ScriptedServer(script, **srv_kw) as srv,
+            tempfile.TemporaryDirectory() as home,
+            Shell(["bash", "--noprofile", "--norc"], home=home) as sh,
+        ):
+            for _ in range(args.episodes):
+                pol = _Timed(OpenAIPolicy(srv.base_url, "scripted", mode=args.mode, **pol_kw))
+                t0 = time.perf_counter()
+                r = run_agent("bench", sh, pol, BudgetConfig(max_turns=args.turns, context_tokens=10**9))
+                wall = time.perf_counter() - t0
+                assert r.stop_reason == "max_turns", (r.stop_reason, r.error)
+                per_turn.append(wall / len(r.turns))
+                policy.append(statistics.mean(t.policy_s for t in r.turns))
+                capture.append(pol.capture_s)
+                last_prompt = r.usage.last_prompt_tokens
+                sources.add((r.tokens.tokens_source, r.tokens.token_drift))
+                pol.policy.close()
         m = statistics.median(per_turn) * 1e3
         base = m if base is None else base
-        print(f"  {name:28s} per turn {m:6.2f} ms ({m - base:+.2f}) | policy {statistics.median(policy) * 1e3:6.2f} ms"
-              f" | end check {statistics.median(capture) * 1e3:6.2f} ms | last prompt {last_prompt} tokens"
-              f" | {sorted(sources, key=str)}")
+        print(
+            f"  {name:28s} per turn {m:6.2f} ms ({m - base:+.2f}) | policy {statistics.median(policy) * 1e3:6.2f} ms"
+            f" | end check {statistics.median(capture) * 1e3:6.2f} ms | last prompt {last_prompt} tokens"
+            f" | {sorted(sources, key=str)}"
+        )
 
 
 if __name__ == "__main__":

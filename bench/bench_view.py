@@ -41,22 +41,49 @@ def synthetic(i: int, rng: random.Random) -> EpisodeRecord:
     msgs = [{"role": "system", "content": "You are a Linux terminal agent." * 20}, {"role": "user", "content": f"Do task {task}."}]
     for t in range(6):
         msgs.append({"role": "assistant", "content": f"Step {t}.\n<command>ls -la /home/user/{t}</command>"})
-        msgs.append({"role": "user", "content": "Command executed successfully. Output: " + "x" * rng.randint(100, 500)
-                     + "\n\n(exit_code=0)"})
+        msgs.append(
+            {"role": "user", "content": "Command executed successfully. Output: " + "x" * rng.randint(100, 500) + "\n\n(exit_code=0)"}
+        )
     kw = {}
     if i % 10 == 0:
         comp = [[rng.randrange(150_000) for _ in range(60)] for _ in range(6)]
-        kw = {"prompt_token_ids": [[rng.randrange(150_000) for _ in range(600 if t == 0 else 120)] for t in range(6)],
-              "token_ids": comp, "logprobs": [[-rng.random() for _ in c] for c in comp], "tokens_source": "server-exact"}
+        kw = {
+            "prompt_token_ids": [[rng.randrange(150_000) for _ in range(600 if t == 0 else 120)] for t in range(6)],
+            "token_ids": comp,
+            "logprobs": [[-rng.random() for _ in c] for c in comp],
+            "tokens_source": "server-exact",
+        }
     start = 1.7e9 + i
     return EpisodeRecord(
-        run_name="bench", task_id=task, sample=sample, status="infra_error" if err else "ok",
-        reward=None if err else float(rng.random() > 0.6), passed=None if err else rng.randint(0, 3), total=None if err else 3,
-        turns=6, stop_reason="done", messages=msgs, policy_kind="openai-tools", model="m", policy_version=f"ckpt@step-{i // 20000}",
+        run_name="bench",
+        task_id=task,
+        sample=sample,
+        status="infra_error" if err else "ok",
+        reward=None if err else float(rng.random() > 0.6),
+        passed=None if err else rng.randint(0, 3),
+        total=None if err else 3,
+        turns=6,
+        stop_reason="done",
+        messages=msgs,
+        policy_kind="openai-tools",
+        model="m",
+        policy_version=f"ckpt@step-{i // 20000}",
         tests=[{"name": f"test_final::t{k}", "outcome": "passed" if k else "failed"} for k in range(3)],
-        timings={"start_s": start, "stop_s": start + 30, "queue_s": 2.0, "setup_s": 0.4, "agent_s": 25.0, "model_s": 20.0,
-                 "exec_s": 4.0, "score_s": 0.6, "teardown_s": 0.05, "total_s": 30.0},
-        peak_mem_mb=50 + rng.random() * 100, error="stand-in failure" if err else None, **kw,
+        timings={
+            "start_s": start,
+            "stop_s": start + 30,
+            "queue_s": 2.0,
+            "setup_s": 0.4,
+            "agent_s": 25.0,
+            "model_s": 20.0,
+            "exec_s": 4.0,
+            "score_s": 0.6,
+            "teardown_s": 0.05,
+            "total_s": 30.0,
+        },
+        peak_mem_mb=50 + rng.random() * 100,
+        error="stand-in failure" if err else None,
+        **kw,
     )
 
 
@@ -87,8 +114,12 @@ def renderer_rss_mb(browser_pid: int) -> float:
 def measure(run: Path, root: Path) -> dict:
     out = root / f"site-{run.name}"
     t = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "et_hpc.cli", "view", str(run), "-o", str(out)], check=True,
-                   capture_output=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    subprocess.run(
+        [sys.executable, "-m", "et_hpc.cli", "view", str(run), "-o", str(out)],
+        check=True,
+        capture_output=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     write_s = time.perf_counter() - t
     write_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file()) / 2**20
@@ -97,16 +128,22 @@ def measure(run: Path, root: Path) -> dict:
 
     b = Browser(Path(tempfile.mkdtemp(prefix="bench-view-chromium-")))
     try:
-        b.goto((out / "index.html").as_uri() + "#run=r0", "ETV.renderedAt !== undefined && document.querySelectorAll('tr.ep').length > 0",
-               timeout_s=600)
+        b.goto(
+            (out / "index.html").as_uri() + "#run=r0",
+            "ETV.renderedAt !== undefined && document.querySelectorAll('tr.ep').length > 0",
+            timeout_s=600,
+        )
         first = b.eval("ETV.renderedAt")
         heap = b.call("Runtime.getHeapUsage")["usedSize"] / 2**20
         rss = renderer_rss_mb(b.proc.pid)
-        search = b.eval("(() => { const q = document.querySelector('input[name=q]'); const t = performance.now();"
-                        "q.value = 'task_00001'; q.dispatchEvent(new Event('input')); return performance.now() - t; })()")
+        search = b.eval(
+            "(() => { const q = document.querySelector('input[name=q]'); const t = performance.now();"
+            "q.value = 'task_00001'; q.dispatchEvent(new Event('input')); return performance.now() - t; })()"
+        )
         b.eval("(() => { const q = document.querySelector('input[name=q]'); q.value = ''; q.dispatchEvent(new Event('input')); })()")
-        sort = b.eval("(() => { const t = performance.now(); document.querySelector('th[data-col=reward]').click();"
-                      "return performance.now() - t; })()")
+        sort = b.eval(
+            "(() => { const t = performance.now(); document.querySelector('th[data-col=reward]').click();return performance.now() - t; })()"
+        )
         eid = b.eval("document.querySelector('tr.ep').dataset.episode")
         t = time.perf_counter()
         b.eval(f"location.hash = 'run=r0&ep={eid}'")
@@ -114,8 +151,18 @@ def measure(run: Path, root: Path) -> dict:
         episode = (time.perf_counter() - t) * 1000
     finally:
         b.close()
-    return {"write_s": write_s, "write_rss": write_rss, "size": size, "index_mb": index_mb, "first": first, "heap": heap,
-            "rss": rss, "search": search, "sort": sort, "episode": episode}
+    return {
+        "write_s": write_s,
+        "write_rss": write_rss,
+        "size": size,
+        "index_mb": index_mb,
+        "first": first,
+        "heap": heap,
+        "rss": rss,
+        "search": search,
+        "sort": sort,
+        "episode": episode,
+    }
 
 
 def main() -> None:
@@ -137,14 +184,20 @@ def main() -> None:
     finally:
         if a.dir is None:
             shutil.rmtree(root, ignore_errors=True)
-    print(f"{platform.node()}, {os.cpu_count()} cores, python {platform.python_version()}, "
-          f"{subprocess.run(['chromium', '--version'], capture_output=True, text=True).stdout.strip()}\n")
-    print("| episodes | et-hpc view s | its peak RSS MiB | site MiB (run page data) | first render ms | JS heap MiB | "
-          "renderer RSS MiB | search ms | sort ms | open an episode ms |")
+    print(
+        f"{platform.node()}, {os.cpu_count()} cores, python {platform.python_version()}, "
+        f"{subprocess.run(['chromium', '--version'], capture_output=True, text=True).stdout.strip()}\n"
+    )
+    print(
+        "| episodes | et-hpc view s | its peak RSS MiB | site MiB (run page data) | first render ms | JS heap MiB | "
+        "renderer RSS MiB | search ms | sort ms | open an episode ms |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for n, _, m in rows:
-        print(f"| {n:,} | {m['write_s']:.1f} | {m['write_rss']:.0f} | {m['size']:.0f} ({m['index_mb']:.1f}) | {m['first']:.0f} | "
-              f"{m['heap']:.0f} | {m['rss']:.0f} | {m['search']:.0f} | {m['sort']:.0f} | {m['episode']:.0f} |")
+        print(
+            f"| {n:,} | {m['write_s']:.1f} | {m['write_rss']:.0f} | {m['size']:.0f} ({m['index_mb']:.1f}) | {m['first']:.0f} | "
+            f"{m['heap']:.0f} | {m['rss']:.0f} | {m['search']:.0f} | {m['sort']:.0f} | {m['episode']:.0f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -60,10 +60,15 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="et-bench-warm-") as tmp:
         for r in range(a.rounds):
             for k in settings:
-                cfg = RunConfig(name=f"bw-{r}-w{k}", store=Path(tmp) / "store", policy={"kind": "oracle"},
-                                tasks={"source": str(HERE.parent / "defs" / "demo")},
-                                samples=max(1, a.units // 4), concurrency=a.concurrency,
-                                sandbox={"warm": k})
+                cfg = RunConfig(
+                    name=f"bw-{r}-w{k}",
+                    store=Path(tmp) / "store",
+                    policy={"kind": "oracle"},
+                    tasks={"source": str(HERE.parent / "defs" / "demo")},
+                    samples=max(1, a.units // 4),
+                    concurrency=a.concurrency,
+                    sandbox={"warm": k},
+                )
                 plan = make_plan(cfg)
                 t0 = time.monotonic()
                 res = run_local(plan, progress=False, handle_signals=False)
@@ -72,11 +77,16 @@ def main() -> int:
                 bad = [x for x in rows if x["status"] != "ok"]
                 recs[k] += [x for x in rows if x["status"] == "ok"]
                 walls[k].append((res.ok + res.errors, dt))
-                print(f"round {r} warm={k}: {res.ok} ok, {res.errors} errors in {dt:.1f} s"
-                      + (f" ({bad[0]['status']}: {bad[0]['error']})" if bad else ""), file=sys.stderr)
-    table = ["| sandbox.warm | episodes | overhead median s | overhead p95 s | setup median s | setup p95 s "
-             "| warm start median s | score median s | teardown median s | episodes/min |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+                print(
+                    f"round {r} warm={k}: {res.ok} ok, {res.errors} errors in {dt:.1f} s"
+                    + (f" ({bad[0]['status']}: {bad[0]['error']})" if bad else ""),
+                    file=sys.stderr,
+                )
+    table = [
+        "| sandbox.warm | episodes | overhead median s | overhead p95 s | setup median s | setup p95 s "
+        "| warm start median s | score median s | teardown median s | episodes/min |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     how = set()
     for k in settings:
         ts = [x["timings"] for x in recs[k]]
@@ -93,15 +103,18 @@ def main() -> int:
             f"| {k} | {len(ts)} | {statistics.median(ov):.3f} | {pct(ov, 0.95):.3f} | {statistics.median(setup):.3f} "
             f"| {pct(setup, 0.95):.3f} | {statistics.median(warm) if warm else float('nan'):.3f} "
             f"| {statistics.median(t['score_s'] for t in ts):.3f} | {statistics.median(t['teardown_s'] for t in ts):.3f} "
-            f"| {60 * n / wall:.1f} |")
+            f"| {60 * n / wall:.1f} |"
+        )
     text = "\n".join(table)
     print(text)
     if a.append:
         with open(a.append, "a") as f:
-            f.write(f"\n## Warm sandboxes (bench/bench_warm.py)\n`python bench/bench_warm.py --units {a.units} "
-                    f"--rounds {a.rounds} --warm {a.warm} --concurrency {a.concurrency}`: oracle episodes on "
-                    f"defs/demo at concurrency {a.concurrency}, warm=0 and warm={a.warm} in alternating rounds, "
-                    f"{os.cpu_count()} cores. Overhead = {' / '.join(sorted(how))}.\n\n{text}\n")
+            f.write(
+                f"\n## Warm sandboxes (bench/bench_warm.py)\n`python bench/bench_warm.py --units {a.units} "
+                f"--rounds {a.rounds} --warm {a.warm} --concurrency {a.concurrency}`: oracle episodes on "
+                f"defs/demo at concurrency {a.concurrency}, warm=0 and warm={a.warm} in alternating rounds, "
+                f"{os.cpu_count()} cores. Overhead = {' / '.join(sorted(how))}.\n\n{text}\n"
+            )
     return 0
 
 

@@ -32,9 +32,11 @@ def main() -> None:
                 t0 = time.monotonic()
                 time.sleep(args.seconds)
                 wall = time.monotonic() - t0
-            print(f"processes={wd.peak_pids} tmpfs_probe={tmpfs} interval={args.interval}s polls={wd.polls}: "
-                  f"{1000 * wd.poll_s / wall:.2f} ms CPU per second, {1000 * wd.poll_s / max(wd.polls, 1):.2f} ms "
-                  f"per poll (thread CPU; the probe process adds its own, see below)")
+            print(
+                f"processes={wd.peak_pids} tmpfs_probe={tmpfs} interval={args.interval}s polls={wd.polls}: "
+                f"{1000 * wd.poll_s / wall:.2f} ms CPU per second, {1000 * wd.poll_s / max(wd.polls, 1):.2f} ms "
+                f"per poll (thread CPU; the probe process adds its own, see below)"
+            )
         # the whole process, probe included: a longer run with the default settings
         import resource
 
@@ -46,8 +48,10 @@ def main() -> None:
         s1 = resource.getrusage(resource.RUSAGE_SELF)
         child = (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime)
         me = (s1.ru_utime + s1.ru_stime) - (s0.ru_utime + s0.ru_stime)
-        print(f"whole process over {args.seconds:g} s: {1000 * me / args.seconds:.2f} ms/s in this process, "
-              f"{1000 * child / args.seconds:.2f} ms/s in the tmpfs probe ({wd.polls} polls)")
+        print(
+            f"whole process over {args.seconds:g} s: {1000 * me / args.seconds:.2f} ms/s in this process, "
+            f"{1000 * child / args.seconds:.2f} ms/s in the tmpfs probe ({wd.polls} polls)"
+        )
 
 
 if __name__ == "__main__":

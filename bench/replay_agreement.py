@@ -36,19 +36,22 @@ from et_hpc.runs.store import open_run  # noqa: E402
 from et_hpc.tasks.loader import load_tasks  # noqa: E402
 from et_hpc.util import tail_lines  # noqa: E402
 
-DEFAULT_SOURCE = Path(os.environ.get("ET_HPC_FIXTURES", HERE.parent / "tests" / "fixtures"
-                                     / "endless-terminals")) / "native"
+DEFAULT_SOURCE = Path(os.environ.get("ET_HPC_FIXTURES", HERE.parent / "tests" / "fixtures" / "endless-terminals")) / "native"
 
 # (task id, recorded run index) -> why our reward differs from the recorded success.
 # Task-wide explanations use index None.
-_TEST_BROKEN = ("the fixture's final test is broken: test_final_state.py uses `TODAY`, which it never defines, so "
-                "collection fails with NameError and every episode scores 0 (the recorded runs were scored by a "
-                "working version of the test). With the test repaired (see the diagnostic line above) these runs agree.")
-_PTY_STUCK = ("upstream harness artifact: the recorded final-test step shows `Command timed out` and a screen of `> ` "
-              "continuation prompts: upstream's single PTY shell was left inside an unfinished multi-line input by an "
-              "earlier command, so the test never ran and the run was recorded as failed. Our shell runs each command "
-              "to completion (per-command markers, process groups), the final tests run in a separate exec, and the "
-              "state the agent left passes them.")
+_TEST_BROKEN = (
+    "the fixture's final test is broken: test_final_state.py uses `TODAY`, which it never defines, so "
+    "collection fails with NameError and every episode scores 0 (the recorded runs were scored by a "
+    "working version of the test). With the test repaired (see the diagnostic line above) these runs agree."
+)
+_PTY_STUCK = (
+    "upstream harness artifact: the recorded final-test step shows `Command timed out` and a screen of `> ` "
+    "continuation prompts: upstream's single PTY shell was left inside an unfinished multi-line input by an "
+    "earlier command, so the test never ran and the run was recorded as failed. Our shell runs each command "
+    "to completion (per-command markers, process groups), the final tests run in a separate exec, and the "
+    "state the agent left passes them."
+)
 EXPLAINED: dict[tuple[str, int | None], str] = {
     ("task_000000_3bb4337a", None): _TEST_BROKEN,
     ("task_000000_6eba56f8", 6): _PTY_STUCK,
@@ -61,7 +64,8 @@ REPAIR_NOTES = {
         "Runs 3, 9 and 11 `mv temp CHANGELOG.md`: upstream's shell is a PTY, so mv stopped at an interactive "
         "`replace ... overriding mode 0664?` prompt (the target was not writable by the upstream agent) and the "
         "command timed out, leaving CHANGELOG.md unchanged; our shell has no terminal on stdin, so mv does not "
-        "ask and the change lands."),
+        "ask and the change lands."
+    ),
 }
 
 # Diagnostic reruns, not counted in the agreement: a task whose final test is itself broken is
@@ -69,7 +73,7 @@ REPAIR_NOTES = {
 # whether the runtime agrees once the test runs at all.
 REPAIRS: dict[str, tuple[str, str]] = {
     # TODAY is never defined; the recorded runs all wrote the date 2025-04-05.
-    "task_000000_3bb4337a": ("# Define paths\n", "# Define paths\nTODAY = \"2025-04-05\"\n"),
+    "task_000000_3bb4337a": ("# Define paths\n", '# Define paths\nTODAY = "2025-04-05"\n'),
 }
 
 
@@ -121,7 +125,7 @@ def first_difference(recorded: list[dict[str, Any]], ours: list[dict[str, Any]],
         rb = b[i] if i < len(b) else "(none)"
         if _norm(ra) != _norm(rb):
             cmd = cmds[i] if i < len(cmds) else ""
-            return (f"turn {i}: command {cmd[:width]!r}\n  recorded: {ra[:width]!r}\n  ours:     {rb[:width]!r}")
+            return f"turn {i}: command {cmd[:width]!r}\n  recorded: {ra[:width]!r}\n  ours:     {rb[:width]!r}"
     return ""
 
 
@@ -162,12 +166,28 @@ def repaired_copy(task: Any, source: Path, dest: Path) -> Path:
     return dest
 
 
-def replay_task(task: Any, source: Path, store: Path, concurrency: int, env: dict[str, str],
-                run_name: str | None = None) -> float:
+def replay_task(task: Any, source: Path, store: Path, concurrency: int, env: dict[str, str], run_name: str | None = None) -> float:
     n = len(recorded_runs(task.recorded_runs[0]))
-    cmd = [sys.executable, "-m", "et_hpc.cli", "run", str(source), "--policy", "replay", "--samples", str(n),
-           "--run-name", run_name or f"replay-{task.id}", "--store", str(store), "--concurrency", str(concurrency),
-           "--set", f"tasks.ids=[{task.id}]", "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "et_hpc.cli",
+        "run",
+        str(source),
+        "--policy",
+        "replay",
+        "--samples",
+        str(n),
+        "--run-name",
+        run_name or f"replay-{task.id}",
+        "--store",
+        str(store),
+        "--concurrency",
+        str(concurrency),
+        "--set",
+        f"tasks.ids=[{task.id}]",
+        "--json",
+    ]
     t = time.monotonic()
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if r.returncode != 0:
@@ -176,49 +196,65 @@ def replay_task(task: Any, source: Path, store: Path, concurrency: int, env: dic
     return time.monotonic() - t
 
 
-def report(results: dict[str, list[RunCompare]], seconds: dict[str, float],
-           repaired: dict[str, list[RunCompare]] | None = None) -> str:
+def report(results: dict[str, list[RunCompare]], seconds: dict[str, float], repaired: dict[str, list[RunCompare]] | None = None) -> str:
     total = sum(len(v) for v in results.values())
     agree = sum(c.agree for v in results.values() for c in v)
-    lines = ["# Replay agreement", "",
-             "Every recorded run of the native fixtures replayed through a real sandbox (`et-hpc run "
-             "--policy replay`, Debian-based base image, network none) and scored by the task's final "
-             "tests; compared with the run's recorded `success`. Generated by `bench/replay_agreement.py`.",
-             "", "| task | runs | recorded success | our reward 1.0 | errors | agree | agreement | replay s |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# Replay agreement",
+        "",
+        "Every recorded run of the native fixtures replayed through a real sandbox (`et-hpc run "
+        "--policy replay`, Debian-based base image, network none) and scored by the task's final "
+        "tests; compared with the run's recorded `success`. Generated by `bench/replay_agreement.py`.",
+        "",
+        "| task | runs | recorded success | our reward 1.0 | errors | agree | agreement | replay s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for tid, comps in results.items():
         n = len(comps)
         a = sum(c.agree for c in comps)
         secs = f"{seconds[tid]:.0f}" if tid in seconds else "-"
-        lines.append(f"| {tid} | {n} | {sum(bool(c.recorded) for c in comps)} | "
-                     f"{sum(c.ours is True for c in comps)} | {sum(c.status not in ('ok',) for c in comps)} | "
-                     f"{a}/{n} | {a / n:.1%} | {secs} |")
+        lines.append(
+            f"| {tid} | {n} | {sum(bool(c.recorded) for c in comps)} | "
+            f"{sum(c.ours is True for c in comps)} | {sum(c.status not in ('ok',) for c in comps)} | "
+            f"{a}/{n} | {a / n:.1%} | {secs} |"
+        )
     lines += ["", f"**Overall: {agree}/{total} = {agree / total:.1%} agreement** (target >= 90%).", ""]
     for tid, comps in (repaired or {}).items():
         a = sum(c.agree for c in comps)
         old, new = REPAIRS[tid]
-        lines += [f"Diagnostic, not counted above: {tid} replayed again with its final test repaired "
-                  f"(`{old.strip()!r}` -> `{new.strip()!r}`): **{a}/{len(comps)} agree**"
-                  + (f"; still disagreeing: runs {[c.index for c in comps if not c.agree]}" if a < len(comps) else "")
-                  + ".", ""]
+        lines += [
+            f"Diagnostic, not counted above: {tid} replayed again with its final test repaired "
+            f"(`{old.strip()!r}` -> `{new.strip()!r}`): **{a}/{len(comps)} agree**"
+            + (f"; still disagreeing: runs {[c.index for c in comps if not c.agree]}" if a < len(comps) else "")
+            + ".",
+            "",
+        ]
         if tid in REPAIR_NOTES and a < len(comps):
             lines += [REPAIR_NOTES[tid], ""]
     bad = [c for v in results.values() for c in v if not c.agree]
-    lines += ["Runtime fixes this comparison led to: the agent's shell runs with umask 002 as upstream's did "
-              "(task_000000_dfbcff7a went from 5/32 to 32/32: its tests expect the 0664 modes upstream's agents "
-              "produced); in images without a `user` account the uid-1000 account is mapped to the agent's uid, as "
-              "upstream's agent ran as it (task_000000_6eba56f8: `chown artifactmgr` failed with EINVAL before, "
-              "11/16 -> 14/16).", "",
-              "Differences in observations that did not change any reward: a command that is not found exits "
-              "127 here and 1 upstream, bash names itself `/usr/bin/bash: line N:`, and `ls -l` shows other "
-              "dates and no SELinux `.`.", ""]
+    lines += [
+        "Runtime fixes this comparison led to: the agent's shell runs with umask 002 as upstream's did "
+        "(task_000000_dfbcff7a went from 5/32 to 32/32: its tests expect the 0664 modes upstream's agents "
+        "produced); in images without a `user` account the uid-1000 account is mapped to the agent's uid, as "
+        "upstream's agent ran as it (task_000000_6eba56f8: `chown artifactmgr` failed with EINVAL before, "
+        "11/16 -> 14/16).",
+        "",
+        "Differences in observations that did not change any reward: a command that is not found exits "
+        "127 here and 1 upstream, bash names itself `/usr/bin/bash: line N:`, and `ls -l` shows other "
+        "dates and no SELinux `.`.",
+        "",
+    ]
     lines += ["## Disagreements", ""]
     if not bad:
         lines.append("None.")
     for c in bad:
         why = EXPLAINED.get((c.task_id, c.index)) or EXPLAINED.get((c.task_id, None)) or "UNEXPLAINED"
-        lines += [f"### {c.task_id} run {c.index}: recorded success={c.recorded}, ours: status={c.status} "
-                  f"reward={c.reward}", "", f"Why: {why}", ""]
+        lines += [
+            f"### {c.task_id} run {c.index}: recorded success={c.recorded}, ours: status={c.status} reward={c.reward}",
+            "",
+            f"Why: {why}",
+            "",
+        ]
         if c.error:
             lines += [f"Error: `{c.error[:300]}`", ""]
         if c.failed_tests:

@@ -50,8 +50,7 @@ def check_private_dir(d: Path, what: str) -> None:
     if st.st_uid != os.getuid():
         raise UserError(f"{what} {d} belongs to uid {st.st_uid}, not you: refusing to use it; {fix}")
     if st.st_mode & 0o022:
-        raise UserError(f"{what} {d} is writable by others (mode {stat.S_IMODE(st.st_mode):04o}): refusing "
-                        f"to use it; run `chmod 700 {d}`")
+        raise UserError(f"{what} {d} is writable by others (mode {stat.S_IMODE(st.st_mode):04o}): refusing to use it; run `chmod 700 {d}`")
 
 
 def store_dir() -> Path:
@@ -71,5 +70,4 @@ def find_run_dir(run: str, store: Path | None) -> Path:
     q = Path(store or store_dir()).expanduser() / run
     if (q / "run.json").is_file():
         return q
-    raise UserError(f"no run found at {p} or {q}: give a run directory (it holds run.json) or a run "
-                    "name with --store")
+    raise UserError(f"no run found at {p} or {q}: give a run directory (it holds run.json) or a run name with --store")

@@ -27,6 +27,7 @@ def solved(reward: float | None) -> bool:
     """Full reward: the one rule for "passed" (pass rates, the report, resume, trainer metrics)."""
     return reward is not None and float(reward) >= SOLVED_REWARD
 
+
 # Who is to blame decides the status (SECURITY.md has the table of cases):
 # - ok:           scored. Failures the agent caused through the state it left (tests that hang,
 #                 a home it made unreadable, pytest dying, a shell it broke) are ok with reward 0.0
@@ -49,8 +50,17 @@ ERROR_STATUSES: tuple[str, ...] = tuple(s for s in STATUSES if s != "ok")
 TokensSource = Literal["server-exact", "re-tokenized", "absent"]
 
 TIMING_FIELDS = (
-    "start_s", "stop_s", "queue_s", "setup_s", "agent_s", "model_s", "exec_s", "score_s", "teardown_s",
-    "total_s", "warm_s",
+    "start_s",
+    "stop_s",
+    "queue_s",
+    "setup_s",
+    "agent_s",
+    "model_s",
+    "exec_s",
+    "score_s",
+    "teardown_s",
+    "total_s",
+    "warm_s",
 )
 
 _TEST_TYPE = pa.struct([("name", pa.string()), ("outcome", pa.string())])
@@ -453,15 +463,18 @@ def check_tokens(
     for i, (p, c) in enumerate(zip(prompts, completions)):
         k = _common_prefix(p, seq)
         if k < len(seq):
-            drifts.append(f"turn {i}: the server's prompt ({len(p)} tokens) differs from the tokens of the "
-                          f"earlier turns ({len(seq)}) at position {k}")
+            drifts.append(
+                f"turn {i}: the server's prompt ({len(p)} tokens) differs from the tokens of the earlier turns ({len(seq)}) at position {k}"
+            )
         out.append(list(p[k:]))
         seq = list(p) + list(c)
     if final is not None:
         k = _common_prefix(final, seq)
         if k < len(seq):
-            drifts.append(f"end: the server's tokenization of the conversation ({len(final)} tokens) differs "
-                          f"from the recorded sequence ({len(seq)}) at position {k}")
+            drifts.append(
+                f"end: the server's tokenization of the conversation ({len(final)} tokens) differs "
+                f"from the recorded sequence ({len(seq)}) at position {k}"
+            )
     if not drifts:
         return out, None
     more = f" (+{len(drifts) - 1} more)" if len(drifts) > 1 else ""

@@ -13,8 +13,7 @@ from typing import Any, BinaryIO
 
 
 @contextmanager
-def atomic_open(path: Path, *, tmp_name: str | None = None, mode: int = 0o666,
-                dir_mode: int = 0o777) -> Iterator[BinaryIO]:
+def atomic_open(path: Path, *, tmp_name: str | None = None, mode: int = 0o666, dir_mode: int = 0o777) -> Iterator[BinaryIO]:
     """Open a hidden temp file beside ``path`` for writing; on success fsync it and rename it over
     ``path``, so readers see the old file or the whole new one, never part. On error it is removed.
     ``mode``: the file's permissions, ``dir_mode`` those of a directory made for it (umask applies)."""
@@ -99,8 +98,14 @@ def as_text(data: str | bytes | None) -> str:
     return data.decode("utf-8", "replace") if isinstance(data, bytes) else data
 
 
-def tail_lines(text: str | bytes | None, n: int | None = None, *, raw: bool = False, width: int | None = None,
-               drop: Callable[[str], bool] | None = None) -> list[str]:
+def tail_lines(
+    text: str | bytes | None,
+    n: int | None = None,
+    *,
+    raw: bool = False,
+    width: int | None = None,
+    drop: Callable[[str], bool] | None = None,
+) -> list[str]:
     """The last ``n`` lines of ``text`` (all when None). Blank lines are left out and trailing spaces
     cut unless ``raw``; lines for which ``drop`` is true are left out; each is cut to ``width``."""
     lines = as_text(text).splitlines()

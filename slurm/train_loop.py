@@ -25,7 +25,7 @@ from et_hpc.rollouts import RolloutStream
 def advantages(rewards: list[float]) -> list[float]:
     mean = sum(rewards) / len(rewards)
     var = sum((r - mean) ** 2 for r in rewards) / len(rewards)
-    return [(r - mean) / (var ** 0.5 + 1e-6) for r in rewards]
+    return [(r - mean) / (var**0.5 + 1e-6) for r in rewards]
 
 
 def optimizer_step(weights: list[float], groups: list, lr: float = 0.01) -> list[float]:
@@ -63,8 +63,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"no batch within {args.timeout:.0f} s", file=sys.stderr)
                 return 3
             step = state["step"] + 1
-            print(f"step {step} got " + " ".join(f"{g.seq}:{g.group_id}:v{g.policy_version}" for g in groups),
-                  flush=True)
+            print(f"step {step} got " + " ".join(f"{g.seq}:{g.group_id}:v{g.policy_version}" for g in groups), flush=True)
             weights = optimizer_step(state["weights"], groups)
             time.sleep(args.step_s)
             seen = state["seen"] + ([[g.seq, g.group_id] for g in groups] if args.record_seen else [])

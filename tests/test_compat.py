@@ -33,8 +33,11 @@ def test_old_name_resolves_to_the_new(old: str) -> None:
     if isinstance(want, type):
         assert got is want
     else:  # a forwarding module: a public name of the new module is reachable through the old one
-        name = next(n for n in sorted(vars(want)) if not n.startswith("_") and callable(getattr(want, n))
-                    and getattr(getattr(want, n), "__module__", "") == want.__name__)
+        name = next(
+            n
+            for n in sorted(vars(want))
+            if not n.startswith("_") and callable(getattr(want, n)) and getattr(getattr(want, n), "__module__", "") == want.__name__
+        )
         assert getattr(got, name) is getattr(want, name)
 
 
@@ -54,12 +57,14 @@ def test_the_code_has_no_compat_name_outside_the_table() -> None:
 
 def test_readme_lists_every_compat_name() -> None:
     readme = (ROOT / "README.md").read_text()
-    missing = [old for old, (new, version) in COMPAT.items()
-               if not re.search(rf"`{re.escape(old)}`.*`{re.escape(new)}`.*{re.escape(version)}", readme)]
+    missing = [
+        old
+        for old, (new, version) in COMPAT.items()
+        if not re.search(rf"`{re.escape(old)}`.*`{re.escape(new)}`.*{re.escape(version)}", readme)
+    ]
     assert not missing
 
 
 def test_old_module_path_still_runs_the_scripted_server() -> None:
-    r = subprocess.run([sys.executable, "-m", "et_hpc.scripted_server", "--help"], capture_output=True, text=True,
-                       timeout=60)
+    r = subprocess.run([sys.executable, "-m", "et_hpc.scripted_server", "--help"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "--endpoint-file" in r.stdout, r.stderr

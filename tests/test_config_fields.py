@@ -15,8 +15,17 @@ from et_hpc.runner.config import ContinuousConfig, RunConfig
 from et_hpc.sandbox.config import SandboxConfig
 from et_hpc.tasks.loader import TaskSelectionConfig
 
-MODELS = [EpisodeConfig, RunConfig, ContinuousConfig, SandboxConfig, ImageStoreConfig, TaskSelectionConfig,
-          SlurmConfig, BudgetConfig, PolicyConfig]
+MODELS = [
+    EpisodeConfig,
+    RunConfig,
+    ContinuousConfig,
+    SandboxConfig,
+    ImageStoreConfig,
+    TaskSelectionConfig,
+    SlurmConfig,
+    BudgetConfig,
+    PolicyConfig,
+]
 
 
 def undocumented(model: type[BaseModel]) -> list[str]:

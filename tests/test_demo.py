@@ -12,8 +12,12 @@ import pytest
 @pytest.mark.slurm
 def test_demo_end_to_end(base_sif, tmp_path):
     store = tmp_path / "store"
-    r = subprocess.run([sys.executable, "-m", "et_hpc.cli", "demo", "--store", str(store), "--samples", "1",
-                        "--base-source", "debian"], capture_output=True, text=True, timeout=1800)
+    r = subprocess.run(
+        [sys.executable, "-m", "et_hpc.cli", "demo", "--store", str(store), "--samples", "1", "--base-source", "debian"],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     table = r.stdout.split("==> summary", 1)[1]
     rows = [ln.split() for ln in table.splitlines() if ln.startswith("demo-") and not ln.startswith("demo-model-")]

@@ -35,10 +35,53 @@ from et_hpc.errors import UserError
 
 SEED = int(os.environ.get("ET_HPC_FUZZ_SEED", "20260411"))
 COUNTS: Counter = Counter()
-JUNK = ["", "\x00", "\xff\xfe", "{", "}", "[", "]", "\"", "'", "\\", "=", ":", "\n", "\t", "%", "%post",
-        "%files", "Bootstrap:", "From:", "FROM", "RUN", "COPY", "WORKDIR", "USER", "ENV", "<<EOF", "EOF",
-        "\u202e", "é", "💥", "null", "true", "-1", "1e309", "NaN", "9" * 40, "a" * 5000, "../../../etc/passwd",
-        "$(reboot)", "`id`", "${HOME}", "~", "*", "?", "[x]"]
+JUNK = [
+    "",
+    "\x00",
+    "\xff\xfe",
+    "{",
+    "}",
+    "[",
+    "]",
+    '"',
+    "'",
+    "\\",
+    "=",
+    ":",
+    "\n",
+    "\t",
+    "%",
+    "%post",
+    "%files",
+    "Bootstrap:",
+    "From:",
+    "FROM",
+    "RUN",
+    "COPY",
+    "WORKDIR",
+    "USER",
+    "ENV",
+    "<<EOF",
+    "EOF",
+    "\u202e",
+    "é",
+    "💥",
+    "null",
+    "true",
+    "-1",
+    "1e309",
+    "NaN",
+    "9" * 40,
+    "a" * 5000,
+    "../../../etc/passwd",
+    "$(reboot)",
+    "`id`",
+    "${HOME}",
+    "~",
+    "*",
+    "?",
+    "[x]",
+]
 
 
 def _mutate(rng: random.Random, text: str) -> str:
@@ -69,8 +112,24 @@ def _mutate(rng: random.Random, text: str) -> str:
 
 
 def _odd_value(rng: random.Random):
-    return rng.choice([None, 0, -1, 1.5, "", "x" * 300, [], [1, "a"], {}, {"a": {"b": None}}, True,
-                       "\x00", 10**30, float("inf") if rng.random() < 0.1 else "inf"])
+    return rng.choice(
+        [
+            None,
+            0,
+            -1,
+            1.5,
+            "",
+            "x" * 300,
+            [],
+            [1, "a"],
+            {},
+            {"a": {"b": None}},
+            True,
+            "\x00",
+            10**30,
+            float("inf") if rng.random() < 0.1 else "inf",
+        ]
+    )
 
 
 def _one_error_line(err: str) -> list[str]:
@@ -125,8 +184,17 @@ KINDS = {
 }
 
 
-@pytest.mark.parametrize("kind,n", [("native task.json", 40), ("def", 60), ("harbor task.toml", 40),
-                                    ("harbor environment/task.json", 20), ("Dockerfile", 60), ("instruction.md", 10)])
+@pytest.mark.parametrize(
+    "kind,n",
+    [
+        ("native task.json", 40),
+        ("def", 60),
+        ("harbor task.toml", 40),
+        ("harbor environment/task.json", 20),
+        ("Dockerfile", 60),
+        ("instruction.md", 10),
+    ],
+)
 def test_fuzz_task_files(tmp_path: Path, capsys, fixtures_dir: Path, monkeypatch, kind: str, n: int) -> None:
     monkeypatch.setenv("ET_HPC_CACHE", str(tmp_path / "cache"))
     native, harbor = _fixtures(fixtures_dir)
@@ -199,8 +267,12 @@ def test_fuzz_parquet_rows(tmp_path: Path, capsys, fixtures_dir: Path) -> None:
         f = tmp_path / f"p{i}" / "train.parquet"
         f.parent.mkdir()
         try:
-            table = pa.Table.from_pylist([{k: json.dumps(v, default=str) if isinstance(v, (dict, list)) and
-                                           rng.random() < 0.5 else v for k, v in r.items()} for r in rows])
+            table = pa.Table.from_pylist(
+                [
+                    {k: json.dumps(v, default=str) if isinstance(v, (dict, list)) and rng.random() < 0.5 else v for k, v in r.items()}
+                    for r in rows
+                ]
+            )
             pq.write_table(table, f)
         except (pa.ArrowException, OverflowError, TypeError):  # rows pyarrow itself cannot write
             f.write_bytes(b"PAR1" + bytes(rng.randrange(256) for _ in range(100)))
@@ -216,8 +288,13 @@ def test_fuzz_parquet_rows(tmp_path: Path, capsys, fixtures_dir: Path) -> None:
 
 # ---------------------------------------------------------------- run configs (and nothing written is lost)
 VALID_CONFIG = {
-    "name": "fz", "samples": 2, "tasks": {"source": "x", "ids": ["a"]}, "policy": {"kind": "oracle"},
-    "budgets": {"max_turns": 4, "wall_time_s": 30}, "executor": "slurm", "concurrency": 2,
+    "name": "fz",
+    "samples": 2,
+    "tasks": {"source": "x", "ids": ["a"]},
+    "policy": {"kind": "oracle"},
+    "budgets": {"max_turns": 4, "wall_time_s": 30},
+    "executor": "slurm",
+    "concurrency": 2,
     "slurm": {"partition": "cpu", "units_per_task": 4, "setup": ["module load apptainer"], "time_min": 5},
 }
 BAD_VALUES = [-1, 0, "", "abc", [], {}, [[]], {"x": 1}, "1e999", None, 10**20, "nan"]
@@ -233,9 +310,17 @@ def _bad_config(rng: random.Random) -> str:
         sect = rng.choice([data, data["tasks"], data["policy"], data["budgets"], data["slurm"]])
         sect[rng.choice(["partiton", "smaples", "kindd", "x", "", "0", "policy.kind"])] = 1
     elif op == 1:  # a number field gets something that is no valid number for it
-        sect, key = rng.choice([(data, "samples"), (data, "concurrency"), (data["slurm"], "units_per_task"),
-                                (data["slurm"], "time_min"), (data["budgets"], "max_turns"),
-                                (data["slurm"], "cpus_per_task"), (data["slurm"], "array_parallelism")])
+        sect, key = rng.choice(
+            [
+                (data, "samples"),
+                (data, "concurrency"),
+                (data["slurm"], "units_per_task"),
+                (data["slurm"], "time_min"),
+                (data["budgets"], "max_turns"),
+                (data["slurm"], "cpus_per_task"),
+                (data["slurm"], "array_parallelism"),
+            ]
+        )
         sect[key] = rng.choice([-1, 0, "abc", [], {}, "1e999", [[1]], {"a": 1}])
     elif op == 2:  # a section that is not a mapping, or an enum outside its values
         choice = rng.randrange(4)
@@ -252,7 +337,7 @@ def _bad_config(rng: random.Random) -> str:
     else:  # broken YAML
         text = yaml.safe_dump(data)
         i = rng.randrange(len(text))
-        return text[:i] + rng.choice(["\t", ": : :", "[", "{", "\"", "&a *b", "!!python/object:os.system"]) + text[i:]
+        return text[:i] + rng.choice(["\t", ": : :", "[", "{", '"', "&a *b", "!!python/object:os.system"]) + text[i:]
     return yaml.safe_dump(data, allow_unicode=True)
 
 
@@ -280,8 +365,11 @@ def test_fuzz_run_configs(tmp_path: Path, capsys, monkeypatch) -> None:
     for i in range(60):
         y = tmp_path / f"c{i}.yaml"
         y.write_text(_bad_config(rng), encoding="utf-8")
-        extra = [] if rng.random() < 0.7 else ["--set", rng.choice(["samples", "=1", "slurm.x.y=1", "tasks=3",
-                                                                     "samples=-3", "policy.kind.x=1"])]
+        extra = (
+            []
+            if rng.random() < 0.7
+            else ["--set", rng.choice(["samples", "=1", "slurm.x.y=1", "tasks=3", "samples=-3", "policy.kind.x=1"])]
+        )
         rc, out, err = _cli(capsys, ["run", "--config", str(y), "--store", str(tmp_path / "store"), *extra])
         assert rc == 2, (y.read_text(), err)
         assert len(_one_error_line(err)) == 1, err
@@ -303,8 +391,7 @@ def test_fuzz_sample_as_subprocess(tmp_path: Path, fixtures_dir: Path) -> None:
         d = _copy(src, tmp_path / f"t{i}" / src.name)
         (d / "environment" / "Dockerfile").write_text(rng.choice(["", "FROM\n", "RUN echo hi\n", "FROM a b c d\n"]))
         for args in (["run", "--config", str(y)], ["tasks", "list", str(d), "--validate", "--json"]):
-            r = subprocess.run([sys.executable, "-m", "et_hpc.cli", *args], env=env, capture_output=True,
-                               text=True, timeout=120)
+            r = subprocess.run([sys.executable, "-m", "et_hpc.cli", *args], env=env, capture_output=True, text=True, timeout=120)
             assert r.returncode == 2, (args, r.stderr)
             assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("et-hpc: error:"), r.stderr
             COUNTS["subprocess sample"] += 1
@@ -313,8 +400,15 @@ def test_fuzz_sample_as_subprocess(tmp_path: Path, fixtures_dir: Path) -> None:
 
 # ---------------------------------------------------------------- endpoint files
 def _bad_endpoint(rng: random.Random, dead_url: str) -> str:
-    good = {"host": "127.0.0.1", "port": 1, "base_url": dead_url, "model": "m", "job_id": "123",
-            "model_version": "v1", "started_at": "2026-01-01T00:00:00Z"}
+    good = {
+        "host": "127.0.0.1",
+        "port": 1,
+        "base_url": dead_url,
+        "model": "m",
+        "job_id": "123",
+        "model_version": "v1",
+        "started_at": "2026-01-01T00:00:00Z",
+    }
     op = rng.randrange(4)
     if op == 0:
         return _mutate(rng, json.dumps(good))
@@ -322,10 +416,25 @@ def _bad_endpoint(rng: random.Random, dead_url: str) -> str:
         good[rng.choice(list(good))] = _odd_value(rng)
         return json.dumps(good, default=str)
     if op == 2:
-        return json.dumps(rng.choice([[], [good], "x", 1, None, {"base_url": ""}, {"host": "h"},
-                                      {"port": 5}, {"host": [], "port": {}}, {"base_url": "not a url"},
-                                      {"base_url": "http://[::1"}, {"base_url": "ftp://x/v1"},
-                                      {"base_url": "http://127.0.0.1:99999/v1"}]))
+        return json.dumps(
+            rng.choice(
+                [
+                    [],
+                    [good],
+                    "x",
+                    1,
+                    None,
+                    {"base_url": ""},
+                    {"host": "h"},
+                    {"port": 5},
+                    {"host": [], "port": {}},
+                    {"base_url": "not a url"},
+                    {"base_url": "http://[::1"},
+                    {"base_url": "ftp://x/v1"},
+                    {"base_url": "http://127.0.0.1:99999/v1"},
+                ]
+            )
+        )
     return rng.choice(["", "\x00\x00", "{" * 5000, "\ufeff{}", "null"])
 
 
@@ -368,8 +477,7 @@ class _Replay(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def do_GET(self) -> None:  # noqa: N802
-        self._send(200, json.dumps({"object": "list", "data": [{"id": "m", "object": "model"}]}).encode(),
-                   "application/json")
+        self._send(200, json.dumps({"object": "list", "data": [{"id": "m", "object": "model"}]}).encode(), "application/json")
 
     def do_POST(self) -> None:  # noqa: N802
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
@@ -381,23 +489,49 @@ class _Replay(BaseHTTPRequestHandler):
 
 
 def _bad_bodies(rng: random.Random) -> list[tuple[int, bytes, str]]:
-    good = {"id": "c1", "object": "chat.completion", "created": 1, "model": "m",
-            "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
-                "role": "assistant", "content": None, "tool_calls": [{"id": "t", "type": "function", "function": {
-                    "name": "terminal", "arguments": "{\"command\": \"ls\"}"}}]}}],
-            "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
-    fixed = [b"", b"null", b"[]", b"{}", b"not json", b"<html>502 Bad Gateway</html>", b"{\"choices\": []}",
-             b"{\"choices\": null}", b"{\"choices\": [null]}", b"{\"choices\": [{}]}", b"{\"choices\": 5}",
-             b"{\"choices\": [{\"message\": null}]}", b"{\"choices\": [{\"message\": 7}]}",
-             b"{\"choices\": [{\"message\": {\"tool_calls\": 3}}]}",
-             b"{\"choices\": [{\"message\": {\"tool_calls\": [7]}}]}",
-             b"{\"choices\": [{\"message\": {\"tool_calls\": [{\"function\": 1}]}}]}",
-             b"{\"choices\": [{\"message\": {\"content\": {\"a\": 1}}}]}",
-             b"{\"choices\": [{\"message\": {\"content\": \"x\"}, \"logprobs\": {\"content\": [1]}}]}",
-             b"{\"choices\": [{\"message\": {\"content\": \"x\"}}], \"usage\": 7}",
-             b"\xff\xfe\x00garbage", b"{" * 3000]
+    good = {
+        "id": "c1",
+        "object": "chat.completion",
+        "created": 1,
+        "model": "m",
+        "choices": [
+            {
+                "index": 0,
+                "finish_reason": "tool_calls",
+                "message": {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [{"id": "t", "type": "function", "function": {"name": "terminal", "arguments": '{"command": "ls"}'}}],
+                },
+            }
+        ],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+    }
+    fixed = [
+        b"",
+        b"null",
+        b"[]",
+        b"{}",
+        b"not json",
+        b"<html>502 Bad Gateway</html>",
+        b'{"choices": []}',
+        b'{"choices": null}',
+        b'{"choices": [null]}',
+        b'{"choices": [{}]}',
+        b'{"choices": 5}',
+        b'{"choices": [{"message": null}]}',
+        b'{"choices": [{"message": 7}]}',
+        b'{"choices": [{"message": {"tool_calls": 3}}]}',
+        b'{"choices": [{"message": {"tool_calls": [7]}}]}',
+        b'{"choices": [{"message": {"tool_calls": [{"function": 1}]}}]}',
+        b'{"choices": [{"message": {"content": {"a": 1}}}]}',
+        b'{"choices": [{"message": {"content": "x"}, "logprobs": {"content": [1]}}]}',
+        b'{"choices": [{"message": {"content": "x"}}], "usage": 7}',
+        b"\xff\xfe\x00garbage",
+        b"{" * 3000,
+    ]
     out = [(200, b, "application/json") for b in fixed]
-    out += [(200, b"{\"choices\": [", "text/html"), (200, json.dumps(good).encode()[:-40], "application/json")]
+    out += [(200, b'{"choices": [', "text/html"), (200, json.dumps(good).encode()[:-40], "application/json")]
     for _ in range(14):
         text = json.dumps(good)
         if rng.random() < 0.5:  # broken JSON: mutated, and cut before its last brace if it still parses
@@ -410,12 +544,14 @@ def _bad_bodies(rng: random.Random) -> list[tuple[int, bytes, str]]:
         else:  # valid JSON with a part the client needs of the wrong type
             d = json.loads(text)
             choice, msg = d["choices"][0], d["choices"][0]["message"]
-            where, key, values = rng.choice([
-                (d, "choices", [None, 5, "x", {}, [None], True, [[]]]),
-                (choice, "message", [None, 5, "x", [], True]),
-                (msg, "tool_calls", [5, "x", {}, [None], [5], True, [{"function": None}]]),
-                (msg, "content", [5, [], {}, True, 1.5]),
-            ])
+            where, key, values = rng.choice(
+                [
+                    (d, "choices", [None, 5, "x", {}, [None], True, [[]]]),
+                    (choice, "message", [None, 5, "x", [], True]),
+                    (msg, "tool_calls", [5, "x", {}, [None], [5], True, [{"function": None}]]),
+                    (msg, "content", [5, [], {}, True, 1.5]),
+                ]
+            )
             where[key] = rng.choice(values)
             text = json.dumps(d)
         out.append((200, text.encode("utf-8", "surrogateescape"), "application/json"))
@@ -448,8 +584,9 @@ def test_fuzz_chat_completion_bodies() -> None:
     try:
         for status, body, ctype in _bad_bodies(rng):
             httpd.body, httpd.status, httpd.ctype = body, status, ctype  # type: ignore[attr-defined]
-            policy = OpenAIPolicy(url, "m", max_retries=1, retry_budget_s=5, backoff_base_s=0, backoff_max_s=0,
-                                  request_timeout_s=10, sleep=lambda s: None)
+            policy = OpenAIPolicy(
+                url, "m", max_retries=1, retry_budget_s=5, backoff_base_s=0, backoff_max_s=0, request_timeout_s=10, sleep=lambda s: None
+            )
             shell = _NoShell()
             try:
                 res = run_agent("list the files", shell, policy, BudgetConfig(max_turns=2, wall_time_s=30))

@@ -16,15 +16,27 @@ PKG = Path(__file__).resolve().parent.parent / "et_hpc"
 # Module (or package prefix) -> layer. An import may point to its own layer or a lower one.
 LAYERS: dict[str, int] = {
     # L0 contracts: errors, where things live, the episode record, small utilities
-    "et_hpc": 0, "et_hpc._moved": 0, "et_hpc.compat": 0, "et_hpc.errors": 0, "et_hpc.paths": 0, "et_hpc.record": 0, "et_hpc.util": 0,
+    "et_hpc": 0,
+    "et_hpc._moved": 0,
+    "et_hpc.compat": 0,
+    "et_hpc.errors": 0,
+    "et_hpc.paths": 0,
+    "et_hpc.record": 0,
+    "et_hpc.util": 0,
     # L1 thin wrappers over the host's tools; the run store and what reads it
-    "et_hpc.host": 1, "et_hpc.runs": 1, "et_hpc.store": 1,  # store: a shim (runs/store.py)
+    "et_hpc.host": 1,
+    "et_hpc.runs": 1,
+    "et_hpc.store": 1,  # store: a shim (runs/store.py)
     # L2 tasks: the model, the sources, recipes (def and Dockerfile) and base names
     "et_hpc.tasks": 2,
     # L3 images built from recipes; sandboxes started from images
-    "et_hpc.images": 3, "et_hpc.sandbox": 3,
+    "et_hpc.images": 3,
+    "et_hpc.sandbox": 3,
     # L4 the agent (policies, loop, endpoints) and the scripted server that stands in for a model
-    "et_hpc.agent": 4, "et_hpc.testing": 4, "et_hpc.scripted_server": 4, "et_hpc.scripted_tokenizer": 4,
+    "et_hpc.agent": 4,
+    "et_hpc.testing": 4,
+    "et_hpc.scripted_server": 4,
+    "et_hpc.scripted_tokenizer": 4,
     # ... and the CPU model server that serves a real one (its endpoint file is the agent's format)
     "et_hpc.model": 4,
     # L5 one episode: sandbox + agent + scoring; the task check built on it
@@ -32,7 +44,8 @@ LAYERS: dict[str, int] = {
     # L6 many episodes: run config, plan, executors
     "et_hpc.runner": 6,
     # L7 what drives the runner: continuous rollouts, integrations with trainers
-    "et_hpc.rollouts": 7, "et_hpc.integrations": 7,
+    "et_hpc.rollouts": 7,
+    "et_hpc.integrations": 7,
     # L8 the command line
     "et_hpc.cli": 8,
 }
@@ -101,9 +114,12 @@ def test_every_module_has_a_layer() -> None:
 
 
 def test_imports_point_down() -> None:
-    up = [f"{a} (L{_layer(a)}) imports {b} (L{_layer(b)})"
-          for a, bs in sorted(_graph().items()) for b in sorted(bs)
-          if _layer(a) is not None and _layer(b) is not None and _layer(b) > _layer(a)]
+    up = [
+        f"{a} (L{_layer(a)}) imports {b} (L{_layer(b)})"
+        for a, bs in sorted(_graph().items())
+        for b in sorted(bs)
+        if _layer(a) is not None and _layer(b) is not None and _layer(b) > _layer(a)
+    ]
     assert not up, "imports that point up the layer table:\n" + "\n".join(up)
 
 

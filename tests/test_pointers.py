@@ -48,8 +48,12 @@ def test_the_check_flags_dangling_pointers() -> None:
     text = "see docs/store.md, et_hpc.runs.store.RunStore and [x](docs/store.md); "
     assert dangling(ROOT / "README.md", text) == []
     bad = "docs/no-such.md et_hpc.agent.no_such_module et_hpc.runs.store.NoSuchName [x](docs/nope.md)"
-    assert set(dangling(ROOT / "README.md", bad)) == {"docs/no-such.md", "et_hpc.agent.no_such_module",
-                                                      "et_hpc.runs.store.NoSuchName", "docs/nope.md"}
+    assert set(dangling(ROOT / "README.md", bad)) == {
+        "docs/no-such.md",
+        "et_hpc.agent.no_such_module",
+        "et_hpc.runs.store.NoSuchName",
+        "docs/nope.md",
+    }
 
 
 def test_every_pointer_resolves() -> None:

@@ -37,11 +37,18 @@ ANY_TEXT = st.one_of(
 
 def _record(text: str, other: str, sample: int = 0, **kw) -> EpisodeRecord:
     base = dict(
-        run_name="fuzz", task_id="t", sample=sample, status="ok", reward=0.0,
-        messages=[{"role": "assistant", "content": f"<command>{text}</command>"},
-                  {"role": "tool", "content": other, text: other}],
-        sampling_params={text: other}, versions={"x": text},
-        error=text, score_note=other, stop_reason=text, events=[text, other],
+        run_name="fuzz",
+        task_id="t",
+        sample=sample,
+        status="ok",
+        reward=0.0,
+        messages=[{"role": "assistant", "content": f"<command>{text}</command>"}, {"role": "tool", "content": other, text: other}],
+        sampling_params={text: other},
+        versions={"x": text},
+        error=text,
+        score_note=other,
+        stop_reason=text,
+        events=[text, other],
         tests=[TestResult(name=other, outcome="failed")],
     )
     base.update(kw)
@@ -121,8 +128,7 @@ def test_local_executor_survives_a_record_it_cannot_write(tmp_path: Path) -> Non
     from et_hpc.runner.plan import make_plan, open_store
 
     tasks = U.make_tasks(tmp_path, 1, sleep_s=0)
-    cfg = RunConfig(name="w", store=tmp_path / "store", samples=3, concurrency=1,
-                    unit_runner="helpers.units:work_runner")
+    cfg = RunConfig(name="w", store=tmp_path / "store", samples=3, concurrency=1, unit_runner="helpers.units:work_runner")
     plan = make_plan(cfg, tasks=tasks, image_lookup=U.image_lookup)
     res = run_local(plan, runner=_runner, progress=False, handle_signals=False)
     recs = {r.sample: r for r in open_store(plan.run_dir).records()}
@@ -143,12 +149,30 @@ def test_replayed_lone_surrogate_keeps_its_episode(demo_image, tmp_path: Path) -
     # not UTF-8; the shell runs it (the surrogate goes to bash as its UTF-8-like bytes).
     command = "echo 'x\udc80y'; printf 'a\\377b\\n'"
     replay = tmp_path / "replay_summary.json"
-    replay.write_text(json.dumps({"results": [{"success": False, "messages": [
-        {"role": "assistant", "content": f"<command>{command}</command>"}]}]}))
+    replay.write_text(
+        json.dumps({"results": [{"success": False, "messages": [{"role": "assistant", "content": f"<command>{command}</command>"}]}]})
+    )
     (tmp_path / "cwd").mkdir()
-    cmd = [sys.executable, "-m", "et_hpc.cli", "run", str(DEMO), "--set", f"tasks.ids=[{TASK}]",
-           "--run-name", "sur", "--store", str(tmp_path / "store"), "--concurrency", "1", "--json",
-           "--policy", "replay", "--set", f"policy.replay_file={replay}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "et_hpc.cli",
+        "run",
+        str(DEMO),
+        "--set",
+        f"tasks.ids=[{TASK}]",
+        "--run-name",
+        "sur",
+        "--store",
+        str(tmp_path / "store"),
+        "--concurrency",
+        "1",
+        "--json",
+        "--policy",
+        "replay",
+        "--set",
+        f"policy.replay_file={replay}",
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path / "cwd", env=os.environ.copy())
     assert r.returncode == 0, r.stderr[-3000:]
     recs = open_run(tmp_path / "store" / "sur").records()

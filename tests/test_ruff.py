@@ -9,8 +9,7 @@ from helpers import REPO, need, ruff_cmd
 
 def test_ruff_check_is_clean() -> None:
     need("ruff")
-    r = subprocess.run([*ruff_cmd(), "check", "--no-cache", "et_hpc", "tests", "bench", "slurm"],
-                       cwd=REPO, capture_output=True, text=True)
+    r = subprocess.run([*ruff_cmd(), "check", "--no-cache", "et_hpc", "tests", "bench", "slurm"], cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
 
 
@@ -19,6 +18,7 @@ def test_ruff_sees_a_violation(tmp_path) -> None:
     need("ruff")
     bad = tmp_path / "bad.py"
     bad.write_text("import os\n")
-    r = subprocess.run([*ruff_cmd(), "check", "--no-cache", "--config", str(REPO / "pyproject.toml"), str(bad)],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [*ruff_cmd(), "check", "--no-cache", "--config", str(REPO / "pyproject.toml"), str(bad)], capture_output=True, text=True
+    )
     assert r.returncode == 1 and "F401" in r.stdout

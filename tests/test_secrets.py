@@ -51,16 +51,27 @@ def test_finder_finds_what_is_there(tmp_path: Path) -> None:
     (tmp_path / "a.txt").write_text(f"x {SECRET} y")
     (tmp_path / "b.pkl").write_bytes(pickle.dumps({"k": SECRET}))
     # the key's head appears twice: the compressor refers back to it, so the key is never spelled out
-    pq.write_table(pa.table({"m": [f"{SECRET[:14]} .. {SECRET}"]}), tmp_path / "c.parquet", compression="zstd",
-                   write_statistics=False)
+    pq.write_table(pa.table({"m": [f"{SECRET[:14]} .. {SECRET}"]}), tmp_path / "c.parquet", compression="zstd", write_statistics=False)
     assert SECRET.encode() not in (tmp_path / "c.parquet").read_bytes()  # compressed: bytes alone miss it
     (tmp_path / "d.txt").write_text("nothing")
     assert files_with(SECRET, tmp_path) == [str(tmp_path / n) for n in ("a.txt", "b.pkl", "c.parquet")]
 
 
 def _run(tmp: Path, name: str, *args: str, env: dict, timeout: float = 900) -> dict:
-    cmd = ET_HPC + ["run", str(DEMO), "--set", f"tasks.ids=[{TASK}]", "--run-name", name,
-                    "--store", str(tmp / "store"), "--concurrency", "1", "--json", *args]
+    cmd = ET_HPC + [
+        "run",
+        str(DEMO),
+        "--set",
+        f"tasks.ids=[{TASK}]",
+        "--run-name",
+        name,
+        "--store",
+        str(tmp / "store"),
+        "--concurrency",
+        "1",
+        "--json",
+        *args,
+    ]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=tmp / "cwd")
     assert r.returncode == 0, r.stderr[-3000:]
     assert SECRET not in r.stdout and SECRET not in r.stderr
@@ -86,8 +97,7 @@ def _env(tmp: Path, **extra: str) -> dict:
     return env
 
 
-SLURM = ["--executor", "slurm", "--set", "slurm.cpus_per_task=1", "--set", "slurm.time_min=10",
-         "--set", "slurm.poll_s=1"]
+SLURM = ["--executor", "slurm", "--set", "slurm.cpus_per_task=1", "--set", "slurm.time_min=10", "--set", "slurm.poll_s=1"]
 
 
 @pytest.mark.slurm
@@ -116,8 +126,18 @@ def test_key_from_endpoint_file_through_slurm(demo_image, tmp_path: Path) -> Non
     with ScriptedServer(SCRIPT, api_key=SECRET) as srv:
         srv.write_endpoint_file(ep, job_id=None, model_version="ckpt@step-1")
         assert files_with(SECRET, ep) == [str(ep)] and ep.stat().st_mode & 0o777 == 0o600
-        _run(tmp_path, "ep", "--set", "policy.kind=openai", "--set", f"policy.endpoint_file={ep}",
-             "--set", "policy.endpoint_wait_s=30", *SLURM, env=_env(tmp_path, OPENAI_API_KEY="wrong-key"))
+        _run(
+            tmp_path,
+            "ep",
+            "--set",
+            "policy.kind=openai",
+            "--set",
+            f"policy.endpoint_file={ep}",
+            "--set",
+            "policy.endpoint_wait_s=30",
+            *SLURM,
+            env=_env(tmp_path, OPENAI_API_KEY="wrong-key"),
+        )
         _check(tmp_path, "ep", srv)
     from et_hpc.runs.store import open_run
 
@@ -128,8 +148,15 @@ def test_key_from_environment_local(demo_image, tmp_path: Path) -> None:
     from et_hpc.testing.scripted_server import ScriptedServer
 
     with ScriptedServer(SCRIPT, api_key=SECRET) as srv:
-        _run(tmp_path, "env", "--set", "policy.kind=openai", "--set", f"policy.base_url={srv.base_url}",
-             env=_env(tmp_path, OPENAI_API_KEY=SECRET))
+        _run(
+            tmp_path,
+            "env",
+            "--set",
+            "policy.kind=openai",
+            "--set",
+            f"policy.base_url={srv.base_url}",
+            env=_env(tmp_path, OPENAI_API_KEY=SECRET),
+        )
         _check(tmp_path, "env", srv)
 
 
@@ -138,8 +165,17 @@ def test_wrong_key_is_a_policy_error_not_a_zero(demo_image, tmp_path: Path) -> N
     from et_hpc.testing.scripted_server import ScriptedServer
 
     with ScriptedServer(SCRIPT, api_key=SECRET) as srv:
-        _run(tmp_path, "bad", "--set", "policy.kind=openai", "--set", f"policy.base_url={srv.base_url}",
-             "--set", "policy.model=scripted", env=_env(tmp_path, OPENAI_API_KEY="not-the-key"))
+        _run(
+            tmp_path,
+            "bad",
+            "--set",
+            "policy.kind=openai",
+            "--set",
+            f"policy.base_url={srv.base_url}",
+            "--set",
+            "policy.model=scripted",
+            env=_env(tmp_path, OPENAI_API_KEY="not-the-key"),
+        )
         assert srv.requests.get("401", 0) >= 1
     rec = open_run(tmp_path / "store" / "bad").records()[0]
     assert rec.status == "policy_error" and rec.reward is None and "401" in (rec.error or "")
@@ -151,8 +187,7 @@ def test_key_not_in_help() -> None:
         r = subprocess.run(ET_HPC + args, env=env, capture_output=True, text=True, timeout=60)
         assert r.returncode == 0 and len(r.stdout) > 200, r.stderr
         assert SECRET not in r.stdout + r.stderr
-    r = subprocess.run([sys.executable, "-m", "et_hpc.scripted_server", "--help"], env=env, capture_output=True,
-                       text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-m", "et_hpc.scripted_server", "--help"], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "--api-key" in r.stdout and SECRET not in r.stdout + r.stderr
 
 

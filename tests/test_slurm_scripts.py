@@ -53,13 +53,28 @@ def test_vllm_script_writes_and_removes_endpoint(tmp_path: Path) -> None:
     ep = tmp_path / "shared" / "endpoint.json"
     env = dict(os.environ, VLLM=str(shim), HEALTH_EVERY_S="1", SLURM_JOB_ID="4242")
     env.pop("VLLM_API_KEY", None)
-    proc = subprocess.Popen(["bash", str(REPO / "slurm" / "vllm.sbatch"), "my-model", str(ep)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        ["bash", str(REPO / "slurm" / "vllm.sbatch"), "my-model", str(ep)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         wait_for(ep.exists, proc, "the endpoint file")
         data = json.loads(ep.read_text())
-        assert set(data) == {"host", "port", "base_url", "model", "api_key", "model_version", "served_model", "job_id",
-                             "started_at", "written_at"}
+        assert set(data) == {
+            "host",
+            "port",
+            "base_url",
+            "model",
+            "api_key",
+            "model_version",
+            "served_model",
+            "job_id",
+            "started_at",
+            "written_at",
+        }
         assert data["model"] == "my-model" and data["job_id"] == "4242" and data["model_version"] == "my-model"
         assert data["served_model"] is None  # one set of weights for the job's life: no versioned alias
         assert data["base_url"] == f"http://{data['host']}:{data['port']}/v1"
@@ -85,8 +100,13 @@ def test_vllm_script_refuses_a_shared_directory(tmp_path: Path) -> None:
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o755)
-    r = subprocess.run(["bash", str(REPO / "slurm" / "vllm.sbatch"), "m", str(shared / "ep.json")],
-                       env=dict(os.environ, VLLM="/bin/false"), capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        ["bash", str(REPO / "slurm" / "vllm.sbatch"), "m", str(shared / "ep.json")],
+        env=dict(os.environ, VLLM="/bin/false"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and "must be yours alone" in r.stderr and "chmod 700" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and not (shared / "ep.json").exists()
 
@@ -104,10 +124,14 @@ def test_vllm_script_switches_checkpoints(tmp_path: Path, switch: str) -> None:
     reload_cmd = tmp_path / "reload"
     reload_cmd.write_text(f'#!/bin/bash\necho "$1 port=$ET_VLLM_PORT" >> {reloads}\n')
     reload_cmd.chmod(0o755)
-    env = dict(os.environ, VLLM=str(shim), POLL_S="1", HEALTH_EVERY_S="1", SWITCH=switch,
-               RELOAD_CMD=str(reload_cmd))
-    proc = subprocess.Popen(["bash", str(REPO / "slurm" / "vllm.sbatch"), "--checkpoint-dir", str(ckpts),
-                             "policy", str(ep)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = dict(os.environ, VLLM=str(shim), POLL_S="1", HEALTH_EVERY_S="1", SWITCH=switch, RELOAD_CMD=str(reload_cmd))
+    proc = subprocess.Popen(
+        ["bash", str(REPO / "slurm" / "vllm.sbatch"), "--checkpoint-dir", str(ckpts), "policy", str(ep)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         time.sleep(1.5)
         assert not ep.exists() and proc.poll() is None  # no pointer yet: waits for the trainer's first one
@@ -118,23 +142,28 @@ def test_vllm_script_switches_checkpoints(tmp_path: Path, switch: str) -> None:
         # restart serves the weights' own alias first (answers name it); reload keeps its names: none
         alias = f"policy@{ckpts}/step-10@step-10" if switch == "restart" else None
         assert first["served_model"] == alias
-        names = [m["id"] for m in json.loads(_body(f"http://127.0.0.1:{first['port']}/v1/models",
-                                                    first["api_key"]))["data"]]
+        names = [m["id"] for m in json.loads(_body(f"http://127.0.0.1:{first['port']}/v1/models", first["api_key"]))["data"]]
         assert names == ([alias] if alias else []) + ["policy"]
         tmp = ckpts / ".latest.tmp"  # the trainer's atomic pointer update
         tmp.write_text("step-20\n")
         tmp.rename(ckpts / "latest")
-        wait_for(lambda: json.loads(ep.read_text())["model_version"] != first["model_version"]
-                 and not json.loads(ep.read_text())["model_version"].startswith("switching "), proc,
-                 "the republished endpoint")  # reload publishes "switching OLD -> NEW" first
+        wait_for(
+            lambda: (
+                json.loads(ep.read_text())["model_version"] != first["model_version"]
+                and not json.loads(ep.read_text())["model_version"].startswith("switching ")
+            ),
+            proc,
+            "the republished endpoint",
+        )  # reload publishes "switching OLD -> NEW" first
         second = json.loads(ep.read_text())
         assert second["model_version"].startswith(f"{ckpts}/step-20@files-")  # no step: a listing hash
         assert second["served_model"] == (f"policy@{second['model_version']}" if switch == "restart" else None)
         assert second["port"] == first["port"] and second["api_key"] == first["api_key"]
         assert ep.stat().st_mode & 0o777 == 0o600
         # restart publishes the new version before the new server answers (clients retry meanwhile)
-        wait_for(lambda: _answers(f"http://127.0.0.1:{second['port']}/v1/models", second["api_key"]), proc,
-                 "the server on the new checkpoint")
+        wait_for(
+            lambda: _answers(f"http://127.0.0.1:{second['port']}/v1/models", second["api_key"]), proc, "the server on the new checkpoint"
+        )
     finally:
         proc.send_signal(signal.SIGTERM)
         out = proc.communicate(timeout=60)[0]

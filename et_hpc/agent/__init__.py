@@ -24,9 +24,25 @@ from et_hpc.agent.policies import (
 )
 
 __all__ = [
-    "Action", "AgentResult", "BudgetConfig", "ContextLengthError", "Endpoint", "NullPolicy", "OpenAIPolicy",
-    "OraclePolicy", "Policy", "PolicyConfig", "PolicyError", "RecordedRun", "ReplayPolicy", "Turn", "Usage",
-    "make_policy", "recorded_runs", "resolve_endpoint", "run_agent",
+    "Action",
+    "AgentResult",
+    "BudgetConfig",
+    "ContextLengthError",
+    "Endpoint",
+    "NullPolicy",
+    "OpenAIPolicy",
+    "OraclePolicy",
+    "Policy",
+    "PolicyConfig",
+    "PolicyError",
+    "RecordedRun",
+    "ReplayPolicy",
+    "Turn",
+    "Usage",
+    "make_policy",
+    "recorded_runs",
+    "resolve_endpoint",
+    "run_agent",
 ]
 
 

@@ -24,8 +24,10 @@ log = logging.getLogger(__name__)
 
 _TOKEN_ID_RE = re.compile(r"^token_id:(-?\d+)$")
 LLAMA_ASK = {"n_probs": 1}  # llama-server: logprobs with ids in the chat answer (ignored elsewhere)
-REASON = ("tokens: re-tokenized: the server returns no prompt ids; prompts rendered by its own chat template "
-          "(/apply-template) and tokenizer (/tokenize), completions are the sampled ids from its logprobs")
+REASON = (
+    "tokens: re-tokenized: the server returns no prompt ids; prompts rendered by its own chat template "
+    "(/apply-template) and tokenizer (/tokenize), completions are the sampled ids from its logprobs"
+)
 
 
 class _Turn(Protocol):
@@ -47,8 +49,9 @@ def logprob_token_ids(content: Sequence[Any]) -> list[int] | None:
     return out
 
 
-def render_ids(client: openai.OpenAI, tokenize_url: str, messages: list[dict[str, Any]], tools: list[dict] | None,
-               add_generation_prompt: bool) -> list[int] | None:
+def render_ids(
+    client: openai.OpenAI, tokenize_url: str, messages: list[dict[str, Any]], tools: list[dict] | None, add_generation_prompt: bool
+) -> list[int] | None:
     """llama-server's ids for a conversation: its template's text, then its tokenizer; None on failure.
 
     A last assistant message is rendered open (llama-server prefills it), as the conversation's end."""
@@ -85,6 +88,5 @@ def count_drift(turns: Sequence[_Turn]) -> str | None:
     for i, t in enumerate(turns):
         counted = (t.usage or {}).get("prompt_tokens")
         if t.prompt_token_ids is not None and counted is not None and counted != len(t.prompt_token_ids):
-            return (f"turn {i}: the re-rendered prompt has {len(t.prompt_token_ids)} tokens, "
-                    f"the server counted {counted}")
+            return f"turn {i}: the re-rendered prompt has {len(t.prompt_token_ids)} tokens, the server counted {counted}"
     return None

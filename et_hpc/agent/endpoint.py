@@ -89,8 +89,7 @@ def endpoint_record(
 
 def write_endpoint_file(path: Path, record: dict) -> None:
     """Publish ``record`` at ``path``: mode 0600, temp file + rename in a 0700 directory if new."""
-    with atomic_open(Path(path), tmp_name=f".endpoint.{os.getpid()}.{time.monotonic_ns()}", mode=0o600,
-                     dir_mode=0o700) as f:
+    with atomic_open(Path(path), tmp_name=f".endpoint.{os.getpid()}.{time.monotonic_ns()}", mode=0o600, dir_mode=0o700) as f:
         f.write((json.dumps(record, indent=2) + "\n").encode("utf-8"))
 
 
@@ -99,12 +98,15 @@ def check_endpoint_file(path: Path, st: os.stat_result, has_key: bool) -> None:
     if not has_key:
         return
     if st.st_uid != os.getuid():
-        raise UserError(f"endpoint file {path} holds an API key but belongs to uid {st.st_uid}, not you: "
-                        f"use an endpoint file your own server job wrote")
+        raise UserError(
+            f"endpoint file {path} holds an API key but belongs to uid {st.st_uid}, not you: use an endpoint file your own server job wrote"
+        )
     if st.st_mode & 0o077:
-        raise UserError(f"endpoint file {path} holds an API key and is readable by others "
-                        f"(mode {stat.S_IMODE(st.st_mode):04o}): run `chmod 600 {path}` and restart the server "
-                        f"job (its key may be known)")
+        raise UserError(
+            f"endpoint file {path} holds an API key and is readable by others "
+            f"(mode {stat.S_IMODE(st.st_mode):04o}): run `chmod 600 {path}` and restart the server "
+            f"job (its key may be known)"
+        )
 
 
 def _parse(text: str) -> dict | None:
@@ -160,8 +162,7 @@ class EndpointWatch:
         return None if v is None else str(v)
 
 
-def resolve_api_key(explicit: str | None = None, env_name: str | None = None,
-                    endpoint: dict | Endpoint | None = None) -> str:
+def resolve_api_key(explicit: str | None = None, env_name: str | None = None, endpoint: dict | Endpoint | None = None) -> str:
     """The key to send: the endpoint file's, else the configured one, else ``$env_name``, else "EMPTY"."""
     from_file = endpoint.get("api_key") if isinstance(endpoint, dict) else getattr(endpoint, "api_key", None)
     return key_or_default(from_file or explicit, env_name)
@@ -242,9 +243,14 @@ def resolve_endpoint(
             if ok:
                 rec: dict[str, Any] = record or {}
                 job, version = rec.get("job_id"), rec.get("model_version")
-                return Endpoint(base_url=url, model=rec.get("model") or model,
-                                job_id=None if job is None else str(job), served_model=rec.get("served_model"),
-                                model_version=None if version is None else str(version), api_key=key)
+                return Endpoint(
+                    base_url=url,
+                    model=rec.get("model") or model,
+                    job_id=None if job is None else str(job),
+                    served_model=rec.get("served_model"),
+                    model_version=None if version is None else str(version),
+                    api_key=key,
+                )
         if time.monotonic() + poll_s > deadline:
             break
         time.sleep(poll_s)

@@ -23,13 +23,10 @@ from et_hpc.agent.wire import OUTPUT_LIMIT_CHARS, Mode, default_system_prompt, f
 
 log = logging.getLogger(__name__)
 
-StopReason = Literal["done", "max_turns", "wall_time", "context", "token_budget", "policy_error", "shell_error",
-                     "shell_broken"]
+StopReason = Literal["done", "max_turns", "wall_time", "context", "token_budget", "policy_error", "shell_error", "shell_broken"]
 Status = Literal["ok", "policy_error", "shell_error"]
 
-NOT_RUN = (
-    "Not executed: only one terminal call runs per turn. Call the tool again for the next command."
-)
+NOT_RUN = "Not executed: only one terminal call runs per turn. Call the tool again for the next command."
 
 
 class ShellLike(Protocol):
@@ -168,8 +165,7 @@ def _observation_message(mode: str, action: Action, content: str) -> dict[str, A
     return {"role": "user", "content": content}
 
 
-def _budget_stop(budgets: BudgetConfig, n_turns: int, elapsed: float, usage: Usage,
-                 last_context: int) -> StopReason | None:
+def _budget_stop(budgets: BudgetConfig, n_turns: int, elapsed: float, usage: Usage, last_context: int) -> StopReason | None:
     """The budget that is used up before the next turn (None: the episode goes on)."""
     if n_turns >= budgets.max_turns:
         return "max_turns"

@@ -50,9 +50,9 @@ _CONTEXT_RE = re.compile(
 )
 
 # constrain=True in text mode: the reply is exactly one command or done (a GBNF grammar, llama.cpp's format)
-TEXT_GRAMMAR = r'''root ::= "<command>" cmd "</command>" | "<action>done</action>"
+TEXT_GRAMMAR = r"""root ::= "<command>" cmd "</command>" | "<action>done</action>"
 cmd ::= ( [^<] | "<" [^/] )+
-'''
+"""
 
 
 class _Retryable(Exception):
@@ -72,8 +72,7 @@ def _status_error(what: str, code: int, text: str, last_500: str | None, e: open
     if code == 500 and text == last_500:
         # The same answer to the same request: a validation error or a bug, not a server in
         # trouble (those say 502-504, time out or drop the connection). Retrying cannot help.
-        raise PolicyError(f"{what}: server rejected the request twice with the same error (HTTP 500): "
-                          f"{text}") from None
+        raise PolicyError(f"{what}: server rejected the request twice with the same error (HTTP 500): {text}") from None
     if code in (408, 409, 429) or code >= 500:
         return _Retryable(f"HTTP {code}: {text}", _retry_after(e), dead=code >= 500)
     raise PolicyError(f"{what}: server rejected the request (HTTP {code}): {text}") from None
@@ -148,8 +147,7 @@ class OpenAIPolicy:
         if replicas is not None:
             got = replicas.acquire(wait_s=retry_budget_s)
             if got is None:
-                raise PolicyError(f"no live policy server in {replicas.directory} within {retry_budget_s:g} s "
-                                  f"({replicas.describe()})")
+                raise PolicyError(f"no live policy server in {replicas.directory} within {retry_budget_s:g} s ({replicas.describe()})")
             self._replica = got
             base_url, api_key = got.base_url, got.api_key
             self.model = model or got.model
@@ -180,8 +178,14 @@ class OpenAIPolicy:
         self._tin: Any = None  # token_in: the episode's TokenIn state
 
     @classmethod
-    def from_config(cls, cfg: PolicyConfig, *, max_tokens: int | None = None,
-                    sleep: Callable[[float], None] = time.sleep, rng: random.Random | None = None) -> OpenAIPolicy:
+    def from_config(
+        cls,
+        cfg: PolicyConfig,
+        *,
+        max_tokens: int | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+        rng: random.Random | None = None,
+    ) -> OpenAIPolicy:
         """The policy ``cfg`` describes (each parameter named like a field takes it; ``max_tokens``:
         when ``cfg`` leaves it unset)."""
         replicas = None
@@ -195,8 +199,14 @@ class OpenAIPolicy:
             raise UserError("the openai policy needs policy.base_url (or an endpoint file from slurm/vllm.sbatch)")
         explicit = ("api_key", "replicas", "max_tokens", "sleep", "rng")
         same: dict[str, Any] = {k: getattr(cfg, k) for k in _config_params(cls, cfg) if k not in explicit}
-        return cls(**same, api_key=resolve_api_key(cfg.key_value(), cfg.api_key_env), replicas=replicas,
-                   max_tokens=cfg.max_tokens or max_tokens or DEFAULT_MAX_TOKENS, sleep=sleep, rng=rng)
+        return cls(
+            **same,
+            api_key=resolve_api_key(cfg.key_value(), cfg.api_key_env),
+            replicas=replicas,
+            max_tokens=cfg.max_tokens or max_tokens or DEFAULT_MAX_TOKENS,
+            sleep=sleep,
+            rng=rng,
+        )
 
     def close(self) -> None:
         """Close the HTTP connections and give the replica back (the policy is unusable afterwards)."""
@@ -285,8 +295,9 @@ class OpenAIPolicy:
                 if err.known or fails >= self.failover_after:
                     moves += 1
                     if moves > max(self.max_retries, 1) or not self._fail_over(str(err)):
-                        raise PolicyError(f"{what}: no live policy server within {self.retry_budget_s:g} s after "
-                                          f"{moves} failovers; last error: {err}") from None
+                        raise PolicyError(
+                            f"{what}: no live policy server within {self.retry_budget_s:g} s after {moves} failovers; last error: {err}"
+                        ) from None
                     attempt = fails = 0  # the same request, at once, on the next server
                     start = time.monotonic()
                     continue
@@ -297,9 +308,7 @@ class OpenAIPolicy:
         """Sleep before retry ``attempt`` (jittered exponential, at least the server's Retry-After
         within bounds); ``PolicyError`` when the retries or the retry budget are used up."""
         if attempt > self.max_retries or elapsed >= self.retry_budget_s:
-            raise PolicyError(
-                f"{what}: gave up after {attempt} attempts in {elapsed:.1f} s; last error: {err}"
-            ) from None
+            raise PolicyError(f"{what}: gave up after {attempt} attempts in {elapsed:.1f} s; last error: {err}") from None
         delay = min(self.backoff_max_s, self.backoff_base_s * 2 ** (attempt - 1))
         delay *= self._rng.uniform(0.5, 1.0)
         if err.retry_after is not None:
@@ -311,6 +320,7 @@ class OpenAIPolicy:
 
     def _resolve_model(self) -> str:
         if self.model is None:
+
             def first() -> str:
                 self._follow_endpoint()
                 data = list(self.client.models.list().data)
@@ -407,8 +417,7 @@ class OpenAIPolicy:
             tools = [TERMINAL_TOOL] if self.mode == "tools" else None
             self._tin = TokenIn(self._post_json, self._probe_dialect(), model, tools)  # type: ignore[arg-type]
         tin = self._tin
-        params: dict[str, Any] = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                                  "seed": self.seed}
+        params: dict[str, Any] = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed}
         if self.constrain and self.mode == "text":
             params["grammar"] = TEXT_GRAMMAR
         retries_before = self.retries
@@ -471,15 +480,20 @@ class OpenAIPolicy:
             if full is not None and full[:n] == action.prompt_token_ids:
                 action.token_ids = full[n:]
 
-    def tokenize(self, messages: list[dict[str, Any]], tools: list[dict] | None = None, *,
-                 add_generation_prompt: bool = False, continue_final_message: bool = False) -> list[int] | None:
+    def tokenize(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict] | None = None,
+        *,
+        add_generation_prompt: bool = False,
+        continue_final_message: bool = False,
+    ) -> list[int] | None:
         """The server's tokenization of a conversation (vLLM ``POST /tokenize``); None if unavailable."""
         if self._llama_render:
             return render_ids(self.client, self.tokenize_url, messages, tools, add_generation_prompt)
         if self._no_tokenize:
             return None
-        body: dict[str, Any] = {"model": self.model, "messages": messages,
-                                "add_generation_prompt": add_generation_prompt}
+        body: dict[str, Any] = {"model": self.model, "messages": messages, "add_generation_prompt": add_generation_prompt}
         if continue_final_message:
             body["continue_final_message"] = True
         if tools:
@@ -487,8 +501,7 @@ class OpenAIPolicy:
         for _ in range(2):  # the client's pooled connection and auth; an absolute URL (vLLM: at the root)
             self.tokenize_requests += 1
             try:
-                r = self.client.post(self.tokenize_url, cast_to=httpx.Response, body=body,
-                                     options={"max_retries": 0})
+                r = self.client.post(self.tokenize_url, cast_to=httpx.Response, body=body, options={"max_retries": 0})
             except openai.APIStatusError as e:
                 if e.status_code in (404, 405):
                     log.warning("%s: not served (HTTP %d); token ids will be absent", self.tokenize_url, e.status_code)
@@ -545,7 +558,8 @@ class OpenAIPolicy:
         source: TokensSource = "server-exact" if all(t.tokens_from == "server" for t in turns) else "re-tokenized"
         why = [REASON] if self._llama_render and source == "re-tokenized" else []
         drift = drift or (count_drift(turns) if why else None)
-        return TokenCapture(prompt_token_ids=deltas, token_ids=known, logprobs=logprobs,
-                            tokens_source=source, token_drift=drift, events=why)
+        return TokenCapture(
+            prompt_token_ids=deltas, token_ids=known, logprobs=logprobs, tokens_source=source, token_drift=drift, events=why
+        )
 
     _llama_render = False  # llama-server: conversations are rendered by /apply-template, then tokenized

@@ -139,8 +139,7 @@ class ReplayPolicy:
         results = _load_summary(summary_json_path)
         if not 0 <= run_index < len(results):
             raise UserError(
-                f"run index {run_index} is out of range for {summary_json_path} "
-                f"({len(results)} recorded runs: use 0..{len(results) - 1})"
+                f"run index {run_index} is out of range for {summary_json_path} ({len(results)} recorded runs: use 0..{len(results) - 1})"
             )
         self.path = Path(summary_json_path)
         self.run_index = run_index
@@ -254,10 +253,7 @@ def make_policy(cfg: PolicyConfig, task: Task | None = None, *, max_tokens: int 
         if path is None:
             if task is None or not task.recorded_runs:
                 tid = task.id if task is not None else "(none)"
-                raise UserError(
-                    f"task {tid} has no recorded runs (solutions/*_summary.json); "
-                    "set policy.replay_file or use another policy"
-                )
+                raise UserError(f"task {tid} has no recorded runs (solutions/*_summary.json); set policy.replay_file or use another policy")
             path = task.recorded_runs[0]
         return ReplayPolicy(path, cfg.replay_index)
     from et_hpc.agent.openai_policy import OpenAIPolicy

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-COULD_NOT_PARSE = (
-    "Could not parse a single <command>...</command> or <action>done</action>. "
-    "Please respond with exactly one of those."
-)
+COULD_NOT_PARSE = "Could not parse a single <command>...</command> or <action>done</action>. Please respond with exactly one of those."
 
 # The Endless Terminals system prompt (generator/sample_solutions.py). Recorded runs may append
 # further rules; pass system_prompt= to run_agent to use another text.

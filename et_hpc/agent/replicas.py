@@ -78,8 +78,16 @@ class _Published(TypedDict):
 class ReplicaSet:
     """The replicas of one endpoint directory (see the module docstring). Thread-safe."""
 
-    def __init__(self, directory: Path, *, api_key: str | None = None, api_key_env: str | None = None,
-                 probe_timeout_s: float = 5.0, refresh_s: float = 1.0, reprobe_dead_s: float = 30.0):
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        api_key: str | None = None,
+        api_key_env: str | None = None,
+        probe_timeout_s: float = 5.0,
+        refresh_s: float = 1.0,
+        reprobe_dead_s: float = 30.0,
+    ):
         self.directory = Path(directory).expanduser()
         self._api_key, self._api_key_env = api_key, api_key_env
         self.probe_timeout_s = probe_timeout_s
@@ -109,8 +117,10 @@ class ReplicaSet:
             if st.st_uid != os.getuid():
                 return None, f"belongs to uid {st.st_uid}, not you (only your own server jobs' files are used)"
             if st.st_mode & 0o077:
-                return None, (f"can be read by others (mode {stat.S_IMODE(st.st_mode):04o}): run `chmod 600 {path}` "
-                              "and restart that server job (its key may be known)")
+                return None, (
+                    f"can be read by others (mode {stat.S_IMODE(st.st_mode):04o}): run `chmod 600 {path}` "
+                    "and restart that server job (its key may be known)"
+                )
             text = f.read(MAX_FILE_BYTES).decode("utf-8", errors="replace")
         data = _parse(text)
         if data is None:
@@ -158,11 +168,14 @@ class ReplicaSet:
 
     def _update(self, name: str, path: Path, sig: Sig, data: dict, rep: Replica | None) -> None:
         job, version = data.get("job_id"), data.get("model_version")
-        fields = _Published(base_url=str(data["base_url"]).rstrip("/"), model=data.get("model"),
-                            model_version=None if version is None else str(version),
-                            served_model=data["served_model"] if isinstance(data.get("served_model"), str) else None,
-                            job_id=None if job is None else str(job),
-                            api_key=resolve_api_key(self._api_key, self._api_key_env, data))
+        fields = _Published(
+            base_url=str(data["base_url"]).rstrip("/"),
+            model=data.get("model"),
+            model_version=None if version is None else str(version),
+            served_model=data["served_model"] if isinstance(data.get("served_model"), str) else None,
+            job_id=None if job is None else str(job),
+            api_key=resolve_api_key(self._api_key, self._api_key_env, data),
+        )
         if rep is None:
             rep = self.replicas[name] = Replica(name=name, path=path, sig=sig, **fields)
             log.info("policy server %s found", rep.label())
@@ -191,8 +204,11 @@ class ReplicaSet:
         with self._lock:
             if force or now - self._listed_at >= self.refresh_s:
                 self._scan()
-            due = [r for r in self.replicas.values() if not r.probing and (
-                r.state == NEW or (r.state == DEAD and now - r.checked_at >= self.reprobe_dead_s))]
+            due = [
+                r
+                for r in self.replicas.values()
+                if not r.probing and (r.state == NEW or (r.state == DEAD and now - r.checked_at >= self.reprobe_dead_s))
+            ]
             for r in due:
                 r.probing = True  # one prober at a time per replica
             jobs = [(r, r.sig, r.base_url, r.api_key, r.state) for r in due]
@@ -313,8 +329,16 @@ class ReplicaSet:
     def stats(self) -> dict[str, dict]:
         """Per replica: state, outstanding requests, episodes now and assigned (no keys)."""
         with self._lock:
-            return {r.name: {"state": r.state, "base_url": r.base_url, "outstanding": r.outstanding,
-                             "episodes": r.episodes, "assigned": r.assigned} for r in self.replicas.values()}
+            return {
+                r.name: {
+                    "state": r.state,
+                    "base_url": r.base_url,
+                    "outstanding": r.outstanding,
+                    "episodes": r.episodes,
+                    "assigned": r.assigned,
+                }
+                for r in self.replicas.values()
+            }
 
 
 _SETS: dict[tuple, ReplicaSet] = {}

@@ -29,8 +29,7 @@ def malformed(resp: Any) -> str | None:
             return "tool_calls is not a list"
         for c in calls:
             fn = getattr(c, "function", None)
-            if not isinstance(getattr(fn, "name", None), str) or \
-                    not isinstance(getattr(fn, "arguments", None), (str, type(None))):
+            if not isinstance(getattr(fn, "name", None), str) or not isinstance(getattr(fn, "arguments", None), (str, type(None))):
                 return "a tool call has no function name and arguments"
     return None
 
@@ -78,9 +77,7 @@ def to_action(resp: Any, mode: Mode, with_token_ids: bool) -> Action:
         action = tool_action(msg)
     usage = getattr(resp, "usage", None)
     if usage is not None:
-        action.usage = {
-            k: int(v) for k, v in usage.model_dump().items() if k.endswith("_tokens") and isinstance(v, int)
-        }
+        action.usage = {k: int(v) for k, v in usage.model_dump().items() if k.endswith("_tokens") and isinstance(v, int)}
     action.finish_reason = choice.finish_reason
     lp = getattr(choice, "logprobs", None)
     content = getattr(lp, "content", None) if lp is not None else None
@@ -114,5 +111,4 @@ def tool_action(msg: Any) -> Action:
         cmd, timeout = parse_tool_arguments(functions[0]["name"], functions[0]["arguments"])
     except ToolArgsError as e:
         return Action(kind="invalid", message=message, tool_call_id=ids[0], error=str(e), extra_tool_call_ids=extra)
-    return Action(kind="command", command=cmd, timeout=timeout, message=message,
-                  tool_call_id=ids[0], extra_tool_call_ids=extra)
+    return Action(kind="command", command=cmd, timeout=timeout, message=message, tool_call_id=ids[0], extra_tool_call_ids=extra)

@@ -117,12 +117,12 @@ class TokenIn:
             open_ = self._ids(probe, gen=False, cont=True)
             if full[: len(open_)] != open_:
                 raise TokenInError("the chat template's rendering of a reply does not extend its open form")
-            return full[len(open_):], ""
+            return full[len(open_) :], ""
         text = self._text(probe, gen=False)
         at = text.rfind(MARK)
         if at < 0:
             raise TokenInError("the chat template dropped the reply's content")
-        return [], text[at + len(MARK):]
+        return [], text[at + len(MARK) :]
 
     # -- prompts -----------------------------------------------------------------------------
     def next_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
@@ -137,7 +137,7 @@ class TokenIn:
             if b[: len(a)] != a:
                 raise TokenInError("the template renders the conversation differently once more messages follow")
             closing, _ = self.closing(messages[:n])
-            gap = closing + b[len(a):]
+            gap = closing + b[len(a) :]
         else:
             a_t = self._text(upto, gen=False)
             b_t = self._text(messages, gen=True)
@@ -145,7 +145,7 @@ class TokenIn:
                 raise TokenInError("the template renders the conversation differently once more messages follow")
             _, closing_t = self.closing(messages[:n])
             # with llama-server's assistant prefill, a_t ends open (no closing): the closing is then in b_t
-            rest = b_t[len(a_t):]
+            rest = b_t[len(a_t) :]
             gap_t = rest if closing_t and rest.startswith(closing_t) else closing_t + rest
             gap = self._tokenize(gap_t)
         seq = self.prompt + self.completion
@@ -157,9 +157,15 @@ class TokenIn:
     def complete(self, prompt: list[int], params: dict[str, Any]) -> tuple[str, list[int], str | None, dict[str, int]]:
         """Sample from ``prompt``: (text, completion ids, finish reason, usage)."""
         if self.dialect == "vllm":
-            body = {"model": self.model, "prompt": prompt, "max_tokens": params["max_tokens"],
-                    "temperature": params["temperature"], "top_p": params["top_p"], "return_token_ids": True,
-                    "skip_special_tokens": False}
+            body = {
+                "model": self.model,
+                "prompt": prompt,
+                "max_tokens": params["max_tokens"],
+                "temperature": params["temperature"],
+                "top_p": params["top_p"],
+                "return_token_ids": True,
+                "skip_special_tokens": False,
+            }
             if params.get("seed") is not None:
                 body["seed"] = params["seed"]
             r = self._post("/v1/completions", body)
@@ -169,8 +175,14 @@ class TokenIn:
                 raise TokenInError("the server's /v1/completions returned no token_ids (vLLM >= 0.10.2 needed)")
             usage = {k: int(v) for k, v in (r.get("usage") or {}).items() if isinstance(v, int)}
             return str(ch.get("text") or ""), [int(t) for t in ids], ch.get("finish_reason"), usage
-        body = {"prompt": prompt, "n_predict": params["max_tokens"], "temperature": params["temperature"],
-                "top_p": params["top_p"], "return_tokens": True, "cache_prompt": True}
+        body = {
+            "prompt": prompt,
+            "n_predict": params["max_tokens"],
+            "temperature": params["temperature"],
+            "top_p": params["top_p"],
+            "return_tokens": True,
+            "cache_prompt": True,
+        }
         if params.get("seed") is not None:
             body["seed"] = params["seed"]
         if params.get("grammar"):
@@ -181,7 +193,9 @@ class TokenIn:
             raise TokenInError("llama-server's /completion returned no tokens")
         stop = r.get("stop_type")
         finish = "length" if stop == "limit" else "stop"
-        usage = {"prompt_tokens": int(r.get("tokens_evaluated") or len(prompt)),
-                 "completion_tokens": int(r.get("tokens_predicted") or len(ids))}
+        usage = {
+            "prompt_tokens": int(r.get("tokens_evaluated") or len(prompt)),
+            "completion_tokens": int(r.get("tokens_predicted") or len(ids)),
+        }
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         return str(r.get("content") or ""), [int(t) for t in ids], finish, usage

@@ -136,10 +136,7 @@ def format_observation(
     out = truncate_output(output or "", limit)
     if timed_out:
         secs = f" after {timeout_s:g} s" if timeout_s is not None else ""
-        return (
-            f"Command failed. Output: Command timed out{secs} and was interrupted. "
-            f"Partial output:\n{out}\n\n(exit_code=timeout)"
-        )
+        return f"Command failed. Output: Command timed out{secs} and was interrupted. Partial output:\n{out}\n\n(exit_code=timeout)"
     if exit_code == 0:
         return f"Command executed successfully. Output: {out}\n\n(exit_code=0)"
     code = "unknown" if exit_code is None else exit_code

@@ -62,7 +62,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -49,11 +49,13 @@ examples:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = add_command(subparsers, "build", help="build task images into the shared cache (locally or on Slurm)",
-                    description=DESCRIPTION, epilog=EPILOG)
+    p = add_command(
+        subparsers, "build", help="build task images into the shared cache (locally or on Slurm)", description=DESCRIPTION, epilog=EPILOG
+    )
     add_source_args(p)
-    p.add_argument("--jobs", "-j", type=int, metavar="N",
-                   help=f"builds at once on this node (default: half the cores, here {default_jobs()})")
+    p.add_argument(
+        "--jobs", "-j", type=int, metavar="N", help=f"builds at once on this node (default: half the cores, here {default_jobs()})"
+    )
     p.add_argument("--retry-failed", action="store_true", help="build again images whose build failed before")
     p.add_argument("--dry-run", action="store_true", help="build nothing; show each task's image status")
     p.add_argument("--cache", type=Path, metavar="DIR", help="image cache (default $ET_HPC_CACHE or ~/.cache/et-hpc)")
@@ -62,16 +64,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s = p.add_argument_group("Slurm (--slurm builds as an array job; each array task builds a chunk)")
     s.add_argument("--slurm", action="store_true", help="submit the builds as a Slurm array and wait for it")
     s.add_argument("--partition", metavar="P", help="Slurm partition")
-    s.add_argument("--time", default="60", metavar="T",
-                   help="walltime of one array task: minutes, or [D-]HH:MM[:SS] (default 60)")
+    s.add_argument("--time", default="60", metavar="T", help="walltime of one array task: minutes, or [D-]HH:MM[:SS] (default 60)")
     s.add_argument("--cpus", type=int, default=2, metavar="C", help="cpus per array task (default 2)")
     s.add_argument("--mem", metavar="M", help="memory per array task, e.g. 8G or 4000M")
-    s.add_argument("--array-parallelism", type=int, default=32, metavar="K",
-                   help="array tasks running at once (default 32)")
-    s.add_argument("--per-task", type=int, metavar="N",
-                   help="tasks built by one array task (default: enough to stay within 1000 array tasks)")
-    s.add_argument("--deadline", type=float, metavar="MIN",
-                   help="stop waiting after this many minutes (default: walltime x waves + 10)")
+    s.add_argument("--array-parallelism", type=int, default=32, metavar="K", help="array tasks running at once (default 32)")
+    s.add_argument(
+        "--per-task", type=int, metavar="N", help="tasks built by one array task (default: enough to stay within 1000 array tasks)"
+    )
+    s.add_argument("--deadline", type=float, metavar="MIN", help="stop waiting after this many minutes (default: walltime x waves + 10)")
     p.set_defaults(func=cmd_build)
 
 
@@ -140,18 +140,26 @@ def report(results: list[ImageResult], errors: list[TaskError], seconds: float, 
     failed = [r for r in results if r.status == "failed"]
     missing = [r for r in results if r.status == "missing"]
     if args.json:
-        print(json.dumps({
-            "results": [json.loads(r.model_dump_json()) for r in results],
-            "counts": counts, "load_errors": [str(e) for e in errors], "seconds": round(seconds, 2),
-        }, indent=2))
+        print(
+            json.dumps(
+                {
+                    "results": [json.loads(r.model_dump_json()) for r in results],
+                    "counts": counts,
+                    "load_errors": [str(e) for e in errors],
+                    "seconds": round(seconds, 2),
+                },
+                indent=2,
+            )
+        )
     else:
         rows = [[r.task_id, r.status, f"{r.seconds:.1f}", _one_line(r.reason) if r.reason else "-"] for r in results]
         print(format_table(["task", "status", "seconds", "reason"], rows))
         print(", ".join(f"{n} {k}" for k, n in sorted(counts.items())) + f" in {seconds:.0f} s", file=sys.stderr)
         if failed:
             logs = {str(r.log_path) for r in failed if r.log_path}
-            print(f"failed: {', '.join(r.task_id for r in failed)}" + (f" (logs: {', '.join(sorted(logs))})" if logs else ""),
-                  file=sys.stderr)
+            print(
+                f"failed: {', '.join(r.task_id for r in failed)}" + (f" (logs: {', '.join(sorted(logs))})" if logs else ""), file=sys.stderr
+            )
         if missing and not args.dry_run:
             print(f"not built: {', '.join(r.task_id for r in missing)}", file=sys.stderr)
     if args.dry_run:
@@ -177,16 +185,21 @@ def build_on_slurm(store: ImageStore, tasks: list[Task], args: argparse.Namespac
     if not todo:
         return [first[t.id] for t in tasks]
     per = args.per_task or max(1, math.ceil(len(todo) / 1000))
-    chunks = [todo[i:i + per] for i in range(0, len(todo), per)]
+    chunks = [todo[i : i + per] for i in range(0, len(todo), per)]
     jobs_per_node = max(1, args.cpus // 2)
-    slurm_cfg = SlurmConfig(partition=args.partition, time_min=time_min, cpus_per_task=args.cpus, mem_gb=mem_gb,
-                            array_parallelism=args.array_parallelism)
+    slurm_cfg = SlurmConfig(
+        partition=args.partition, time_min=time_min, cpus_per_task=args.cpus, mem_gb=mem_gb, array_parallelism=args.array_parallelism
+    )
     arr = get_executor("slurm").submit_array(
         [BuildChunk(store.cache_dir, store.settings, store.base_map, c, args.retry_failed, jobs_per_node) for c in chunks],
-        ArraySpec(folder=store.cache_dir / "slurm", name="et-hpc-build", slurm=slurm_cfg, what="build array"))
+        ArraySpec(folder=store.cache_dir / "slurm", name="et-hpc-build", slurm=slurm_cfg, what="build array"),
+    )
     ids = arr.ids
-    print(f"submitted Slurm array {ids[0].split('_')[0]}: {len(chunks)} array tasks for {len(todo)} images "
-          f"(logs in {store.cache_dir / 'slurm'})", file=sys.stderr)
+    print(
+        f"submitted Slurm array {ids[0].split('_')[0]}: {len(chunks)} array tasks for {len(todo)} images "
+        f"(logs in {store.cache_dir / 'slurm'})",
+        file=sys.stderr,
+    )
 
     waves = math.ceil(len(chunks) / args.array_parallelism)
     deadline_s = 60 * (args.deadline if args.deadline else time_min * waves + 10)
@@ -207,8 +220,7 @@ def build_on_slurm(store: ImageStore, tasks: list[Task], args: argparse.Namespac
         states, all_ended = arr.wait(poll_s=3.0, timeout_s=deadline_s, on_poll=on_poll)
     except KeyboardInterrupt:
         bar.close()
-        print(f"et-hpc: stopped waiting; the array keeps running (scancel {ids[0].split('_')[0]} to stop it)",
-              file=sys.stderr)
+        print(f"et-hpc: stopped waiting; the array keeps running (scancel {ids[0].split('_')[0]} to stop it)", file=sys.stderr)
         raise
     bar.close()
 
@@ -216,8 +228,7 @@ def build_on_slurm(store: ImageStore, tasks: list[Task], args: argparse.Namespac
     for i, chunk in enumerate(chunks):
         by_id.update(_collect(store, arr, i, chunk, states.get(ids[i], host_slurm.UNKNOWN)))
     if not all_ended:
-        print(f"et-hpc: gave up waiting after {deadline_s / 60:.0f} min (--deadline); the array keeps running",
-              file=sys.stderr)
+        print(f"et-hpc: gave up waiting after {deadline_s / 60:.0f} min (--deadline); the array keeps running", file=sys.stderr)
     return [by_id.get(t.id) or first[t.id] for t in tasks]
 
 
@@ -243,18 +254,23 @@ def _collect(store: ImageStore, arr: Array, i: int, chunk: list[Task], st: str) 
     for t in chunk:
         r = store.lookup(t)
         if r.status == "missing":
-            r = r.model_copy(update={"status": "failed", "reason": (
-                f"Slurm array task {tid} ended {st} before building it (log: {arr.log_path(i)})"
-                if host_slurm.ended(st) else
-                f"still building in Slurm array task {tid} ({st}) when the wait ended; rerun to collect")})
+            r = r.model_copy(
+                update={
+                    "status": "failed",
+                    "reason": (
+                        f"Slurm array task {tid} ended {st} before building it (log: {arr.log_path(i)})"
+                        if host_slurm.ended(st)
+                        else f"still building in Slurm array task {tid} ({st}) when the wait ended; rerun to collect"
+                    ),
+                }
+            )
         out[t.id] = r
     return out
 
 
 def build_here(store: ImageStore, tasks: list[Task], args: argparse.Namespace) -> list[ImageResult]:
     """Every task's image built on this node, as one in-process task of the local executor."""
-    chunk = BuildChunk(store.cache_dir, store.settings, store.base_map, tasks, args.retry_failed,
-                       args.jobs or default_jobs())
+    chunk = BuildChunk(store.cache_dir, store.settings, store.base_map, tasks, args.retry_failed, args.jobs or default_jobs())
     chunk.progress, chunk.store = True, store
     arr = get_executor("local").submit_array([chunk], ArraySpec(folder=store.cache_dir / "slurm", name="build"))
     try:

@@ -41,22 +41,32 @@ examples:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = add_command(
-        subparsers, "check", help="build, start and test each task: initial tests, trivially solved, reference solution",
-        description=DESCRIPTION, epilog=EPILOG
+        subparsers,
+        "check",
+        help="build, start and test each task: initial tests, trivially solved, reference solution",
+        description=DESCRIPTION,
+        epilog=EPILOG,
     )
     add_source_args(p)
-    p.add_argument("--jobs", "-j", type=int, metavar="N",
-                   help=f"tasks checked at once (default: one per core, here {default_jobs()}); "
-                   "image builds are limited to half the cores")
-    p.add_argument("--json", action="store_true",
-                   help="print a JSON list of {task_id, ok, stage, detail, stages, tail, seconds} on stdout")
+    p.add_argument(
+        "--jobs",
+        "-j",
+        type=int,
+        metavar="N",
+        help=f"tasks checked at once (default: one per core, here {default_jobs()}); image builds are limited to half the cores",
+    )
+    p.add_argument("--json", action="store_true", help="print a JSON list of {task_id, ok, stage, detail, stages, tail, seconds} on stdout")
     p.add_argument("--retry-failed", action="store_true", help="build again images whose build failed before")
     p.add_argument("--no-build", action="store_true", help="build nothing; a task without a cached image fails at 'build'")
     p.add_argument("--cache", type=Path, metavar="DIR", help="image cache (default $ET_HPC_CACHE or ~/.cache/et-hpc)")
-    p.add_argument("--test-timeout", type=float, default=120.0, metavar="S",
-                   help="seconds one pytest file may take (default 120; a task's own verifier timeout wins when larger)")
-    p.add_argument("--solution-timeout", type=float, default=600.0, metavar="S",
-                   help="seconds solution/solve.sh may take (default 600)")
+    p.add_argument(
+        "--test-timeout",
+        type=float,
+        default=120.0,
+        metavar="S",
+        help="seconds one pytest file may take (default 120; a task's own verifier timeout wins when larger)",
+    )
+    p.add_argument("--solution-timeout", type=float, default=600.0, metavar="S", help="seconds solution/solve.sh may take (default 600)")
     p.set_defaults(func=cmd_check)
 
 
@@ -92,9 +102,13 @@ def cmd_check(args: argparse.Namespace) -> int:
         raise UserError("no tasks selected: check SOURCE and the --ids/--glob/--split filters ('et-hpc tasks list')")
     store = ImageStore(args.cache)
     check_base_once(store, res.tasks)
-    settings = CheckConfig(build=not args.no_build, retry_failed=args.retry_failed,
-                             test_timeout_s=args.test_timeout, solution_timeout_s=args.solution_timeout,
-                             build_slots=build_jobs())
+    settings = CheckConfig(
+        build=not args.no_build,
+        retry_failed=args.retry_failed,
+        test_timeout_s=args.test_timeout,
+        solution_timeout_s=args.solution_timeout,
+        build_slots=build_jobs(),
+    )
     t0 = time.monotonic()
     results = [load_failure(e.task_id, str(e)) for e in broken]
     bar = progress_bar(total=len(res.tasks) + len(results), desc="checking", unit="task", dynamic_ncols=True)
@@ -124,8 +138,15 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([r.model_dump() for r in results], indent=2))
     else:
-        rows = [[r.task_id, "OK" if r.ok else ("TRIVIAL" if r.trivially_solved else "FAILED"),
-                 r.stage or "-", _one_line(r.detail) if r.detail else "-"] for r in results]
+        rows = [
+            [
+                r.task_id,
+                "OK" if r.ok else ("TRIVIAL" if r.trivially_solved else "FAILED"),
+                r.stage or "-",
+                _one_line(r.detail) if r.detail else "-",
+            ]
+            for r in results
+        ]
         print(format_table(["task", "result", "stage", "detail"], rows))
         trivial = sum(r.trivially_solved for r in failed)
         line = f"{len(results) - len(failed)} OK, {len(failed)} failed"

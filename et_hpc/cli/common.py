@@ -25,6 +25,7 @@ def add_command(subparsers: argparse._SubParsersAction, name: str, **kw: Any) ->
 
 def add_subcommands(parser: argparse.ArgumentParser, dest: str, metavar: str = "SUBCOMMAND") -> argparse._SubParsersAction:
     """The subcommands of ``parser``; given none, the command prints its help and exits 2."""
+
     def print_help(args: argparse.Namespace) -> int:
         parser.print_help()
         return 2
@@ -53,8 +54,14 @@ def load_source(args: argparse.Namespace, validate: bool = False):
     if args.sample is not None and args.sample < 0:
         raise UserError(f"--sample {args.sample}: must be 0 or more")
     return load_tasks(
-        source, tasks_dir=args.tasks_dir if args.source else None, ids=args.ids, glob=args.glob,
-        split=args.split, sample=args.sample, seed=args.seed, validate=validate,
+        source,
+        tasks_dir=args.tasks_dir if args.source else None,
+        ids=args.ids,
+        glob=args.glob,
+        split=args.split,
+        sample=args.sample,
+        seed=args.seed,
+        validate=validate,
     )
 
 

@@ -32,14 +32,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "Oracle episodes should all pass and null episodes should all fail.",
         epilog="example: et-hpc demo --store ~/et-hpc-demo --samples 3",
     )
-    p.add_argument("--store", type=Path, default=Path.home() / "et-hpc-demo",
-                   help="where the demo runs are stored (default: ~/et-hpc-demo)")
+    p.add_argument(
+        "--store", type=Path, default=Path.home() / "et-hpc-demo", help="where the demo runs are stored (default: ~/et-hpc-demo)"
+    )
     p.add_argument("--samples", type=int, default=2, help="episodes per task and policy (default 2)")
     p.add_argument("--no-slurm", action="store_true", help="skip the Slurm part even when Slurm is up")
     p.add_argument("--no-model", action="store_true", help="skip the real-model episodes (the embedded CPU model)")
     p.add_argument("--model-turns", type=int, default=3, help="turns per real-model episode (default 3)")
-    p.add_argument("--base-source", choices=["auto", "docker", "debian"], default="auto",
-                   help="how to make the base image if it is not cached (default auto)")
+    p.add_argument(
+        "--base-source",
+        choices=["auto", "docker", "debian"],
+        default="auto",
+        help="how to make the base image if it is not cached (default auto)",
+    )
     p.set_defaults(func=cmd_demo)
 
 
@@ -82,8 +87,20 @@ def cmd_demo(args) -> int:
         name = f"demo-{policy}-{executor}-{stamp}"
         _step(f"{policy} episodes through the {executor} executor (et-hpc run ... --run-name {name})")
         t0 = time.monotonic()
-        argv = ["run", str(DEMO_TASKS), "--policy", policy, "--samples", str(args.samples),
-                "--executor", executor, "--store", str(args.store), "--run-name", name]
+        argv = [
+            "run",
+            str(DEMO_TASKS),
+            "--policy",
+            policy,
+            "--samples",
+            str(args.samples),
+            "--executor",
+            executor,
+            "--store",
+            str(args.store),
+            "--run-name",
+            name,
+        ]
         if executor == "slurm":
             argv += ["--set", "slurm.units_per_task=2", "--set", "slurm.time_min=20"]
         rc = et_cli.main(argv)
@@ -92,9 +109,19 @@ def cmd_demo(args) -> int:
         errors = s.units - s.ok
         good = rc == 0 and errors == 0 and s.ok > 0 and abs((s.solved / s.ok) - expect) < 1e-9
         failed |= not good
-        rows.append([name, executor, policy, s.units, s.ok, errors,
-                     f"{100 * s.solved / s.ok:.0f}%" if s.ok else "-",
-                     f"{time.monotonic() - t0:.0f}s", "as expected" if good else "UNEXPECTED"])
+        rows.append(
+            [
+                name,
+                executor,
+                policy,
+                s.units,
+                s.ok,
+                errors,
+                f"{100 * s.solved / s.ok:.0f}%" if s.ok else "-",
+                f"{time.monotonic() - t0:.0f}s",
+                "as expected" if good else "UNEXPECTED",
+            ]
+        )
     model_rows: list[list[object]] = []
     if not args.no_model:
         failed |= _model_runs(args, stamp, slurm=not args.no_slurm and _slurm_up(), rows=model_rows)
@@ -102,8 +129,25 @@ def cmd_demo(args) -> int:
     print(format_table(["run", "executor", "policy", "episodes", "ok", "errors", "pass rate", "time", "check"], rows))
     if model_rows:
         print()
-        print(format_table(["real-model run", "model", "mode", "executor", "episodes", "ok", "errors", "pass rate",
-                            "tokens/s", "model s/ep", "infra s/ep", "check"], model_rows))
+        print(
+            format_table(
+                [
+                    "real-model run",
+                    "model",
+                    "mode",
+                    "executor",
+                    "episodes",
+                    "ok",
+                    "errors",
+                    "pass rate",
+                    "tokens/s",
+                    "model s/ep",
+                    "infra s/ep",
+                    "check",
+                ],
+                model_rows,
+            )
+        )
     print(f"\nstore: {args.store}  (read it with: et-hpc store summary {args.store}/<run>)")
     from et_hpc.runs.view import build_site
 
@@ -125,8 +169,7 @@ def _model_runs(args, stamp: str, *, slurm: bool, rows: list[list[object]]) -> b
     from et_hpc.runs.store import RunStore
 
     if server_command() is None or default_model() is None:
-        print("\n(the model extra is not installed: skipping the real-model part; "
-              "see README, 'A real model on CPU')")
+        print("\n(the model extra is not installed: skipping the real-model part; see README, 'A real model on CPU')")
         return False
     _step("real-model episodes: starting the embedded CPU model server (et-hpc model serve)")
     failed = False
@@ -139,13 +182,40 @@ def _model_runs(args, stamp: str, *, slurm: bool, rows: list[list[object]]) -> b
                 name = f"demo-model-{mode}-{executor}-{stamp}"
                 _step(f"real-model episodes ({mode} mode) through the {executor} executor (--run-name {name})")
                 t0 = time.monotonic()
-                argv = ["run", str(DEMO_TASKS), "--policy", "openai", "--samples", "1", "--executor", executor,
-                        "--set", f"tasks.ids=[{','.join(MODEL_TASKS)}]", "--concurrency", "2",
-                        "--store", str(args.store), "--run-name", name,
-                        "--set", f"policy.endpoint_file={ep}", "--set", f"policy.mode={mode}",
-                        "--set", "policy.temperature=0.7", "--set", "policy.max_retries=2",
-                        "--set", f"budgets.max_turns={args.model_turns}", "--set", "budgets.max_tokens_per_turn=128",
-                        "--set", "budgets.context_tokens=3500", "--set", "budgets.wall_time_s=120"]
+                argv = [
+                    "run",
+                    str(DEMO_TASKS),
+                    "--policy",
+                    "openai",
+                    "--samples",
+                    "1",
+                    "--executor",
+                    executor,
+                    "--set",
+                    f"tasks.ids=[{','.join(MODEL_TASKS)}]",
+                    "--concurrency",
+                    "2",
+                    "--store",
+                    str(args.store),
+                    "--run-name",
+                    name,
+                    "--set",
+                    f"policy.endpoint_file={ep}",
+                    "--set",
+                    f"policy.mode={mode}",
+                    "--set",
+                    "policy.temperature=0.7",
+                    "--set",
+                    "policy.max_retries=2",
+                    "--set",
+                    f"budgets.max_turns={args.model_turns}",
+                    "--set",
+                    "budgets.max_tokens_per_turn=128",
+                    "--set",
+                    "budgets.context_tokens=3500",
+                    "--set",
+                    "budgets.wall_time_s=120",
+                ]
                 if executor == "slurm":
                     argv += ["--set", "slurm.units_per_task=4", "--set", "slurm.time_min=20"]
                 rc = et_cli.main(argv)
@@ -159,9 +229,20 @@ def _model_runs(args, stamp: str, *, slurm: bool, rows: list[list[object]]) -> b
                 errors = s.units - s.ok
                 good = rc in (0, 1) and errors == 0 and s.ok > 0
                 failed |= not good
-                rows.append([name, srv.alias, mode, executor, s.units, s.ok, errors,
-                             f"{100 * s.solved / s.ok:.0f}%" if s.ok else "-",
-                             f"{tokens / model_s:.0f}" if model_s > 0 else "-",
-                             f"{model_s / n:.1f}", f"{(total_s - model_s) / n:.1f}",
-                             f"ok ({time.monotonic() - t0:.0f}s)" if good else "UNEXPECTED"])
+                rows.append(
+                    [
+                        name,
+                        srv.alias,
+                        mode,
+                        executor,
+                        s.units,
+                        s.ok,
+                        errors,
+                        f"{100 * s.solved / s.ok:.0f}%" if s.ok else "-",
+                        f"{tokens / model_s:.0f}" if model_s > 0 else "-",
+                        f"{model_s / n:.1f}",
+                        f"{(total_s - model_s) / n:.1f}",
+                        f"ok ({time.monotonic() - t0:.0f}s)" if good else "UNEXPECTED",
+                    ]
+                )
     return failed

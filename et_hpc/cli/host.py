@@ -22,11 +22,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_doctor)
 
-    b = subparsers.add_parser("base", help="build or show the base image task defs start from",
-                              description="The base image is what task defs name as 'From: ./ubuntu_22.04.sif'.")
+    b = subparsers.add_parser(
+        "base",
+        help="build or show the base image task defs start from",
+        description="The base image is what task defs name as 'From: ./ubuntu_22.04.sif'.",
+    )
     bsub = add_subcommands(b, "base_cmd", "ACTION")
     bb = add_command(
-        bsub, "build",
+        bsub,
+        "build",
         help="build the base image into the cache (a no-op when present)",
         description="Build the base SIF into the image cache. --source auto uses docker://ubuntu:22.04 when "
         "a registry is reachable, else builds offline from Debian's archive with mmdebstrap and a "
@@ -34,8 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         epilog="examples:\n  et-hpc base build\n  et-hpc base build --source debian\n"
         "  et-hpc base build --from-sif ~/ubuntu_22.04.sif   # pulled elsewhere",
     )
-    bb.add_argument("--source", choices=["auto", "docker", "debian"], default="auto",
-                    help="where the base comes from (default: auto)")
+    bb.add_argument("--source", choices=["auto", "docker", "debian"], default="auto", help="where the base comes from (default: auto)")
     bb.add_argument("--from-sif", type=Path, help="import this SIF as the base image")
     bb.add_argument("--force", action="store_true", help="rebuild even when cached")
     bb.add_argument("--mirror", default=None, help="Debian mirror for --source debian")

@@ -11,8 +11,11 @@ DEFAULT_ENDPOINT = Path.home() / ".et-hpc" / "model-endpoint.json"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("model", help="serve a model on CPU (llama.cpp) for the openai policy",
-                              description="Serve a GGUF model on CPU with llama.cpp's llama-server.")
+    p = subparsers.add_parser(
+        "model",
+        help="serve a model on CPU (llama.cpp) for the openai policy",
+        description="Serve a GGUF model on CPU with llama.cpp's llama-server.",
+    )
     sub = p.add_subparsers(dest="model_command", metavar="SUBCOMMAND")
     s = sub.add_parser(
         "serve",
@@ -25,12 +28,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "         et-hpc run defs/demo --policy openai --set policy.endpoint_file=~/.et-hpc/model-endpoint.json",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    s.add_argument("--model", type=Path, default=None,
-                   help="a .gguf file (default: the embedded SmolLM2-135M-Instruct from the model extra)")
-    s.add_argument("--endpoint-file", type=Path, default=DEFAULT_ENDPOINT,
-                   help=f"where to publish the server (default {DEFAULT_ENDPOINT})")
-    s.add_argument("--endpoint-dir", type=Path, default=None,
-                   help="publish as DIR/<job or host-pid>.json instead, one of many replicas (policy.endpoint_dir)")
+    s.add_argument(
+        "--model", type=Path, default=None, help="a .gguf file (default: the embedded SmolLM2-135M-Instruct from the model extra)"
+    )
+    s.add_argument("--endpoint-file", type=Path, default=DEFAULT_ENDPOINT, help=f"where to publish the server (default {DEFAULT_ENDPOINT})")
+    s.add_argument(
+        "--endpoint-dir",
+        type=Path,
+        default=None,
+        help="publish as DIR/<job or host-pid>.json instead, one of many replicas (policy.endpoint_dir)",
+    )
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=0, help="port (default: a free one)")
     s.add_argument("--alias", default=None, help="the served model name (default: the file name)")
@@ -59,7 +66,16 @@ def cmd_serve(args) -> int:
     if args.endpoint_dir is not None:
         name = os.environ.get("SLURM_JOB_ID") or f"{os.uname().nodename}-{os.getpid()}"
         endpoint = args.endpoint_dir.expanduser() / f"{name}.json"
-    cfg = ServerConfig(model=args.model, endpoint_file=endpoint, host=args.host, port=args.port, alias=args.alias,
-                       ctx_size=args.ctx_size, parallel=args.parallel, threads=args.threads,
-                       log_file=args.log_file.expanduser() if args.log_file else None, extra=extra)
+    cfg = ServerConfig(
+        model=args.model,
+        endpoint_file=endpoint,
+        host=args.host,
+        port=args.port,
+        alias=args.alias,
+        ctx_size=args.ctx_size,
+        parallel=args.parallel,
+        threads=args.threads,
+        log_file=args.log_file.expanduser() if args.log_file else None,
+        extra=extra,
+    )
     return serve_forever(cfg, announce=lambda m: print(m, flush=True))

@@ -27,19 +27,21 @@ examples:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = add_command(
-        subparsers, "reap",
+        subparsers,
+        "reap",
         help="stop sandboxes left by dead workers on this node",
         description=DESCRIPTION,
         epilog=EPILOG,
     )
     p.add_argument("--dry-run", action="store_true", help="only report what would be done")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--all", dest="all_runs", action="store_true",
-                   help="also stop instances named like et-hpc's whose owner process is dead")
-    p.add_argument("--images", action="store_true",
-                   help="also remove node-local image copies and unpacked trees no sandbox uses")
-    p.add_argument("--scratch", type=Path, default=None,
-                   help="node-local scratch dir (default: $ET_HPC_SCRATCH, $SLURM_TMPDIR, $TMPDIR or /tmp)")
+    p.add_argument(
+        "--all", dest="all_runs", action="store_true", help="also stop instances named like et-hpc's whose owner process is dead"
+    )
+    p.add_argument("--images", action="store_true", help="also remove node-local image copies and unpacked trees no sandbox uses")
+    p.add_argument(
+        "--scratch", type=Path, default=None, help="node-local scratch dir (default: $ET_HPC_SCRATCH, $SLURM_TMPDIR, $TMPDIR or /tmp)"
+    )
     p.set_defaults(func=_run)
 
 
@@ -58,16 +60,20 @@ def _run(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
     else:
         verb = "would stop" if rep.dry_run else "stopped"
-        print(f"{verb} {len(rep.stopped)} instance(s); "
-              f"{'would delete' if rep.dry_run else 'deleted'} {len(rep.deleted)} file(s); "
-              f"kept {len(rep.kept)} live sandbox(es)")
+        print(
+            f"{verb} {len(rep.stopped)} instance(s); "
+            f"{'would delete' if rep.dry_run else 'deleted'} {len(rep.deleted)} file(s); "
+            f"kept {len(rep.kept)} live sandbox(es)"
+        )
         for n in rep.stopped:
             print(f"  instance {n}")
         for f in rep.deleted:
             print(f"  file {f}")
         if args.images:
-            print(f"{'would remove' if rep.dry_run else 'removed'} {len(removed)} node-local image(s) "
-                  f"({sum(c.size for c in removed) / 1e9:.2f} GB); {len(kept)} in use kept")
+            print(
+                f"{'would remove' if rep.dry_run else 'removed'} {len(removed)} node-local image(s) "
+                f"({sum(c.size for c in removed) / 1e9:.2f} GB); {len(kept)} in use kept"
+            )
             for c in removed:
                 print(f"  image {c.path}")
         for e in rep.errors:

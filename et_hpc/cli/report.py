@@ -34,8 +34,9 @@ examples:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = add_command(subparsers, "report", help="pass-rate trend over runs (table, JSON or an HTML page)",
-                    description=DESCRIPTION, epilog=EPILOG)
+    p = add_command(
+        subparsers, "report", help="pass-rate trend over runs (table, JSON or an HTML page)", description=DESCRIPTION, epilog=EPILOG
+    )
     p.add_argument("store", type=Path, help="store folder holding one folder per run")
     p.add_argument("--glob", default="*", help="run names to include (shell pattern, default '*')")
     p.add_argument("--split", help="count only episodes of this task split, e.g. validation")

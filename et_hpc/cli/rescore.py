@@ -39,8 +39,9 @@ examples:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = add_command(subparsers, "rescore", help="regrade a run's kept final states with new tests (no agent)",
-                    description=HELP, epilog=EPILOG)
+    p = add_command(
+        subparsers, "rescore", help="regrade a run's kept final states with new tests (no agent)", description=HELP, epilog=EPILOG
+    )
     p.add_argument("run", help="run directory, or run name inside --store (with --diff: the rescored run)")
     p.add_argument("--tests", type=Path, metavar="DIR", help="new tests: DIR/<task_id>/test_final_state.py")
     p.add_argument("--task-source", metavar="SRC", help="new tests: the final tests of the tasks SRC holds")
@@ -50,8 +51,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--concurrency", type=int, help="episodes scored at once per node")
     p.add_argument("--retry-errors", action="store_true", help="rescore again episodes recorded with an error")
     p.add_argument("--detach", action="store_true", help="slurm: return after submitting")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a run config key (slurm.*, sandbox limits, scoring_timeout_s)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a run config key (slurm.*, sandbox limits, scoring_timeout_s)",
+    )
     p.add_argument("--diff", action="store_true", help="show what changed in the rescored run RUN, and stop")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_rescore)
@@ -85,19 +91,18 @@ def cmd_rescore(args: argparse.Namespace) -> int:
             overrides.append(([key], val))
     if args.retry_errors:
         overrides.append((["retry_errors"], True))
-    plan = plan_rescore(args.run, tests=args.tests, task_source=args.task_source, run_name=args.run_name,
-                        store=args.store, overrides=overrides)
+    plan = plan_rescore(
+        args.run, tests=args.tests, task_source=args.task_source, run_name=args.run_name, store=args.store, overrides=overrides
+    )
     store = open_store(plan.run_dir)
-    print(f"rescore {plan.cfg.run_name()}: {len(plan.units)} episode(s) to score, {plan.done_ok} done "
-          f"({plan.run_dir})", file=sys.stderr)
+    print(f"rescore {plan.cfg.run_name()}: {len(plan.units)} episode(s) to score, {plan.done_ok} done ({plan.run_dir})", file=sys.stderr)
     rc = 0
     if plan.units:
         if plan.cfg.executor == "slurm":
             from et_hpc.runner.slurm import refuse_if_jobs_live
 
             refuse_if_jobs_live(plan)
-        out = get_executor(plan.cfg.executor).run(plan, store, detach=args.detach,
-                                                  notify=lambda m: print(f"et-hpc: {m}", file=sys.stderr))
+        out = get_executor(plan.cfg.executor).run(plan, store, detach=args.detach, notify=lambda m: print(f"et-hpc: {m}", file=sys.stderr))
         if out.detached:
             return 0
         rc = out.rc

@@ -32,13 +32,17 @@ examples:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = add_command(subparsers, "rollouts", help="the group stream of a continuous run: tail, publish, stop",
-                    description=HELP, epilog=EPILOG)
+    p = add_command(
+        subparsers, "rollouts", help="the group stream of a continuous run: tail, publish, stop", description=HELP, epilog=EPILOG
+    )
     rs = add_subcommands(p, "rollouts_cmd")
 
-    t = rs.add_parser("tail", help="print groups as they arrive",
-                      description="Print one line per group as workers commit them (seq, group, version, "
-                      "rewards, latency from the group's commit to now). Ctrl-C ends it.")
+    t = rs.add_parser(
+        "tail",
+        help="print groups as they arrive",
+        description="Print one line per group as workers commit them (seq, group, version, "
+        "rewards, latency from the group's commit to now). Ctrl-C ends it.",
+    )
     _run_args(t)
     t.add_argument("--from-start", action="store_true", help="start at the first group, not at the end")
     t.add_argument("--consumer", help="read through this consumer's persistent cursor (committed per line)")
@@ -48,18 +52,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     t.add_argument("--json", action="store_true", help="one JSON object per group")
     t.set_defaults(func=cmd_tail)
 
-    pb = rs.add_parser("publish", help="publish a new policy version (trainer-owned switch)",
-                       description="Write the run's version file: groups started from now on carry this "
-                       "version (and use --model as the served model name, when given).")
+    pb = rs.add_parser(
+        "publish",
+        help="publish a new policy version (trainer-owned switch)",
+        description="Write the run's version file: groups started from now on carry this "
+        "version (and use --model as the served model name, when given).",
+    )
     _run_args(pb)
     pb.add_argument("--version", type=int, help="the new version (default: current + 1)")
     pb.add_argument("--model", help="served model name for the new version (e.g. a LoRA adapter)")
     pb.add_argument("--checkpoint", help="where the checkpoint is (recorded only)")
     pb.set_defaults(func=cmd_publish)
 
-    st = rs.add_parser("stop", help="ask a continuous run to stop",
-                       description="Write the run's stop file: workers claim nothing more and give back "
-                       "what they hold; the controller ends the run. The queue stays for a later run.")
+    st = rs.add_parser(
+        "stop",
+        help="ask a continuous run to stop",
+        description="Write the run's stop file: workers claim nothing more and give back "
+        "what they hold; the controller ends the run. The queue stays for a later run.",
+    )
     _run_args(st)
     st.add_argument("--reason", default="stopped by hand")
     st.set_defaults(func=cmd_stop)
@@ -91,8 +101,9 @@ def cmd_tail(args: argparse.Namespace) -> int:
     n = 0
     try:
         while args.count is None or n < args.count:
-            groups = stream.next_batch(1, timeout_s=args.timeout if args.timeout is not None else 3600.0,
-                                       max_staleness=args.max_staleness, on_error="keep-ok")
+            groups = stream.next_batch(
+                1, timeout_s=args.timeout if args.timeout is not None else 3600.0, max_staleness=args.max_staleness, on_error="keep-ok"
+            )
             if not groups:
                 if args.timeout is not None:
                     break
@@ -137,14 +148,24 @@ class _EphemeralStream:
 def _print_group(g: RolloutGroup, as_json: bool) -> None:
     lat = max(0.0, g.received_at - g.committed_at)
     if as_json:
-        print(json.dumps({"seq": g.seq, "group_id": g.group_id, "task_id": g.task_id,
-                          "policy_version": g.policy_version, "rewards": g.rewards,
-                          "statuses": [r.status for r in g.records], "samples": [r.sample for r in g.records],
-                          "latency_s": round(lat, 3)}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "seq": g.seq,
+                    "group_id": g.group_id,
+                    "task_id": g.task_id,
+                    "policy_version": g.policy_version,
+                    "rewards": g.rewards,
+                    "statuses": [r.status for r in g.records],
+                    "samples": [r.sample for r in g.records],
+                    "latency_s": round(lat, 3),
+                }
+            ),
+            flush=True,
+        )
         return
     rewards = " ".join("-" if r is None else f"{r:g}" for r in g.rewards)
-    print(f"{g.seq:>6}  {g.group_id:<32}  v={g.policy_version or '-':<4} rewards [{rewards}]  "
-          f"{lat:5.1f}s", flush=True)
+    print(f"{g.seq:>6}  {g.group_id:<32}  v={g.policy_version or '-':<4} rewards [{rewards}]  {lat:5.1f}s", flush=True)
 
 
 def cmd_publish(args: argparse.Namespace) -> int:
@@ -173,8 +194,10 @@ def cmd_continuous(cfg: RunConfig, args: argparse.Namespace) -> int:
     from et_hpc.util import format_table
 
     if getattr(args, "detach", False):
-        raise UserError("--detach does not apply to --continuous: the command is the run's controller; "
-                        "run it in a batch job (sbatch slurm/run.sbatch CONFIG --continuous)")
+        raise UserError(
+            "--detach does not apply to --continuous: the command is the run's controller; "
+            "run it in a batch job (sbatch slurm/run.sbatch CONFIG --continuous)"
+        )
     target = getattr(args, "target_groups", None)
     info = run_continuous(cfg, target_groups=target)
     if getattr(args, "json", False):
@@ -195,5 +218,3 @@ def queue_status(run_dir: Path) -> dict[str, Any] | None:
     if not q.exists():
         return None
     return q.status()
-
-

@@ -61,8 +61,7 @@ examples:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = add_command(subparsers, "run", help="run episodes (locally or as Slurm arrays); resumable",
-                    description=RUN_HELP, epilog=RUN_EPILOG)
+    p = add_command(subparsers, "run", help="run episodes (locally or as Slurm arrays); resumable", description=RUN_HELP, epilog=RUN_EPILOG)
     p.add_argument("source", nargs="?", help="task source: a folder of tasks or a parquet file")
     p.add_argument("--config", type=Path, help="YAML run config")
     p.add_argument("--tasks-dir", type=Path, help="folder of task folders")
@@ -74,34 +73,45 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--store", type=Path, help="store root (default $ET_HPC_STORE or ./et-hpc-runs)")
     p.add_argument("--detach", action="store_true", help="slurm: return after submitting")
     p.add_argument("--retry-errors", action="store_true", help="run again units recorded with an error")
-    p.add_argument("--strict", action="store_true",
-                   help="refuse to start when any task image is missing or failed to build")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set slurm.units_per_task=4 (repeatable)")
-    p.add_argument("--no-compact", action="store_true",
-                   help="do not merge the store's shards when the run ends")
+    p.add_argument("--strict", action="store_true", help="refuse to start when any task image is missing or failed to build")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set slurm.units_per_task=4 (repeatable)",
+    )
+    p.add_argument("--no-compact", action="store_true", help="do not merge the store's shards when the run ends")
     p.add_argument("--json", action="store_true", help="print the final summary as JSON")
-    p.add_argument("--continuous", action="store_true",
-                   help="keep producing groups from a work queue until stopped (et_hpc.rollouts; "
-                   "'et-hpc rollouts --help')")
+    p.add_argument(
+        "--continuous",
+        action="store_true",
+        help="keep producing groups from a work queue until stopped (et_hpc.rollouts; 'et-hpc rollouts --help')",
+    )
     p.add_argument("--target-groups", type=int, help="--continuous: stop once the stream holds N groups")
     p.add_argument("--workers", type=int, help="--continuous with slurm: long-lived worker array tasks")
     p.set_defaults(func=cmd_run)
 
-    s = add_command(subparsers, "status", help="progress of a run: units done, array tasks, pass rate",
-                    description=STATUS_HELP, epilog=STATUS_EPILOG)
+    s = add_command(
+        subparsers, "status", help="progress of a run: units done, array tasks, pass rate", description=STATUS_HELP, epilog=STATUS_EPILOG
+    )
     s.add_argument("run", help="run directory, or run name inside --store")
     s.add_argument("--store", type=Path, help="store root used to find a run by name")
     s.add_argument("--json", action="store_true", help="print as JSON")
-    s.add_argument("--capacity", action="store_true",
-                   help="add throughput, time split, sandbox memory, a projection and trainer KPIs")
-    s.add_argument("--cores", metavar="C", help="--capacity: cores per node for the projection "
-                   "(default: this machine's)")
+    s.add_argument("--capacity", action="store_true", help="add throughput, time split, sandbox memory, a projection and trainer KPIs")
+    s.add_argument("--cores", metavar="C", help="--capacity: cores per node for the projection (default: this machine's)")
     s.add_argument("--nodes", metavar="N", help="--capacity: project for N nodes (default 1, 4 and 16)")
-    s.add_argument("--per-node", metavar="K", help="--capacity: project for K concurrent episodes per node "
-                   "(default: the run's observed concurrency and twice it)")
-    s.add_argument("--gpu-hours", metavar="X", help="--capacity: GPU-hours of the model server(s) for "
-                   "accepted episodes per GPU-hour (default: sacct of the endpoint files' jobs, if any)")
+    s.add_argument(
+        "--per-node",
+        metavar="K",
+        help="--capacity: project for K concurrent episodes per node (default: the run's observed concurrency and twice it)",
+    )
+    s.add_argument(
+        "--gpu-hours",
+        metavar="X",
+        help="--capacity: GPU-hours of the model server(s) for "
+        "accepted episodes per GPU-hour (default: sacct of the endpoint files' jobs, if any)",
+    )
     s.set_defaults(func=cmd_status)
 
 
@@ -136,10 +146,15 @@ examples:
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     overrides = parse_set(args.set)
     flags = {
-        ("tasks", "source"): args.source, ("tasks", "tasks_dir"): args.tasks_dir and str(args.tasks_dir),
-        ("samples",): args.samples, ("policy", "kind"): args.policy, ("executor",): args.executor,
-        ("concurrency",): args.concurrency, ("name",): args.run_name,
-        ("store",): args.store and str(args.store), ("retry_errors",): args.retry_errors or None,
+        ("tasks", "source"): args.source,
+        ("tasks", "tasks_dir"): args.tasks_dir and str(args.tasks_dir),
+        ("samples",): args.samples,
+        ("policy", "kind"): args.policy,
+        ("executor",): args.executor,
+        ("concurrency",): args.concurrency,
+        ("name",): args.run_name,
+        ("store",): args.store and str(args.store),
+        ("retry_errors",): args.retry_errors or None,
         ("strict",): args.strict or None,
     }
     overrides += [(list(k), v) for k, v in flags.items() if v is not None]
@@ -156,9 +171,15 @@ def unit_counts(plan: Plan, store: RunStore) -> dict[str, Any]:
             no_img += st == NO_IMAGE
             err += st is not None and st not in (OK, NO_IMAGE)
     passed, n_ok = pass_stats(store)
-    return {"units": plan.total, "ok": ok, "error": err, "no_image": no_img,
-            "missing": plan.total - ok - err - no_img,
-            "passed": passed, "pass_rate": round(passed / n_ok, 4) if n_ok else None}
+    return {
+        "units": plan.total,
+        "ok": ok,
+        "error": err,
+        "no_image": no_img,
+        "missing": plan.total - ok - err - no_img,
+        "passed": passed,
+        "pass_rate": round(passed / n_ok, 4) if n_ok else None,
+    }
 
 
 def pass_stats(store: RunStore) -> tuple[int, int]:
@@ -172,8 +193,7 @@ def _print_summary(title: str, info: dict[str, Any], as_json: bool) -> None:
         print(json.dumps(info, indent=2))
         return
     rate = info.get("pass_rate")
-    rows = [[k, v] for k, v in info.items()
-            if k not in ("pass_rate", "array_tasks", "missing_units", "no_image_tasks")]
+    rows = [[k, v] for k, v in info.items() if k not in ("pass_rate", "array_tasks", "missing_units", "no_image_tasks")]
     rows.append(["pass_rate", pct(rate)])
     print(title)
     print(format_table(["", "value"], rows))
@@ -192,15 +212,21 @@ def cmd_run(args: argparse.Namespace) -> int:
         from et_hpc.runner.slurm import refuse_if_jobs_live
 
         refuse_if_jobs_live(plan)
-    print(f"run {cfg.run_name()} in {plan.run_dir}: {plan.total} units, {plan.done_ok} ok and "
-          f"{plan.done_error} with errors already, {len(plan.units)} to run"
-          + (f", {plan.no_image_units()} without an image" if plan.no_image else ""), file=sys.stderr)
+    print(
+        f"run {cfg.run_name()} in {plan.run_dir}: {plan.total} units, {plan.done_ok} ok and "
+        f"{plan.done_error} with errors already, {len(plan.units)} to run"
+        + (f", {plan.no_image_units()} without an image" if plan.no_image else ""),
+        file=sys.stderr,
+    )
     for e in plan.load_errors[:5]:
         print(f"et-hpc: warning: task skipped: {e}", file=sys.stderr)
     if plan.no_image:
-        print(f"et-hpc: warning: {len(plan.no_image)} task(s) have no image and are recorded as no_image "
-              f"({plan.no_image_units()} units); the others run. Fix them, 'et-hpc build "
-              f"{cfg.tasks.source or cfg.tasks.tasks_dir}', and rerun:", file=sys.stderr)
+        print(
+            f"et-hpc: warning: {len(plan.no_image)} task(s) have no image and are recorded as no_image "
+            f"({plan.no_image_units()} units); the others run. Fix them, 'et-hpc build "
+            f"{cfg.tasks.source or cfg.tasks.tasks_dir}', and rerun:",
+            file=sys.stderr,
+        )
         print(no_image_table(plan.no_image), file=sys.stderr)
     store = open_store(plan.run_dir)
     rc = 0
@@ -213,8 +239,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"follow it with: et-hpc status {plan.run_dir}")
             return 0
         if out.rc == 130 and out.result is not None:
-            print(f"stopped: {out.result.ok + out.result.errors} episodes kept, rerun the same command to resume",
-                  file=sys.stderr)
+            print(f"stopped: {out.result.ok + out.result.errors} episodes kept, rerun the same command to resume", file=sys.stderr)
         rc, settled = out.rc, out.settled
     if settled and not args.no_compact:
         _compact(store)
@@ -222,8 +247,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     info["run_dir"] = str(plan.run_dir)
     if info["missing"] and rc == 0:
         rc = 1
-        print(f"{info['missing']} units are still missing: rerun the same 'et-hpc run' command to do them",
-              file=sys.stderr)
+        print(f"{info['missing']} units are still missing: rerun the same 'et-hpc run' command to do them", file=sys.stderr)
     if plan.no_image:
         info["no_image_tasks"] = dict(sorted(plan.no_image.items()))
     _print_summary(f"run {cfg.run_name()}", info, args.json)
@@ -247,8 +271,7 @@ def _compact(store: RunStore) -> None:
         print(f"et-hpc: warning: store not compacted: {e}", file=sys.stderr)
         return
     if res.inputs:
-        print(f"store compacted: {res.inputs} shards merged into {res.outputs}, "
-              f"{res.shards_after} shards now", file=sys.stderr)
+        print(f"store compacted: {res.inputs} shards merged into {res.outputs}, {res.shards_after} shards now", file=sys.stderr)
 
 
 def _execute(plan: Plan, store: RunStore, detach: bool) -> Outcome:
@@ -260,8 +283,9 @@ def _execute(plan: Plan, store: RunStore, detach: bool) -> Outcome:
 
     def progress(done: int, c: dict[str, int]) -> None:
         if not bars:
-            bars.append(progress_bar(total=len(set(plan.units)), desc=f"slurm {plan.cfg.run_name()}", unit="ep",
-                                     show=True, dynamic_ncols=True))
+            bars.append(
+                progress_bar(total=len(set(plan.units)), desc=f"slurm {plan.cfg.run_name()}", unit="ep", show=True, dynamic_ncols=True)
+            )
         bar = bars[0]
         bar.set_postfix_str(f"tasks q{c['queued']} r{c['running']} done{c['done']} fail{c['failed']}", refresh=False)
         bar.update(done - bar.n)
@@ -290,9 +314,16 @@ def status_info(run_dir: Path) -> dict[str, Any]:
     err = len(done) - ok - no_img
     passed, n_ok = pass_stats(store)
     info: dict[str, Any] = {
-        "run": meta.get("name"), "run_dir": str(run_dir), "executor": cfg.get("executor"),
-        "units": total, "ok": ok, "error": err, "no_image": no_img, "missing": max(0, total - ok - err - no_img),
-        "passed": passed, "pass_rate": round(passed / n_ok, 4) if n_ok else None,
+        "run": meta.get("name"),
+        "run_dir": str(run_dir),
+        "executor": cfg.get("executor"),
+        "units": total,
+        "ok": ok,
+        "error": err,
+        "no_image": no_img,
+        "missing": max(0, total - ok - err - no_img),
+        "passed": passed,
+        "pass_rate": round(passed / n_ok, 4) if n_ok else None,
     }
     sb = meta.get("plan", {}).get("sandbox") or {}
     # host directories the run's sandboxes see (sandbox.binds; nothing else of the host is bound)
@@ -338,9 +369,12 @@ def _number(value: str | None, flag: str, kind: type = int) -> Any:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    opts = {"cores": _number(args.cores, "--cores"), "nodes": _number(args.nodes, "--nodes"),
-            "per_node": _number(args.per_node, "--per-node"),
-            "gpu_hours": _number(args.gpu_hours, "--gpu-hours", float)}
+    opts = {
+        "cores": _number(args.cores, "--cores"),
+        "nodes": _number(args.nodes, "--nodes"),
+        "per_node": _number(args.per_node, "--per-node"),
+        "gpu_hours": _number(args.gpu_hours, "--gpu-hours", float),
+    }
     run_dir = find_run_dir(args.run, args.store)
     info = status_info(run_dir)
     cap = None
@@ -349,9 +383,13 @@ def cmd_status(args: argparse.Namespace) -> int:
 
         from et_hpc.runs.capacity import run_capacity
 
-        cap = run_capacity(open_store(run_dir), cores=opts["cores"] or os.cpu_count() or 1,
-                           nodes=[opts["nodes"]] if opts["nodes"] else None,
-                           per_node=[opts["per_node"]] if opts["per_node"] else None, gpu_hours=opts["gpu_hours"])
+        cap = run_capacity(
+            open_store(run_dir),
+            cores=opts["cores"] or os.cpu_count() or 1,
+            nodes=[opts["nodes"]] if opts["nodes"] else None,
+            per_node=[opts["per_node"]] if opts["per_node"] else None,
+            gpu_hours=opts["gpu_hours"],
+        )
     if args.json:
         print(json.dumps({**info, "capacity": cap} if cap is not None else info, indent=2))
         return 0

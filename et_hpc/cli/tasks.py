@@ -15,6 +15,7 @@ from et_hpc.util import format_table
 
 _add_source_args, _load = add_source_args, load_source  # their old names
 
+
 def _limits_str(t) -> str:
     parts = []
     L = t.limits
@@ -50,16 +51,28 @@ def _print_errors(res) -> None:
 def cmd_list(args: argparse.Namespace) -> int:
     res = load_source(args, validate=args.validate)
     if args.json:
-        print(json.dumps({
-            "tasks": [task_summary(t) for t in res.tasks],
-            "errors": [str(e) for e in res.errors],
-            "skipped": res.skipped,
-        }, indent=2))
+        print(
+            json.dumps(
+                {
+                    "tasks": [task_summary(t) for t in res.tasks],
+                    "errors": [str(e) for e in res.errors],
+                    "skipped": res.skipped,
+                },
+                indent=2,
+            )
+        )
     else:
         rows = [
-            [t.id, t.metadata.get("layout", t.source_kind) if t.source_kind == "parquet" else t.source_kind,
-             t.recipe.kind, _n_tests(t), "yes" if t.solution else "no", len(t.recorded_runs), t.split or "-",
-             _limits_str(t)]
+            [
+                t.id,
+                t.metadata.get("layout", t.source_kind) if t.source_kind == "parquet" else t.source_kind,
+                t.recipe.kind,
+                _n_tests(t),
+                "yes" if t.solution else "no",
+                len(t.recorded_runs),
+                t.split or "-",
+                _limits_str(t),
+            ]
             for t in res.tasks
         ]
         if rows:
@@ -96,19 +109,31 @@ def cmd_show(args: argparse.Namespace) -> int:
         d = task_summary(task)
         if args.truth:
             d["truth"] = task.truth
-        d["normalised"] = None if norm is None else {
-            "text": norm.text, "files": [[str(h), dest] for h, dest in norm.files],
-            "base": str(norm.base) if norm.base else None, "rewrites": norm.rewrites,
-            "workdir": norm.workdir, "user": norm.user, "env": norm.env,
-        }
+        d["normalised"] = (
+            None
+            if norm is None
+            else {
+                "text": norm.text,
+                "files": [[str(h), dest] for h, dest in norm.files],
+                "base": str(norm.base) if norm.base else None,
+                "rewrites": norm.rewrites,
+                "workdir": norm.workdir,
+                "user": norm.user,
+                "env": norm.env,
+            }
+        )
         d["recipe_error"] = recipe_err
         print(json.dumps(d, indent=2))
     else:
         t = task
         rows = [
-            ("id", t.id), ("kind", t.source_kind), ("source", t.source), ("split", t.split or "-"),
+            ("id", t.id),
+            ("kind", t.source_kind),
+            ("source", t.source),
+            ("split", t.split or "-"),
             ("recipe", f"{t.recipe.kind} {t.recipe.path}"),
-            ("initial tests", t.initial_tests or "-"), ("final tests", t.final_tests or "-"),
+            ("initial tests", t.initial_tests or "-"),
+            ("final tests", t.final_tests or "-"),
             ("solution", t.solution or "-"),
             ("recorded runs", ", ".join(p.name for p in t.recorded_runs) or "-"),
             ("limits", _limits_str(t)),
@@ -152,17 +177,20 @@ examples:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "tasks", help="list and inspect task sources",
+        "tasks",
+        help="list and inspect task sources",
         description="Find tasks in folders (native and Harbor layouts) and SkyRL parquet files.",
     )
     sub = add_subcommands(p, "tasks_command")
 
     pl = add_command(
-        sub, "list", help="table of the tasks a source holds",
+        sub,
+        "list",
+        help="table of the tasks a source holds",
         description="List tasks: id, layout, recipe kind, number of test files, reference solution, "
         "recorded runs, split and limits. Per-task load errors go to stderr, one line each; the exit "
         "status is 2 when there was any.",
-        epilog=LIST_EXAMPLES
+        epilog=LIST_EXAMPLES,
     )
     add_source_args(pl)
     pl.add_argument("--validate", action="store_true", help="also parse every recipe (def or Dockerfile) and report problems")
@@ -170,10 +198,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pl.set_defaults(func=cmd_list)
 
     ps = add_command(
-        sub, "show", help="everything about one task, with its normalised recipe",
+        sub,
+        "show",
+        help="everything about one task, with its normalised recipe",
         description="Show one task: files, limits, metadata, prompt, and the recipe as it will be built "
         "(with the list of rewrites made to it). The privileged truth is hidden unless --truth.",
-        epilog=SHOW_EXAMPLES
+        epilog=SHOW_EXAMPLES,
     )
     ps.add_argument("id", metavar="ID", help="task id (the folder name)")
     ps.add_argument("source", nargs="?", metavar="SOURCE", help=SOURCE_HELP + " (default: --tasks-dir)")

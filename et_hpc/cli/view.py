@@ -33,8 +33,13 @@ examples:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = add_command(subparsers, "view", help="write a static HTML viewer of runs' episodes (optionally serve it)",
-                    description=DESCRIPTION, epilog=EPILOG)
+    p = add_command(
+        subparsers,
+        "view",
+        help="write a static HTML viewer of runs' episodes (optionally serve it)",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+    )
     p.add_argument("runs", nargs="+", metavar="RUN", help="run folder(s), or run names inside --store")
     p.add_argument("--store", type=Path, help="store root to find runs given by name (default: $ET_HPC_STORE)")
     p.add_argument("-o", "--output", type=Path, help="folder to write the site into (default: STORE/_view/RUN)")
@@ -71,8 +76,7 @@ def cmd_view(args: argparse.Namespace) -> int:
     except OSError as e:
         raise UserError(f"cannot serve on 127.0.0.1:{args.port} ({e.strerror}); pick another --port") from e
     port = server.server_address[1]
-    print(f"serving on http://127.0.0.1:{port}/ (Ctrl-C stops; from another machine: "
-          f"ssh -L {port}:127.0.0.1:{port} THIS-HOST)", flush=True)
+    print(f"serving on http://127.0.0.1:{port}/ (Ctrl-C stops; from another machine: ssh -L {port}:127.0.0.1:{port} THIS-HOST)", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

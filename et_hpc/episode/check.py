@@ -116,8 +116,11 @@ class _Checker:
     def run(self) -> CheckResult:
         t0 = time.monotonic()
         steps: list[tuple[str, Callable[[], StageStatus]]] = [
-            ("load", self.load), ("build", self.build), ("start", self.start_and_initial),
-            ("untouched", self.untouched), ("solution", self.solution),
+            ("load", self.load),
+            ("build", self.build),
+            ("start", self.start_and_initial),
+            ("untouched", self.untouched),
+            ("solution", self.solution),
         ]
         try:
             for name, fn in steps:
@@ -212,9 +215,11 @@ class _Checker:
         if sc.status != "ok":
             raise _Failed(f"test_final_state.py could not run: {sc.error}", _pytest_tail(sc.output_tail))
         if sc.reward == 1.0:
-            raise _Failed(f"{TRIVIAL}: test_final_state.py passes on the untouched state "
-                          f"({sc.passed} of {sc.total} tests); the image already holds the answer",
-                          _pytest_tail(sc.output_tail))
+            raise _Failed(
+                f"{TRIVIAL}: test_final_state.py passes on the untouched state "
+                f"({sc.passed} of {sc.total} tests); the image already holds the answer",
+                _pytest_tail(sc.output_tail),
+            )
         return "ok"
 
     def solution(self) -> StageStatus:
@@ -240,8 +245,7 @@ class _Checker:
         return "ok"
 
 
-def check_task(task: Any, store: Any, settings: CheckConfig | None = None,
-               build_gate: threading.Semaphore | None = None) -> CheckResult:
+def check_task(task: Any, store: Any, settings: CheckConfig | None = None, build_gate: threading.Semaphore | None = None) -> CheckResult:
     """Check one task through every stage (see the module docstring); never raises."""
     return _Checker(task, store, settings or CheckConfig(), build_gate or threading.Semaphore(1)).run()
 
@@ -253,8 +257,14 @@ def load_failure(task_id: str, detail: str) -> CheckResult:
     return r
 
 
-def check_tasks(tasks: list[Any], store: Any, settings: CheckConfig | None = None, *, jobs: int | None = None,
-                on_result: Callable[[CheckResult], None] | None = None) -> list[CheckResult]:
+def check_tasks(
+    tasks: list[Any],
+    store: Any,
+    settings: CheckConfig | None = None,
+    *,
+    jobs: int | None = None,
+    on_result: Callable[[CheckResult], None] | None = None,
+) -> list[CheckResult]:
     """``check_task`` for many tasks, ``jobs`` at a time; results in input order."""
     settings = settings or CheckConfig()
     gate = threading.Semaphore(max(1, settings.build_slots))

@@ -99,10 +99,16 @@ def resolve_policy_config(cfg: PolicyConfig) -> PolicyConfig:
 
             from et_hpc.agent.endpoint import resolve_endpoint
 
-            ep = resolve_endpoint(cfg.base_url, cfg.endpoint_file, wait_s=cfg.endpoint_wait_s,
-                                  api_key=cfg.key_value(), api_key_env=cfg.api_key_env)
-            _ENDPOINTS[key] = cfg.model_copy(update={  # in memory only: the key is never serialised
-                "base_url": ep.base_url, "model": cfg.model or ep.model, "api_key": SecretStr(ep.api_key or "")})
+            ep = resolve_endpoint(
+                cfg.base_url, cfg.endpoint_file, wait_s=cfg.endpoint_wait_s, api_key=cfg.key_value(), api_key_env=cfg.api_key_env
+            )
+            _ENDPOINTS[key] = cfg.model_copy(
+                update={  # in memory only: the key is never serialised
+                    "base_url": ep.base_url,
+                    "model": cfg.model or ep.model,
+                    "api_key": SecretStr(ep.api_key or ""),
+                }
+            )
         return _ENDPOINTS[key]
 
 
@@ -120,8 +126,7 @@ def policy_version_fields(policy: Any) -> dict[str, Any]:
         return {}
     sources = set(getattr(policy, "version_sources", None) or [])  # "response" / "endpoint" per turn
     source = (sources.pop() if len(sources) == 1 else "mixed") if sources else "endpoint"
-    return {"policy_version": seen[0], "policy_versions": seen, "crossed_version": len(set(seen)) > 1,
-            "version_source": source}
+    return {"policy_version": seen[0], "policy_versions": seen, "crossed_version": len(set(seen)) > 1, "version_source": source}
 
 
 def episode_budgets(budgets: BudgetConfig, task: Task) -> BudgetConfig:
@@ -150,8 +155,7 @@ def _base_fields(task: Task, sample: int, cfg: EpisodeConfig, pcfg: PolicyConfig
         split=task.split,
         policy_kind=pcfg.kind if pcfg.kind != "openai" else f"openai-{pcfg.mode}",
         model=pcfg.model,
-        sampling_params={k: getattr(pcfg, k) for k in ("temperature", "top_p", "max_tokens", "seed")}
-        if pcfg.kind == "openai" else {},
+        sampling_params={k: getattr(pcfg, k) for k in ("temperature", "top_p", "max_tokens", "seed")} if pcfg.kind == "openai" else {},
         image_digest=getattr(image, "digest", None),
         image_path=str(getattr(image, "path", "") or "") or None,
         host=socket.gethostname(),
@@ -162,9 +166,17 @@ def _base_fields(task: Task, sample: int, cfg: EpisodeConfig, pcfg: PolicyConfig
     )
 
 
-def _episode_record(base: dict[str, Any], versions: dict[str, Any], timings: dict[str, float], status: Status, *,
-                    error: str | None = None, result: AgentResult | None = None, sc: ScoreResult | None = None,
-                    events: list[str] | None = None) -> EpisodeRecord:
+def _episode_record(
+    base: dict[str, Any],
+    versions: dict[str, Any],
+    timings: dict[str, float],
+    status: Status,
+    *,
+    error: str | None = None,
+    result: AgentResult | None = None,
+    sc: ScoreResult | None = None,
+    events: list[str] | None = None,
+) -> EpisodeRecord:
     """The episode's record from its fields, the agent's result and the score (either may be missing)."""
     tok = result.tokens if result else None
     peak_pids = timings.get("peak_pids")
@@ -197,8 +209,9 @@ def _episode_record(base: dict[str, Any], versions: dict[str, Any], timings: dic
     )
 
 
-def run_episode(task: Task, sample: int, cfg: EpisodeConfig, image: Any, *, stop: threading.Event | None = None,
-                warm: Ticket | None = None) -> EpisodeRecord:
+def run_episode(
+    task: Task, sample: int, cfg: EpisodeConfig, image: Any, *, stop: threading.Event | None = None, warm: Ticket | None = None
+) -> EpisodeRecord:
     """Run one (task, sample) unit of a run and return its record (see the module docstring).
 
     ``warm``: a sandbox reserved from a ``WarmPool`` for this episode (et_hpc.sandbox.warm); when it
@@ -216,8 +229,14 @@ def run_episode(task: Task, sample: int, cfg: EpisodeConfig, image: Any, *, stop
     timings: dict[str, float] = {"start_s": t_start}
     versions: dict[str, Any] = {}
 
-    def record(status: Status, *, error: str | None = None, result: AgentResult | None = None,
-               sc: ScoreResult | None = None, events: list[str] | None = None) -> EpisodeRecord:
+    def record(
+        status: Status,
+        *,
+        error: str | None = None,
+        result: AgentResult | None = None,
+        sc: ScoreResult | None = None,
+        events: list[str] | None = None,
+    ) -> EpisodeRecord:
         if warm is not None:
             warm.discard()  # a reserved sandbox the episode did not use (no-op once handed out)
         timings["stop_s"] = time.time()
@@ -251,8 +270,16 @@ def run_episode(task: Task, sample: int, cfg: EpisodeConfig, image: Any, *, stop
     return record(status, **kw)
 
 
-def _tear_down(task: Task, cfg: EpisodeConfig, warm: Ticket | None, ready: list[Ready], status: Status,
-               base: dict[str, Any], kw: dict[str, Any], timings: dict[str, float]) -> None:
+def _tear_down(
+    task: Task,
+    cfg: EpisodeConfig,
+    warm: Ticket | None,
+    ready: list[Ready],
+    status: Status,
+    base: dict[str, Any],
+    kw: dict[str, Any],
+    timings: dict[str, float],
+) -> None:
     """Stop the episode's sandbox (or hand it back to the pool), keeping its final state first when
     the run asks for it (``base``'s ``final_state``/``tests_digest``, an event in ``kw`` if not kept)."""
     t = time.monotonic()
@@ -318,8 +345,16 @@ def _setup(spec: SandboxSpec, warm: Ticket | None, label: str, timings: dict[str
     return out[-1]
 
 
-def _drive(task: Task, setup: Callable[[], Ready], policy: Policy, pcfg: PolicyConfig, budgets: BudgetConfig,
-           cfg: EpisodeConfig, stop: threading.Event, timings: dict[str, float]) -> tuple[Status, dict[str, Any]]:
+def _drive(
+    task: Task,
+    setup: Callable[[], Ready],
+    policy: Policy,
+    pcfg: PolicyConfig,
+    budgets: BudgetConfig,
+    cfg: EpisodeConfig,
+    stop: threading.Event,
+    timings: dict[str, float],
+) -> tuple[Status, dict[str, Any]]:
     """Get the sandbox from ``setup()``, run the agent, score. Returns (status, record fields); never raises."""
     result: AgentResult | None = None
     wd: Watchdog | None = None
@@ -334,8 +369,14 @@ def _drive(task: Task, setup: Callable[[], Ready], policy: Policy, pcfg: PolicyC
         except (InfraError, OSError) as e:
             return "infra_error", {"error": f"sandbox: {e}"}
         t = time.monotonic()
-        result = run_agent(task.prompt, shell, _StopAware(policy, stop), budgets, system_prompt=pcfg.system_prompt,
-                           shell_blame=lambda e: not stop.is_set() and sandbox.health() in ("alive", "gone"))
+        result = run_agent(
+            task.prompt,
+            shell,
+            _StopAware(policy, stop),
+            budgets,
+            system_prompt=pcfg.system_prompt,
+            shell_blame=lambda e: not stop.is_set() and sandbox.health() in ("alive", "gone"),
+        )
         timings["agent_s"] = time.monotonic() - t
         timings["model_s"], timings["exec_s"] = result.model_s, result.exec_s
         if stop.is_set():
@@ -406,5 +447,4 @@ def watchdog_blame(wd: Watchdog, sc: Any) -> Any:
     if sc.status == "ok" or not wd.tripped_in(PHASE_SCORING):
         return sc
     line = next(e for e in wd.events if PHASE_SCORING in e)
-    return sc.model_copy(update={"status": "ok", "reward": 0.0, "error": None,
-                                 "note": f"the final tests hit a limit: {line}"})
+    return sc.model_copy(update={"status": "ok", "reward": 0.0, "error": None, "note": f"the final tests hit a limit: {line}"})

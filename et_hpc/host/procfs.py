@@ -27,7 +27,7 @@ def stat(pid: int) -> tuple[int, int, int] | None:
             data = f.read()
     except OSError:
         return None
-    fields = data[data.rfind(b")") + 2:].split()
+    fields = data[data.rfind(b")") + 2 :].split()
     if fields[:1] in ([b"Z"], [b"X"]):
         return None
     try:
@@ -69,7 +69,7 @@ def start_time(pid: int) -> str | None:
     except OSError:
         return None
     try:
-        return data[data.rfind(b")") + 2:].split()[19].decode()
+        return data[data.rfind(b")") + 2 :].split()[19].decode()
     except IndexError:
         return None
 
@@ -92,7 +92,7 @@ def pid_alive(pid: int, start: str | None = None) -> bool:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             data = f.read()
-        return data[data.rfind(b")") + 2:][:1] not in (b"Z", b"X")
+        return data[data.rfind(b")") + 2 :][:1] not in (b"Z", b"X")
     except OSError:
         return True
 
@@ -167,7 +167,7 @@ def instance_processes(ns: str, exclude: set[int] | frozenset[int] = frozenset()
         try:
             with open(f"/proc/{pid}/stat", "rb") as f:
                 data = f.read()
-            fields = data[data.rfind(b")") + 2:].split()
+            fields = data[data.rfind(b")") + 2 :].split()
             if fields[0] in (b"Z", b"X"):
                 continue
             out[pid] = (int(fields[1]), fields[19].decode())

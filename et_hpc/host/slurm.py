@@ -149,8 +149,9 @@ def counts(states: dict[str, str]) -> dict[str, int]:
     return c
 
 
-def wait_tasks(expected: list[str], *, poll_s: float = 10.0, timeout_s: float | None = None,
-               on_poll: Callable[[dict[str, str]], None] | None = None) -> tuple[dict[str, str], bool]:
+def wait_tasks(
+    expected: list[str], *, poll_s: float = 10.0, timeout_s: float | None = None, on_poll: Callable[[dict[str, str]], None] | None = None
+) -> tuple[dict[str, str], bool]:
     """Poll until every task has ended or ``timeout_s`` passes. Returns (states, all_ended)."""
     end = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
@@ -170,8 +171,7 @@ def job_state(job_id: str | None) -> str | None:
     if not job_id or not shutil.which("squeue"):
         return None
     try:
-        r = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%T"], capture_output=True,
-                           text=True, timeout=15)
+        r = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%T"], capture_output=True, text=True, timeout=15)
     except (OSError, subprocess.TimeoutExpired):
         return None
     state = r.stdout.strip()
@@ -237,9 +237,9 @@ def submitit_executor(s: SlurmConfig, folder: Path | str, name: str) -> Any:
     """A submitit executor for Slurm arrays set up from ``s`` (runs and image builds both use it)."""
     import submitit
 
-    ex = submitit.AutoExecutor(folder=str(folder), cluster="slurm",
-                               slurm_max_num_timeout=s.max_num_timeout,
-                               slurm_python=s.python or sys.executable)
+    ex = submitit.AutoExecutor(
+        folder=str(folder), cluster="slurm", slurm_max_num_timeout=s.max_num_timeout, slurm_python=s.python or sys.executable
+    )
     params: dict[str, Any] = {
         "name": name,
         "timeout_min": s.time_min,

@@ -35,6 +35,7 @@ DEFAULT_MIRROR = "http://deb.debian.org/debian"
 DEFAULT_SUITE = "bookworm"
 REGISTRY_PROBE = os.environ.get("ET_HPC_REGISTRY_PROBE", "registry-1.docker.io:443")
 
+
 @dataclass
 class BaseImage:
     name: str
@@ -179,8 +180,12 @@ def _build_docker(out: Path) -> None:
     if not shutil.which(apptainer.exe()):
         raise UserError("apptainer not found on PATH: install Apptainer >= 1.3 or 'module load apptainer'")
     definition = paths.repo_root() / "defs" / "base" / "ubuntu_22.04-docker.def"
-    _run([apptainer.exe(), "build", "--fakeroot", "--force", str(out), str(definition)],
-         "apptainer build (docker base)", _log_file(), env=_build_env())
+    _run(
+        [apptainer.exe(), "build", "--fakeroot", "--force", str(out), str(definition)],
+        "apptainer build (docker base)",
+        _log_file(),
+        env=_build_env(),
+    )
 
 
 def _build_debian(out: Path, *, mirror: str, suite: str) -> None:
@@ -192,25 +197,39 @@ def _build_debian(out: Path, *, mirror: str, suite: str) -> None:
     with tempfile.TemporaryDirectory(prefix="base-", dir=paths.scratch_dir()) as tmp:
         tar = Path(tmp) / "rootfs.tar"
         rootfs = Path(tmp) / "rootfs"
-        _run([
-            "mmdebstrap", "--mode=unshare", "--variant=minbase",
-            "--include=" + ",".join(DEBIAN_PACKAGES),
-            f"--customize-hook=copy-in {compat} /tmp",
-            "--customize-hook=chroot \"$1\" sh /tmp/debian-compat.sh",
-            "--customize-hook=rm -f \"$1\"/tmp/debian-compat.sh",
-            suite, str(tar), mirror,
-        ], "mmdebstrap", logf)
+        _run(
+            [
+                "mmdebstrap",
+                "--mode=unshare",
+                "--variant=minbase",
+                "--include=" + ",".join(DEBIAN_PACKAGES),
+                f"--customize-hook=copy-in {compat} /tmp",
+                '--customize-hook=chroot "$1" sh /tmp/debian-compat.sh',
+                '--customize-hook=rm -f "$1"/tmp/debian-compat.sh',
+                suite,
+                str(tar),
+                mirror,
+            ],
+            "mmdebstrap",
+            logf,
+        )
         rootfs.mkdir()
         try:
-            _run(["unshare", "--map-auto", "--map-root-user", "tar", "-C", str(rootfs),
-                  "--exclude=./dev/*", "-xf", str(tar)], "unpack rootfs", logf)
+            _run(
+                ["unshare", "--map-auto", "--map-root-user", "tar", "-C", str(rootfs), "--exclude=./dev/*", "-xf", str(tar)],
+                "unpack rootfs",
+                logf,
+            )
             tar.unlink()
-            _run([apptainer.exe(), "build", "--fakeroot", "--force", str(out), str(rootfs)],
-                 "apptainer build (debian base)", logf, env=_build_env())
+            _run(
+                [apptainer.exe(), "build", "--fakeroot", "--force", str(out), str(rootfs)],
+                "apptainer build (debian base)",
+                logf,
+                env=_build_env(),
+            )
         finally:
             # Files belong to mapped ids: remove them inside the same kind of namespace.
-            subprocess.run(["unshare", "--map-auto", "--map-root-user", "rm", "-rf", str(rootfs)],
-                           capture_output=True)
+            subprocess.run(["unshare", "--map-auto", "--map-root-user", "rm", "-rf", str(rootfs)], capture_output=True)
 
 
 def check_base() -> Check:

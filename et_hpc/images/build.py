@@ -45,7 +45,6 @@ def with_build_ca(text: str) -> str:
     return text
 
 
-
 def stage(recipe: NormalisedRecipe, work: Path, settings: ImageStoreConfig) -> None:
     """Write the def into ``work`` with every copied-in file snapshotted beside it (node-local)."""
     mapping: dict[str, Path] = {}
@@ -64,7 +63,6 @@ def stage(recipe: NormalisedRecipe, work: Path, settings: ImageStoreConfig) -> N
     (work / "container.def").write_text(text)
 
 
-
 def run_build(settings: ImageStoreConfig, work: Path, out: Path, lf: IO[str], scratch: Path) -> tuple[int | None, str | None]:
     """Run ``apptainer build`` of ``work/container.def`` into ``out``: (exit status, None) or (None, reason)."""
     s = settings
@@ -81,8 +79,7 @@ def run_build(settings: ImageStoreConfig, work: Path, out: Path, lf: IO[str], sc
         cmd[2:2] = ["--bind", f"{ca}:{BUILD_CA_PATH}:ro"]
     lf.write(f"$ cd {work} && {' '.join(cmd)}\n")
     lf.flush()
-    proc = subprocess.Popen(cmd, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=lf,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=lf, stderr=subprocess.STDOUT, start_new_session=True)
     guard = _start_watchdog(proc.pid)
     try:
         return proc.wait(timeout=s.build_timeout_s), None
@@ -97,17 +94,20 @@ def run_build(settings: ImageStoreConfig, work: Path, out: Path, lf: IO[str], sc
 
 
 # Lines that say why a build failed, most telling first; the last matching line of the log wins.
-_REASONS = [re.compile(p) for p in (
-    r"curl: \(\d+\).*",
-    r"wget: .*(unable|failed|error).*",
-    r"^E: .*",
-    r"ERROR: (Could not find a version|No matching distribution).*",
-    r"^(ERROR|error): .*",
-    r".*: command not found",
-    r".*(Could not resolve host|Temporary failure (in )?(name )?resolution|Name or service not known).*",
-    r".*No such file or directory.*",
-    r"^(FATAL|ERROR): .*",
-)]
+_REASONS = [
+    re.compile(p)
+    for p in (
+        r"curl: \(\d+\).*",
+        r"wget: .*(unable|failed|error).*",
+        r"^E: .*",
+        r"ERROR: (Could not find a version|No matching distribution).*",
+        r"^(ERROR|error): .*",
+        r".*: command not found",
+        r".*(Could not resolve host|Temporary failure (in )?(name )?resolution|Name or service not known).*",
+        r".*No such file or directory.*",
+        r"^(FATAL|ERROR): .*",
+    )
+]
 _NOISE = re.compile(r"^(INFO|WARNING|VERBOSE|DEBUG):|^#|^\$ ")
 
 
@@ -163,7 +163,6 @@ def retarget_files(text: str, mapping: dict[str, Path]) -> str:
     return "\n".join(out) + ("\n" if text.endswith("\n") else "")
 
 
-
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
@@ -199,9 +198,14 @@ if sys.stdin.read() != "done":
 
 def _start_watchdog(pgid: int) -> subprocess.Popen | None:
     try:
-        return subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(pgid)], stdin=subprocess.PIPE,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                                text=True)
+        return subprocess.Popen(
+            [sys.executable, "-c", _WATCHDOG, str(pgid)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            text=True,
+        )
     except OSError as e:
         log.warning("no watchdog for build group %s: %s", pgid, e)
         return None

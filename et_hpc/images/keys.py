@@ -160,8 +160,15 @@ _CODE_SIG: str | None = None
 # The modules whose code decides a recipe's key: parsing, normalising and resolving bases (under
 # tasks/) and the modules of images/ that compute the key. A test checks this list against the
 # modules that run while keys are computed.
-KEY_CODE = ("tasks/recipe.py", "tasks/dockerfile.py", "tasks/base_names.py", "tasks/files.py", "tasks/model.py",
-            "images/store.py", "images/keys.py")
+KEY_CODE = (
+    "tasks/recipe.py",
+    "tasks/dockerfile.py",
+    "tasks/base_names.py",
+    "tasks/files.py",
+    "tasks/model.py",
+    "images/store.py",
+    "images/keys.py",
+)
 
 
 def _code_signature() -> str:
@@ -202,8 +209,9 @@ def base_digest(base: Path, memo: dict[str, tuple[tuple[int, int, int], str]]) -
     if digest is None:
         digest = sha256_file(base)
         try:
-            atomic_write_text(base.with_name(base.name + ".sha256.json"), json.dumps(
-                {"digest": digest, "size": st.st_size, "mtime_ns": st.st_mtime_ns}))
+            atomic_write_text(
+                base.with_name(base.name + ".sha256.json"), json.dumps({"digest": digest, "size": st.st_size, "mtime_ns": st.st_mtime_ns})
+            )
         except OSError:
             pass  # read-only location: memory only
     memo[str(base)] = (sk, digest)

@@ -56,6 +56,7 @@ class CopyOptions(Protocol):
     @property
     def local_copy_budget_gb(self) -> float: ...
 
+
 TREE = ".root"  # suffix of unpacked trees and their files
 CHUNK = 4 << 20
 FREE_MARGIN = 256 << 20  # leave this much free on scratch after a copy
@@ -275,8 +276,9 @@ def _in_use(d: Path, c: CopyInfo) -> bool:
     return False
 
 
-def clear_unused(scratch: Path | None = None, *, dry_run: bool = False,
-                 lock_timeout_s: float = 60.0) -> tuple[list[CopyInfo], list[CopyInfo]]:
+def clear_unused(
+    scratch: Path | None = None, *, dry_run: bool = False, lock_timeout_s: float = 60.0
+) -> tuple[list[CopyInfo], list[CopyInfo]]:
     """Remove every node-local copy and tree no sandbox holds. Returns (removed, kept in use);
     ``dry_run``: what would be removed, nothing removed."""
     d = images_dir(scratch)
@@ -332,8 +334,10 @@ def _make_room(d: Path, scratch: Path | None, budget_gb: float, size: int, diges
     budget = int(budget_gb * (1 << 30))
     total = evict(scratch, budget, incoming=size, keep=digest)
     if total > budget:
-        raise NoRoom(f"image {name} ({size / 1e9:.2f} GB) does not fit in the node-local copy budget "
-                     f"of {budget_gb} GB (copies in use hold the rest; raise sandbox.local_copy_budget_gb)")
+        raise NoRoom(
+            f"image {name} ({size / 1e9:.2f} GB) does not fit in the node-local copy budget "
+            f"of {budget_gb} GB (copies in use hold the rest; raise sandbox.local_copy_budget_gb)"
+        )
     if shutil.disk_usage(d).free < size + FREE_MARGIN:
         raise NoRoom(f"scratch {d} has less than {(size + FREE_MARGIN) / 1e9:.2f} GB free for image {name}")
 
@@ -405,10 +409,21 @@ def local_image(
         copy_s = time.monotonic() - t0
         fsync_dir(d)
         st = sif.stat()
-        atomic_write_text(meta_p, json.dumps({
-            "digest": digest, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino,
-            "source": str(src), "copied_at": time.time(), "copy_s": round(copy_s, 3), "pid": os.getpid(),
-        }))
+        atomic_write_text(
+            meta_p,
+            json.dumps(
+                {
+                    "digest": digest,
+                    "size": st.st_size,
+                    "mtime_ns": st.st_mtime_ns,
+                    "ino": st.st_ino,
+                    "source": str(src),
+                    "copied_at": time.time(),
+                    "copy_s": round(copy_s, 3),
+                    "pid": os.getpid(),
+                }
+            ),
+        )
         fd = _take_lease(lease)
         if fd is None:
             raise InfraError(f"could not lease node-local image {sif}")
@@ -453,8 +468,9 @@ def unpack_sif(sif: Path, dest: Path, *, timeout_s: float = 1800.0) -> None:
     if part is None or part[1] < 0:
         raise InfraError(f"{sif}: no root filesystem partition found in the SIF")
     try:
-        cp = subprocess.run([exe, "-n", "-no-xattrs", "-o", str(part[1]), "-d", str(dest), str(sif)],
-                            capture_output=True, text=True, timeout=timeout_s)
+        cp = subprocess.run(
+            [exe, "-n", "-no-xattrs", "-o", str(part[1]), "-d", str(dest), str(sif)], capture_output=True, text=True, timeout=timeout_s
+        )
     except subprocess.TimeoutExpired:
         raise InfraError(f"unsquashfs of {sif} took more than {timeout_s:.0f}s") from None
     if cp.returncode != 0:
@@ -523,10 +539,20 @@ def local_tree(
             tmp_sif.unlink(missing_ok=True)
         copy_s = time.monotonic() - t0
         fsync_dir(d)
-        atomic_write_text(meta_p, json.dumps({
-            "digest": digest, "size": _tree_size(root), "ino": root.stat().st_ino, "source": str(src),
-            "copied_at": time.time(), "copy_s": round(copy_s, 3), "pid": os.getpid(),
-        }))
+        atomic_write_text(
+            meta_p,
+            json.dumps(
+                {
+                    "digest": digest,
+                    "size": _tree_size(root),
+                    "ino": root.stat().st_ino,
+                    "source": str(src),
+                    "copied_at": time.time(),
+                    "copy_s": round(copy_s, 3),
+                    "pid": os.getpid(),
+                }
+            ),
+        )
         got = leased({"copy_s": copy_s}, copied=True)
         if got is None:
             raise InfraError(f"could not lease node-local image {root}")

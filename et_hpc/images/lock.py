@@ -170,8 +170,7 @@ class BuildLock:
             except FileExistsError:
                 log.warning("lock %s: a fresh lock of %s was displaced during takeover", self.path, moved.describe())
         else:
-            log.warning("lock %s: took over stale lock of %s", self.path,
-                        info.describe() if info else "unknown holder")
+            log.warning("lock %s: took over stale lock of %s", self.path, info.describe() if info else "unknown holder")
         try:
             os.unlink(aside)
         except FileNotFoundError:

@@ -28,8 +28,15 @@ class BuildChunk:
     progress = False  # a progress bar on stderr (set for a build in this process)
     store: ImageStore | None = None  # in this process: the caller's store (its digests already known)
 
-    def __init__(self, cache_dir: Path, settings: ImageStoreConfig, base_map: dict[str, Path],
-                 tasks: Sequence[Buildable], retry_failed: bool, jobs: int):
+    def __init__(
+        self,
+        cache_dir: Path,
+        settings: ImageStoreConfig,
+        base_map: dict[str, Path],
+        tasks: Sequence[Buildable],
+        retry_failed: bool,
+        jobs: int,
+    ):
         self.cache_dir, self.settings, self.base_map = cache_dir, settings, base_map
         self.tasks, self.retry_failed, self.jobs = tasks, retry_failed, jobs
 

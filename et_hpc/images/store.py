@@ -214,12 +214,10 @@ class ImageStore:
             bad = self._changed_since_build(sif, meta)
             if bad:
                 return ImageResult(task_id=task_id, key=key, status="missing", reason=bad, log_path=None)
-            return ImageResult(task_id=task_id, key=key, status="cached", path=sif, digest=meta.get("digest"),
-                               log_path=self.log_path(key))
+            return ImageResult(task_id=task_id, key=key, status="cached", path=sif, digest=meta.get("digest"), log_path=self.log_path(key))
         failed = self._read_json(self.failed_path(key))
         if failed is not None:
-            return ImageResult(task_id=task_id, key=key, status="failed", reason=failed.get("reason"),
-                               log_path=self.log_path(key))
+            return ImageResult(task_id=task_id, key=key, status="failed", reason=failed.get("reason"), log_path=self.log_path(key))
         return ImageResult(task_id=task_id, key=key, status="missing", log_path=None)
 
     def _changed_since_build(self, sif: Path, meta: dict) -> str | None:
@@ -236,12 +234,16 @@ class ImageStore:
             return None
         got = self._digests.file(sif)  # memoised by path, size, mtime and inode
         if got != want:
-            return (f"image {sif} does not match its recorded digest (sha256 {got[:12]}, built as {want[:12]}): "
-                    f"it was changed after the build; remove it and rebuild with 'et-hpc build'")
+            return (
+                f"image {sif} does not match its recorded digest (sha256 {got[:12]}, built as {want[:12]}): "
+                f"it was changed after the build; remove it and rebuild with 'et-hpc build'"
+            )
         if meta.get("key"):  # verified in full: record the stat so the next lookup is cheap again
             try:
-                atomic_write_text(self.meta_path(meta["key"]), json.dumps(
-                    {**meta, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino}, indent=1))
+                atomic_write_text(
+                    self.meta_path(meta["key"]),
+                    json.dumps({**meta, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino}, indent=1),
+                )
             except OSError:
                 pass  # a read-only cache: verified again by the next process
         return None
@@ -300,15 +302,17 @@ class ImageStore:
         wait = s.wait_timeout_s if s.wait_timeout_s is not None else s.build_timeout_s + 2 * s.stale_after_s
 
         def note(info: LockInfo | None, waited: float) -> None:
-            log.info("%s: waiting %.0f s for image %s being built by %s", tid, waited, key[:12],
-                     info.describe() if info else "another process")
+            log.info(
+                "%s: waiting %.0f s for image %s being built by %s", tid, waited, key[:12], info.describe() if info else "another process"
+            )
 
         lock = BuildLock(self.lock_path(key), stale_after=s.stale_after_s, timeout=wait, on_wait=note)
         try:
             lock.acquire()
         except LockTimeout as e:
-            return ImageResult(task_id=tid, key=key, status="failed", reason=f"waited too long for the build: {e}",
-                               seconds=time.monotonic() - t0)
+            return ImageResult(
+                task_id=tid, key=key, status="failed", reason=f"waited too long for the build: {e}", seconds=time.monotonic() - t0
+            )
         try:
             res = self._from_store(tid, key)
             if res.status == "cached":
@@ -366,9 +370,11 @@ class ImageStore:
         header = [f"# et-hpc build of {tid} key {key}", f"# host {host} pid {os.getpid()} at {_now()}"]
         header += [f"# rewrite: {r}" for r in (getattr(recipe, "rewrites", None) or [])]
         if self.settings.build_ca() is not None:
-            header.append(f"# build only: {self.settings.build_ca()} bound at {BUILD_CA_PATH}; %post exports "
-                          "PIP_CERT/SSL_CERT_FILE/REQUESTS_CA_BUNDLE/CURL_CA_BUNDLE/GIT_SSL_CAINFO to it "
-                          "(ET_HPC_BUILD_CA_BUNDLE=none turns this off)")
+            header.append(
+                f"# build only: {self.settings.build_ca()} bound at {BUILD_CA_PATH}; %post exports "
+                "PIP_CERT/SSL_CERT_FILE/REQUESTS_CA_BUNDLE/CURL_CA_BUNDLE/GIT_SSL_CAINFO to it "
+                "(ET_HPC_BUILD_CA_BUNDLE=none turns this off)"
+            )
         work = Path(tempfile.mkdtemp(prefix=f"build-{key[:12]}-", dir=self.scratch))
         rc: int | None = None
         reason: str | None = None
@@ -389,11 +395,20 @@ class ImageStore:
                 fsync_dir(sif.parent)
                 seconds = time.monotonic() - t0
                 st = sif.stat()
-                meta = {"key": key, "format": FORMAT, "task_ids": [tid], "built_at": _now(), "host": host,
-                        "seconds": round(seconds, 2), "digest": digest, "size": st.st_size,
-                        "mtime_ns": st.st_mtime_ns, "ino": st.st_ino,  # the cheap check at lookup
-                        "rewrites": list(getattr(recipe, "rewrites", None) or []),
-                        "base": str(getattr(recipe, "base", None) or "") or None}
+                meta = {
+                    "key": key,
+                    "format": FORMAT,
+                    "task_ids": [tid],
+                    "built_at": _now(),
+                    "host": host,
+                    "seconds": round(seconds, 2),
+                    "digest": digest,
+                    "size": st.st_size,
+                    "mtime_ns": st.st_mtime_ns,
+                    "ino": st.st_ino,  # the cheap check at lookup
+                    "rewrites": list(getattr(recipe, "rewrites", None) or []),
+                    "base": str(getattr(recipe, "base", None) or "") or None,
+                }
                 atomic_write_text(self.meta_path(key), json.dumps(meta, indent=1))
                 self.failed_path(key).unlink(missing_ok=True)
                 return ImageResult(task_id=tid, key=key, status="built", path=sif, digest=digest, log_path=logf)
@@ -402,21 +417,36 @@ class ImageStore:
                 # Killed from outside (scancel, preemption, OOM, Ctrl-C): not the recipe's fault, so no
                 # failure record; the next ensure builds again.
                 log.warning("%s: build of %s was interrupted (exit %s); not recorded as failed", tid, key[:12], rc)
-                return ImageResult(task_id=tid, key=key, status="failed", log_path=logf,
-                                   reason=f"build interrupted by a signal (exit {rc}); not recorded, will be retried")
+                return ImageResult(
+                    task_id=tid,
+                    key=key,
+                    status="failed",
+                    log_path=logf,
+                    reason=f"build interrupted by a signal (exit {rc}); not recorded, will be retried",
+                )
             if reason is None:
                 reason = failure_reason(file_tail(logf, 300, raw=True)) or f"apptainer build exited with status {rc}"
-            rec = {"key": key, "task_id": tid, "reason": reason, "exit_code": rc, "failed_at": _now(),
-                   "failed_at_epoch": time.time(), "host": host, "seconds": round(time.monotonic() - t0, 2),
-                   "log": str(logf), "log_tail": tail}
+            rec = {
+                "key": key,
+                "task_id": tid,
+                "reason": reason,
+                "exit_code": rc,
+                "failed_at": _now(),
+                "failed_at_epoch": time.time(),
+                "host": host,
+                "seconds": round(time.monotonic() - t0, 2),
+                "log": str(logf),
+                "log_tail": tail,
+            }
             atomic_write_text(self.failed_path(key), json.dumps(rec, indent=1))
             return ImageResult(task_id=tid, key=key, status="failed", reason=reason, log_path=logf)
         finally:
             tmp_out.unlink(missing_ok=True)
             _rmtree(work)
 
-    def ensure_many(self, tasks: Iterable[Buildable], *, jobs: int | None = None, progress: bool = True,
-                    retry_failed: bool = False, build: bool = True) -> list[ImageResult]:
+    def ensure_many(
+        self, tasks: Iterable[Buildable], *, jobs: int | None = None, progress: bool = True, retry_failed: bool = False, build: bool = True
+    ) -> list[ImageResult]:
         """``ensure`` for many tasks with ``jobs`` builds at once; results in input order."""
         tasks = list(tasks)
         jobs = max(1, jobs or default_jobs())
@@ -446,8 +476,6 @@ class ImageStore:
                 bar.close()
             self.index.save()
         return [r for r in results if r is not None]
-
-
 
 
 def _task_id(task: Buildable) -> str:

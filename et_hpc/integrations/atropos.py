@@ -76,22 +76,30 @@ class EndlessTerminalsEnvConfig(BaseEnvConfig):
     system_prompt: str | None = Field(default=None, description="system prompt (default: et-hpc's prompt for the mode)")
     mode: Literal["tools", "text"] = Field(default="tools", description="tool calls, or the <command> text protocol")
     agent_temperature: float = Field(default=1.0, ge=0, description="sampling temperature")
-    token_in: bool = Field(default=False, description="send token ids (llama-server /completion, vLLM /v1/completions): "
-                           "exact tokens from servers whose chat route returns none")
+    token_in: bool = Field(
+        default=False,
+        description="send token ids (llama-server /completion, vLLM /v1/completions): "
+        "exact tokens from servers whose chat route returns none",
+    )
     max_tokens_per_turn: int = Field(default=DEFAULT_MAX_TOKENS, ge=1, description="completion tokens per turn")
     wall_time_s: float = Field(default=300.0, gt=0, description="agent wall time per episode (s)")
     command_timeout_s: float = Field(default=60.0, gt=0, description="time limit of one shell command (s)")
     max_concurrent_episodes: int = Field(default=16, ge=1, description="episodes (instances) running at once")
-    on_error: Literal["mask", "keep-ok"] = Field(default="mask", description="a group with an error episode: mask it or keep its ok episodes")  # noqa: E501
+    on_error: Literal["mask", "keep-ok"] = Field(
+        default="mask", description="a group with an error episode: mask it or keep its ok episodes"
+    )  # noqa: E501
     store: str | None = Field(default=None, description="et-hpc store root for the episodes (default $ET_HPC_STORE or ./et-hpc-runs)")
     run_name: str = Field(default="atropos-endless", description="run name inside the store")
     eval_run_name: str | None = Field(default=None, description="run name of evaluate()'s episodes (default <run_name>-eval)")
     reward: Literal["fraction", "binary"] = Field(
-        default="fraction", description="fraction: passed/total of the final tests (the seed's rule); binary: 1 when all pass")
-    endpoint_file: str | None = Field(default=None, description="endpoint file of slurm/vllm.sbatch (address, key, "
-                                      "model_version); replaces --openai.base_url")
-    endpoint_dir: str | None = Field(default=None, description="folder of endpoint files, one per server (replicas, "
-                                     "failover); replaces --openai.base_url")
+        default="fraction", description="fraction: passed/total of the final tests (the seed's rule); binary: 1 when all pass"
+    )
+    endpoint_file: str | None = Field(
+        default=None, description="endpoint file of slurm/vllm.sbatch (address, key, model_version); replaces --openai.base_url"
+    )
+    endpoint_dir: str | None = Field(
+        default=None, description="folder of endpoint files, one per server (replicas, failover); replaces --openai.base_url"
+    )
     shuffle_seed: int = Field(default=0, description="order in which tasks are served")
     num_eval_tasks: int = Field(default=0, ge=0, description="tasks held out for evaluate() (one episode each)")
     overlay_mb: int = Field(default=DEFAULT_OVERLAY_MB, ge=16, description="per-episode writable overlay size")
@@ -114,8 +122,7 @@ class EndlessTerminalsEnv(BaseEnv):
     name = "endless_terminals"
     env_config_cls = EndlessTerminalsEnvConfig
 
-    def __init__(self, config: EndlessTerminalsEnvConfig, server_configs: Any, slurm: bool = False,
-                 testing: bool = False) -> None:
+    def __init__(self, config: EndlessTerminalsEnvConfig, server_configs: Any, slurm: bool = False, testing: bool = False) -> None:
         super().__init__(config, server_configs, slurm, testing)
         self.config: EndlessTerminalsEnvConfig = config
         self.tasks: list[Task] = []
@@ -133,16 +140,33 @@ class EndlessTerminalsEnv(BaseEnv):
         loop_log = logging.getLogger("et_hpc.agent.loop")
         if not any(isinstance(f, _QuietInterrupts) for f in loop_log.filters):
             loop_log.addFilter(_QuietInterrupts())
-        self.counts = {"groups_sent": 0, "groups_masked": 0, "groups_without_tokens": 0, "groups_cancelled": 0,
-                       "episodes": 0, "episodes_started": 0, "episodes_stored": 0, "episodes_interrupted": 0,
-                       "episode_errors": 0, "store_errors": 0}
+        self.counts = {
+            "groups_sent": 0,
+            "groups_masked": 0,
+            "groups_without_tokens": 0,
+            "groups_cancelled": 0,
+            "episodes": 0,
+            "episodes_started": 0,
+            "episodes_stored": 0,
+            "episodes_interrupted": 0,
+            "episode_errors": 0,
+            "store_errors": 0,
+        }
 
     @classmethod
     def config_init(cls) -> tuple[EndlessTerminalsEnvConfig, list[APIServerConfig]]:
-        env = EndlessTerminalsEnvConfig(group_size=8, use_wandb=False, max_token_length=16384, wandb_name=cls.name,
-                                        ensure_scores_are_not_same=True, steps_per_eval=500, total_steps=10000)
-        server = APIServerConfig(model_name="default", base_url="http://localhost:8000/v1", api_key="EMPTY",
-                                 server_type="openai", health_check=False)
+        env = EndlessTerminalsEnvConfig(
+            group_size=8,
+            use_wandb=False,
+            max_token_length=16384,
+            wandb_name=cls.name,
+            ensure_scores_are_not_same=True,
+            steps_per_eval=500,
+            total_steps=10000,
+        )
+        server = APIServerConfig(
+            model_name="default", base_url="http://localhost:8000/v1", api_key="EMPTY", server_type="openai", health_check=False
+        )
         return env, [server]
 
     # --- setup ---------------------------------------------------------------------------------
@@ -166,8 +190,9 @@ class EndlessTerminalsEnv(BaseEnv):
             self.images[task.id] = img
             ready.append(task)
         if not ready:
-            raise UserError(f"{c.dataset_name}: no task with a built image ({len(res.tasks)} tasks loaded); "
-                            f"run 'et-hpc build {c.dataset_name}' first")
+            raise UserError(
+                f"{c.dataset_name}: no task with a built image ({len(res.tasks)} tasks loaded); run 'et-hpc build {c.dataset_name}' first"
+            )
         if c.endpoint_file and c.endpoint_dir:
             raise UserError("set one of --env.endpoint_file and --env.endpoint_dir, not both")
         rng = random.Random(c.shuffle_seed)
@@ -183,10 +208,24 @@ class EndlessTerminalsEnv(BaseEnv):
             for task_id, sample in rs.units():
                 key = (str(rs.path), task_id)
                 self._next_sample[key] = max(self._next_sample.get(key, 0), sample + 1)
-        self.run_store.write_config({"kind": "atropos-env", "env": self.name, "dataset": c.dataset_name,
-                                     "group_size": c.group_size, "reward": c.reward, "eval_run": self.eval_run_name})
-        log.info("endless_terminals: %d tasks (%d held out for eval), episodes go to %s (eval: %s), reward %s",
-                 len(self.tasks), len(self.eval_tasks), self.run_store.path, self.eval_store.path, c.reward)
+        self.run_store.write_config(
+            {
+                "kind": "atropos-env",
+                "env": self.name,
+                "dataset": c.dataset_name,
+                "group_size": c.group_size,
+                "reward": c.reward,
+                "eval_run": self.eval_run_name,
+            }
+        )
+        log.info(
+            "endless_terminals: %d tasks (%d held out for eval), episodes go to %s (eval: %s), reward %s",
+            len(self.tasks),
+            len(self.eval_tasks),
+            self.run_store.path,
+            self.eval_store.path,
+            c.reward,
+        )
 
     @property
     def eval_run_name(self) -> str:
@@ -220,22 +259,42 @@ class EndlessTerminalsEnv(BaseEnv):
         model = None if srv.model_name in ("", "default") else srv.model_name
         where: dict[str, Any]
         if c.endpoint_file or c.endpoint_dir:
-            where = {"endpoint_file": Path(c.endpoint_file).expanduser() if c.endpoint_file else None,
-                     "endpoint_dir": Path(c.endpoint_dir).expanduser() if c.endpoint_dir else None}
+            where = {
+                "endpoint_file": Path(c.endpoint_file).expanduser() if c.endpoint_file else None,
+                "endpoint_dir": Path(c.endpoint_dir).expanduser() if c.endpoint_dir else None,
+            }
             if srv.api_key and srv.api_key != "EMPTY":
                 where["api_key"] = srv.api_key
         else:
             where = {"base_url": srv.base_url or None, "api_key": srv.api_key or None}
         policy = PolicyConfig(
-            kind="openai", model=model, mode=c.mode, temperature=c.agent_temperature,
-            max_tokens=c.max_tokens_per_turn, logprobs=True, return_token_ids=True, system_prompt=c.system_prompt,
-            request_timeout_s=float(srv.timeout), token_in=c.token_in, **where,
+            kind="openai",
+            model=model,
+            mode=c.mode,
+            temperature=c.agent_temperature,
+            max_tokens=c.max_tokens_per_turn,
+            logprobs=True,
+            return_token_ids=True,
+            system_prompt=c.system_prompt,
+            request_timeout_s=float(srv.timeout),
+            token_in=c.token_in,
+            **where,
         )
-        budgets = BudgetConfig(max_turns=c.max_agent_turns, wall_time_s=c.wall_time_s, command_timeout_s=c.command_timeout_s,
-                          max_tokens_per_turn=c.max_tokens_per_turn, context_tokens=max(c.max_token_length, 1024))
-        return EpisodeConfig(name=run_name or c.run_name, store=Path(c.store).expanduser() if c.store else None,
-                             policy=policy, budgets=budgets, scoring_timeout_s=c.test_timeout_s,
-                             sandbox=SandboxConfig(overlay_mb=c.overlay_mb))
+        budgets = BudgetConfig(
+            max_turns=c.max_agent_turns,
+            wall_time_s=c.wall_time_s,
+            command_timeout_s=c.command_timeout_s,
+            max_tokens_per_turn=c.max_tokens_per_turn,
+            context_tokens=max(c.max_token_length, 1024),
+        )
+        return EpisodeConfig(
+            name=run_name or c.run_name,
+            store=Path(c.store).expanduser() if c.store else None,
+            policy=policy,
+            budgets=budgets,
+            scoring_timeout_s=c.test_timeout_s,
+            sandbox=SandboxConfig(overlay_mb=c.overlay_mb),
+        )
 
     def _samples(self, store: RunStore, task_id: str, n: int) -> list[int]:
         key = (str(store.path), task_id)
@@ -278,6 +337,7 @@ class EndlessTerminalsEnv(BaseEnv):
             def settle() -> None:
                 if not done.done():
                     done.set_result(records)
+
             try:
                 loop.call_soon_threadsafe(settle)
             except RuntimeError:  # the loop is gone (shutdown): the group is stored all the same
@@ -293,8 +353,7 @@ class EndlessTerminalsEnv(BaseEnv):
             with self._sample_lock:
                 self.counts["groups_cancelled"] += 1
             if not self._stop.is_set():
-                log.info("group %s cancelled by atropos: its episodes finish and are stored, the group is not sent",
-                         group.group_id)
+                log.info("group %s cancelled by atropos: its episodes finish and are stored, the group is not sent", group.group_id)
             raise
 
     def _run_member(self, group: _GroupRun, i: int, sample: int, cfg: EpisodeConfig, finished: Any) -> None:
@@ -316,8 +375,14 @@ class EndlessTerminalsEnv(BaseEnv):
                 finished([])
             return
         if self._stop.is_set():  # its group started, it did not: recorded so the group stays whole (masked)
-            rec = EpisodeRecord(run_name=cfg.run_name(), task_id=task.id, sample=sample, status="infra_error",
-                                error="interrupted by the run before it started", policy_kind=f"openai-{cfg.policy.mode}")
+            rec = EpisodeRecord(
+                run_name=cfg.run_name(),
+                task_id=task.id,
+                sample=sample,
+                status="infra_error",
+                error="interrupted by the run before it started",
+                policy_kind=f"openai-{cfg.policy.mode}",
+            )
         else:
             with self._sample_lock:
                 self.counts["episodes_started"] += 1
@@ -325,14 +390,16 @@ class EndlessTerminalsEnv(BaseEnv):
                 rec = self._episode(task, sample, cfg)
             except Exception as e:  # our bug, never the agent's: an error record, not a lost episode
                 log.exception("episode %s sample %d failed", task.id, sample)
-                rec = EpisodeRecord(run_name=cfg.run_name(), task_id=task.id, sample=sample, status="infra_error",
-                                    error=f"{type(e).__name__}: {e}"[:2000])
+                rec = EpisodeRecord(
+                    run_name=cfg.run_name(), task_id=task.id, sample=sample, status="infra_error", error=f"{type(e).__name__}: {e}"[:2000]
+                )
         rec = self.score(rec).model_copy(update={"group_id": group.group_id})
         if self._stop.is_set() and rec.status != "ok":
             with self._sample_lock:
                 self.counts["episodes_interrupted"] += 1
-            log.warning("interrupted: %s sample %d (group %s) stored as %s: %s", task.id, sample, group.group_id,
-                        rec.status, rec.error or "")
+            log.warning(
+                "interrupted: %s sample %d (group %s) stored as %s: %s", task.id, sample, group.group_id, rec.status, rec.error or ""
+            )
         with group.lock:
             group.records[i] = rec
             group.left -= 1
@@ -353,8 +420,7 @@ class EndlessTerminalsEnv(BaseEnv):
         except Exception as e:
             with self._sample_lock:
                 self.counts["store_errors"] += 1
-            log.error("group %s: writing its %d episodes to %s failed: %s", group.group_id, len(records),
-                      group.store.path, e)
+            log.error("group %s: writing its %d episodes to %s failed: %s", group.group_id, len(records), group.store.path, e)
         with self._sample_lock:
             if not group.eval_run:
                 self.counts["episodes"] += len(records)
@@ -369,13 +435,20 @@ class EndlessTerminalsEnv(BaseEnv):
         ok = [r for r in records if r.status == "ok"]
         if errors and (self.config.on_error == "mask" or not ok):
             self.counts["groups_masked"] += 1
-            log.warning("group of %s masked: %d of %d episodes ended in an error (%s)", records[0].task_id,
-                        len(errors), len(records), "; ".join(f"{r.status}: {(r.error or '')[:120]}" for r in errors[:3]))
+            log.warning(
+                "group of %s masked: %d of %d episodes ended in an error (%s)",
+                records[0].task_id,
+                len(errors),
+                len(records),
+                "; ".join(f"{r.status}: {(r.error or '')[:120]}" for r in errors[:3]),
+            )
             return None
         if not all(r.has_tokens for r in ok):
             self.counts["groups_without_tokens"] += 1
-            log.warning("group of %s not sent: episodes without token ids (serve the model with "
-                        "return_token_ids, e.g. vLLM >= 0.10.2)", ok[0].task_id)
+            log.warning(
+                "group of %s not sent: episodes without token ids (serve the model with return_token_ids, e.g. vLLM >= 0.10.2)",
+                ok[0].task_id,
+            )
             return None
         group = atropos_group(ok)
         validate_atropos_group(group)
@@ -449,8 +522,13 @@ class EndlessTerminalsEnv(BaseEnv):
             await loop.run_in_executor(None, self._pool.shutdown, True)
         log.info("endless_terminals: %s", self.counts)
         c = self.counts
-        log.warning("endless_terminals: episodes started %d, stored %d (%d interrupted), groups cancelled %d",
-                    c["episodes_started"], c["episodes_stored"], c["episodes_interrupted"], c["groups_cancelled"])
+        log.warning(
+            "endless_terminals: episodes started %d, stored %d (%d interrupted), groups cancelled %d",
+            c["episodes_started"],
+            c["episodes_stored"],
+            c["episodes_interrupted"],
+            c["groups_cancelled"],
+        )
 
     async def cleanup(self) -> None:
         """Called by Atropos after each group; nothing to do (sandboxes end with their episode)."""

@@ -102,12 +102,29 @@ class ModelServer:
         self.port = cfg.port or free_port("" if cfg.host in ("0.0.0.0", "::") else cfg.host)
         self.api_key = secrets.token_urlsafe(24)
         direct = exec_command()  # llama-server itself; else the wrapper, which takes llama-server's flags after --
-        self._cmd = [*(direct or cmd), "-m", str(self.model_path), "--host", self.host, "--port", str(self.port),
-                     *([] if direct else ["--"]), "-a", self.version, "--jinja", "-c", str(cfg.ctx_size), "-np", str(cfg.parallel),
-                     "--no-ui", *(["-t", str(cfg.threads)] if cfg.threads else []),
-                     # a CPU that lists AMX under a hypervisor that does not enable its tile state: llama.cpp's
-                     # AMX weight repacking dies with SIGILL at the first matmul; without repacking it runs
-                     *(["--no-repack"] if cpu_has_amx() else []), *cfg.extra]
+        self._cmd = [
+            *(direct or cmd),
+            "-m",
+            str(self.model_path),
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            *([] if direct else ["--"]),
+            "-a",
+            self.version,
+            "--jinja",
+            "-c",
+            str(cfg.ctx_size),
+            "-np",
+            str(cfg.parallel),
+            "--no-ui",
+            *(["-t", str(cfg.threads)] if cfg.threads else []),
+            # a CPU that lists AMX under a hypervisor that does not enable its tile state: llama.cpp's
+            # AMX weight repacking dies with SIGILL at the first matmul; without repacking it runs
+            *(["--no-repack"] if cpu_has_amx() else []),
+            *cfg.extra,
+        ]
         self.proc: subprocess.Popen | None = None
         self.started_at: str | None = None
 
@@ -129,9 +146,15 @@ class ModelServer:
         env = {**os.environ, "LLAMA_API_KEY": self.api_key}
         out = open(self.cfg.log_file, "ab") if self.cfg.log_file else subprocess.DEVNULL
         try:
-            self.proc = subprocess.Popen(self._cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True,
-                                         preexec_fn=_die_with(os.getpid()))
+            self.proc = subprocess.Popen(
+                self._cmd,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=_die_with(os.getpid()),
+            )
         finally:
             if not isinstance(out, int):  # not subprocess.DEVNULL
                 out.close()
@@ -163,9 +186,16 @@ class ModelServer:
             return False
 
     def record(self) -> dict:
-        return endpoint_record(self.public_host, self.port, self.alias, os.environ.get("SLURM_JOB_ID"),
-                               api_key=self.api_key, model_version=self.version, started_at=self.started_at,
-                               served_model=self.version)
+        return endpoint_record(
+            self.public_host,
+            self.port,
+            self.alias,
+            os.environ.get("SLURM_JOB_ID"),
+            api_key=self.api_key,
+            model_version=self.version,
+            started_at=self.started_at,
+            served_model=self.version,
+        )
 
     def publish(self) -> None:
         assert self.cfg.endpoint_file is not None

@@ -47,9 +47,15 @@ def write_tokenizer(gguf_path: Path, out: Path) -> Path:
     def tid(key: str) -> str | None:
         return tokens[int(f[key].parts[f[key].data[0]][0])] if key in f else None
 
-    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tid("tokenizer.ggml.bos_token_id"),
-           "eos_token": tid("tokenizer.ggml.eos_token_id"), "unk_token": tid("tokenizer.ggml.unknown_token_id"),
-           "pad_token": tid("tokenizer.ggml.padding_token_id"), "add_bos_token": False, "model_max_length": 8192}
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": tid("tokenizer.ggml.bos_token_id"),
+        "eos_token": tid("tokenizer.ggml.eos_token_id"),
+        "unk_token": tid("tokenizer.ggml.unknown_token_id"),
+        "pad_token": tid("tokenizer.ggml.padding_token_id"),
+        "add_bos_token": False,
+        "model_max_length": 8192,
+    }
     if "tokenizer.chat_template" in f:
         cfg["chat_template"] = _str(f["tokenizer.chat_template"])
     (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1))

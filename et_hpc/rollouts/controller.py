@@ -53,14 +53,22 @@ def prepare(cfg: RunConfig) -> tuple[dict[str, Task], dict[str, ImageResult], li
     if missing:
         src = cfg.tasks.source or cfg.tasks.tasks_dir or "SOURCE"
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise UserError(f"{len(missing)} task image(s) missing: {shown}; build them first with "
-                        f"'et-hpc build {src}'")
+        raise UserError(f"{len(missing)} task image(s) missing: {shown}; build them first with 'et-hpc build {src}'")
     return by_id, images, errors
 
 
 def write_run_json(cfg: RunConfig, run_dir: Path, n_tasks: int, sandbox: dict[str, Any] | None = None) -> None:
-    save_run_json(cfg, run_dir, {"continuous": True, "tasks": n_tasks, "samples": cfg.samples, "units_total": 0,
-                                 "sandbox": {**(sandbox or {}), "binds": list(cfg.sandbox.binds)}})
+    save_run_json(
+        cfg,
+        run_dir,
+        {
+            "continuous": True,
+            "tasks": n_tasks,
+            "samples": cfg.samples,
+            "units_total": 0,
+            "sandbox": {**(sandbox or {}), "binds": list(cfg.sandbox.binds)},
+        },
+    )
 
 
 def resolve_sandbox(cfg: RunConfig, images: dict[str, ImageResult]) -> tuple[RunConfig, dict[str, Any]]:
@@ -94,13 +102,17 @@ class Controller:
         ``continuous.workers`` array tasks, recorded in the run's jobs.json."""
         ex = get_executor(self.cfg.executor)
         n = 1 if ex.in_process else self.opts.workers
-        spec = ArraySpec(folder=self.run_dir / "slurm", name=f"et-hpc-{self.cfg.run_name()}", slurm=self.cfg.slurm,
-                         what="worker array", run_dir=self.run_dir, record={"units": 0, "continuous": True})
-        self.workers = ex.submit_array([Worker(self.cfg, self.run_dir, self.tasks, self.images, i) for i in range(n)],
-                                       spec)
+        spec = ArraySpec(
+            folder=self.run_dir / "slurm",
+            name=f"et-hpc-{self.cfg.run_name()}",
+            slurm=self.cfg.slurm,
+            what="worker array",
+            run_dir=self.run_dir,
+            record={"units": 0, "continuous": True},
+        )
+        self.workers = ex.submit_array([Worker(self.cfg, self.run_dir, self.tasks, self.images, i) for i in range(n)], spec)
         if not self.workers.in_process:
-            print(f"submitted {n} continuous workers: array {self.workers.ids[0].split('_')[0]}",
-                  file=sys.stderr, flush=True)
+            print(f"submitted {n} continuous workers: array {self.workers.ids[0].split('_')[0]}", file=sys.stderr, flush=True)
 
     def workers_ended(self, every_s: float = 0.0) -> bool:
         """True when no worker is left (an executor running them elsewhere is asked at most every ``every_s``)."""
@@ -157,23 +169,34 @@ class Controller:
                     break
                 if self.workers_ended(every_s=15.0):
                     reason = "every worker ended"
-                    print("et-hpc: every worker ended before the run was told to stop: see "
-                          f"{self.run_dir / 'slurm'} for their logs; rerun to continue the queue",
-                          file=sys.stderr)
+                    print(
+                        "et-hpc: every worker ended before the run was told to stop: see "
+                        f"{self.run_dir / 'slurm'} for their logs; rerun to continue the queue",
+                        file=sys.stderr,
+                    )
                     break
                 if self.progress and time.monotonic() - last_print >= 10:
                     last_print = time.monotonic()
                     st = self.queue.status()
-                    print(f"[{time.monotonic() - t0:6.0f}s] groups {pub} (+{pub - start_pub}) pending "
-                          f"{st['pending']} leased {st['leased']} workers {st['workers_live']} "
-                          f"epochs {st['epochs']}", file=sys.stderr, flush=True)
+                    print(
+                        f"[{time.monotonic() - t0:6.0f}s] groups {pub} (+{pub - start_pub}) pending "
+                        f"{st['pending']} leased {st['leased']} workers {st['workers_live']} "
+                        f"epochs {st['epochs']}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 self.stop.wait(self.opts.poll_s)
             self.shutdown()
             reaping.set()
         info = self.queue.status()
-        info.update({"run_dir": str(self.run_dir), "stop_reason": reason,
-                     "groups_this_session": info["published"] - start_pub,
-                     "seconds": round(time.monotonic() - t0, 1)})
+        info.update(
+            {
+                "run_dir": str(self.run_dir),
+                "stop_reason": reason,
+                "groups_this_session": info["published"] - start_pub,
+                "seconds": round(time.monotonic() - t0, 1),
+            }
+        )
         return info
 
     def shutdown(self) -> None:
@@ -199,7 +222,10 @@ def run_continuous(cfg: RunConfig, target_groups: int | None = None, progress: b
     run_dir.mkdir(parents=True, exist_ok=True)
     write_run_json(cfg, run_dir, len(tasks), choice)
     target = target_groups or cfg.continuous.target_groups
-    print(f"continuous run {cfg.run_name()} in {run_dir}: {len(tasks)} tasks x {cfg.samples} samples per "
-          f"group, {cfg.executor} executor" + (f", until {target} groups" if target else ""),
-          file=sys.stderr, flush=True)
+    print(
+        f"continuous run {cfg.run_name()} in {run_dir}: {len(tasks)} tasks x {cfg.samples} samples per "
+        f"group, {cfg.executor} executor" + (f", until {target} groups" if target else ""),
+        file=sys.stderr,
+        flush=True,
+    )
     return Controller(cfg, tasks, images, progress=progress).run(target)

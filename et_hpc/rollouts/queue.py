@@ -410,8 +410,11 @@ class WorkQueue:
         span = min(window_s, now - min(recent)) if recent else 0.0
         per_group = int(state.get("samples") or 1)
         return {
-            "pending": c["pending"], "leased": c["leased"], "done": c["done"],
-            "published": self.published(), "epochs": state.get("next_epoch", 0),
+            "pending": c["pending"],
+            "leased": c["leased"],
+            "done": c["done"],
+            "published": self.published(),
+            "epochs": state.get("next_epoch", 0),
             "workers_live": len(workers),
             "groups_per_min": round(60 * len(recent) / span, 2) if span > 0 else None,
             "episodes_per_min": round(60 * len(recent) * per_group / span, 2) if span > 0 else None,

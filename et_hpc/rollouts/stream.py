@@ -58,8 +58,14 @@ class RolloutGroup:
         token ids (absent, or drifting from the server's tokenization) the whole group is dropped
         (empty lists) and ``dropped_no_tokens`` counts those members; a trainer skips it.
         """
-        out: dict[str, Any] = {"tokens": [], "masks": [], "scores": [], "inference_logprobs": [],
-                               "group_id": self.group_id, "dropped_no_tokens": 0}
+        out: dict[str, Any] = {
+            "tokens": [],
+            "masks": [],
+            "scores": [],
+            "inference_logprobs": [],
+            "group_id": self.group_id,
+            "dropped_no_tokens": 0,
+        }
         ok = [r for r in self.records if r.status == "ok"]
         missing = sum(not r.has_tokens for r in ok)
         if missing:
@@ -91,8 +97,16 @@ def fresh_telemetry() -> dict[str, Any]:
 class RolloutStream:
     """Complete groups of a run for one consumer (see the module docstring)."""
 
-    def __init__(self, run_dir: Path | str, consumer: str = "trainer-0", *, auto_commit: bool = True,
-                 poll_s: float = 0.2, endpoint_file: Path | str | None = None, endpoint_dir: Path | str | None = None):
+    def __init__(
+        self,
+        run_dir: Path | str,
+        consumer: str = "trainer-0",
+        *,
+        auto_commit: bool = True,
+        poll_s: float = 0.2,
+        endpoint_file: Path | str | None = None,
+        endpoint_dir: Path | str | None = None,
+    ):
         self.run_dir = Path(run_dir)
         if endpoint_file is None and endpoint_dir is None:
             endpoint_file, endpoint_dir = run_endpoint(self.run_dir)
@@ -110,8 +124,9 @@ class RolloutStream:
         try:
             self._lock.acquire(timeout=0)
         except filelock.Timeout:
-            raise UserError(f"consumer {consumer!r} of {self.run_dir} is open in another process: "
-                            "use another consumer name, or stop that process") from None
+            raise UserError(
+                f"consumer {consumer!r} of {self.run_dir} is open in another process: use another consumer name, or stop that process"
+            ) from None
         saved = self._read_cursor()
         self.committed: dict[str, Any] = saved
         self.next_seq = int(saved["next_seq"])
@@ -140,15 +155,22 @@ class RolloutStream:
         except FileNotFoundError:
             return {"next_seq": 0}
         except (ValueError, KeyError, TypeError) as e:
-            raise UserError(f"cursor {self.cursor_path} is unreadable ({e}): delete it to start this "
-                            "consumer from the first group") from None
+            raise UserError(
+                f"cursor {self.cursor_path} is unreadable ({e}): delete it to start this consumer from the first group"
+            ) from None
 
     def commit(self, state: Any = None) -> None:
         """Persist the cursor (and ``state``, JSON): groups handed out so far are never handed out again."""
         if state is not None:
             self.state = state
-        data = {"consumer": self.consumer, "next_seq": self.next_seq, **self.counts,
-                "state": self.state, "telemetry": self.telemetry, "committed_at": time.time()}
+        data = {
+            "consumer": self.consumer,
+            "next_seq": self.next_seq,
+            **self.counts,
+            "state": self.state,
+            "telemetry": self.telemetry,
+            "committed_at": time.time(),
+        }
         atomic_write_text(self.cursor_path, json.dumps(data) + "\n")
         self.committed = data
         self._dirty = False
@@ -164,15 +186,17 @@ class RolloutStream:
         recs = records_from_table(table)
         recs.sort(key=lambda r: r.sample)
         first = recs[0]
-        return RolloutGroup(seq=seq, group_id=first.group_id, task_id=first.task_id,
-                            policy_version=first.policy_version, records=recs, committed_at=mtime)
+        return RolloutGroup(
+            seq=seq, group_id=first.group_id, task_id=first.task_id, policy_version=first.policy_version, records=recs, committed_at=mtime
+        )
 
     def current_version(self) -> PolicyVersion | None:
         """The run's current version: the trainer's ``version.json``, else the server's endpoint file."""
         return self._versions.current()
 
-    def next_batch(self, n_groups: int, timeout_s: float | None = None, max_staleness: int | None = None,
-                   on_error: str = "mask") -> list[RolloutGroup]:
+    def next_batch(
+        self, n_groups: int, timeout_s: float | None = None, max_staleness: int | None = None, on_error: str = "mask"
+    ) -> list[RolloutGroup]:
         """Up to ``n_groups`` complete groups, oldest first; waits up to ``timeout_s`` (None: until
         there are ``n_groups``, or the run stopped and the stream is drained). May return fewer."""
         if on_error not in ("mask", "keep-ok"):
@@ -206,8 +230,7 @@ class RolloutStream:
             k = str(max(0, cur.version - g.version)) if cur is not None and g.version is not None else "unknown"
             hist[k] = hist.get(k, 0) + 1
 
-    def _next(self, n_groups: int, timeout_s: float | None, max_staleness: int | None,
-              on_error: str) -> list[RolloutGroup]:
+    def _next(self, n_groups: int, timeout_s: float | None, max_staleness: int | None, on_error: str) -> list[RolloutGroup]:
         end = None if timeout_s is None else time.monotonic() + timeout_s
         out: list[RolloutGroup] = []
         while len(out) < n_groups:
@@ -244,12 +267,16 @@ class RolloutStream:
         return self.queue.count()["leased"] > 0
 
     def stats(self) -> dict[str, Any]:
-        return {"consumer": self.consumer, "next_seq": self.next_seq, **self.counts,
-                "published": self.queue.published(), "telemetry": self.telemetry}
+        return {
+            "consumer": self.consumer,
+            "next_seq": self.next_seq,
+            **self.counts,
+            "published": self.queue.published(),
+            "telemetry": self.telemetry,
+        }
 
     # ------------------------------------------------------------ talking to producers
-    def publish_version(self, version: int | None = None, *, model: str | None = None,
-                        checkpoint: str | None = None) -> PolicyVersion:
+    def publish_version(self, version: int | None = None, *, model: str | None = None, checkpoint: str | None = None) -> PolicyVersion:
         """A new checkpoint (trainer-owned switch): groups started from now on carry it."""
         return publish_version(self.run_dir, version, model=model, checkpoint=checkpoint)
 

@@ -37,7 +37,7 @@ def version_step(label: int | str | None) -> int | None:
         return label
     s = str(label).strip()
     if s.startswith(SWITCHING):  # mid-switch: what was served before it (None when that had no step)
-        return version_step(s[len(SWITCHING):].split(" -> ")[0])
+        return version_step(s[len(SWITCHING) :].split(" -> ")[0])
     if s.isdigit():
         return int(s)
     m = _STEP.search(s)
@@ -70,12 +70,14 @@ def read_version(run_dir: Path | str) -> PolicyVersion | None:
         return None
     except ValueError as e:
         raise UserError(f"{p} is not valid JSON ({e}): publish a version again to rewrite it") from None
-    return PolicyVersion(version=int(d["version"]), model=d.get("model"), checkpoint=d.get("checkpoint"),
-                         published_at=d.get("published_at"))
+    return PolicyVersion(
+        version=int(d["version"]), model=d.get("model"), checkpoint=d.get("checkpoint"), published_at=d.get("published_at")
+    )
 
 
-def publish_version(run_dir: Path | str, version: int | None = None, *, model: str | None = None,
-                    checkpoint: str | None = None) -> PolicyVersion:
+def publish_version(
+    run_dir: Path | str, version: int | None = None, *, model: str | None = None, checkpoint: str | None = None
+) -> PolicyVersion:
     """Tell producers about a new checkpoint. ``version`` default: current + 1 (first: 1).
 
     Groups started from now on carry this version; a lower version than the current one is
@@ -85,8 +87,7 @@ def publish_version(run_dir: Path | str, version: int | None = None, *, model: s
     if version is None:
         version = (cur.version + 1) if cur else 1
     if cur is not None and version < cur.version:
-        raise UserError(f"version {version} is older than the run's current version {cur.version}: "
-                        "versions only go up")
+        raise UserError(f"version {version} is older than the run's current version {cur.version}: versions only go up")
     pv = PolicyVersion(version=int(version), model=model, checkpoint=checkpoint, published_at=time.time())
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     atomic_write_text(version_path(run_dir), json.dumps(pv.__dict__) + "\n")
@@ -121,8 +122,14 @@ def endpoint_version(endpoint_file: Path | str | None = None, endpoint_dir: Path
         except OSError:
             at = None
         if best is None or step > best.version:
-            best = PolicyVersion(version=step, model=(rec or {}).get("model"), checkpoint=str(label).split("@")[0],
-                                 published_at=at, label=str(label), source="endpoint")
+            best = PolicyVersion(
+                version=step,
+                model=(rec or {}).get("model"),
+                checkpoint=str(label).split("@")[0],
+                published_at=at,
+                label=str(label),
+                source="endpoint",
+            )
     return best
 
 
@@ -130,8 +137,7 @@ class VersionReader:
     """``current()``: the run's trainer-owned version (``version.json``, re-read only when the file
     changed), else the server-owned one of ``endpoint_file``/``endpoint_dir`` when given."""
 
-    def __init__(self, run_dir: Path | str, *, endpoint_file: Path | str | None = None,
-                 endpoint_dir: Path | str | None = None):
+    def __init__(self, run_dir: Path | str, *, endpoint_file: Path | str | None = None, endpoint_dir: Path | str | None = None):
         self.path = version_path(run_dir)
         self.endpoint_file = endpoint_file
         self.endpoint_dir = endpoint_dir

@@ -76,8 +76,15 @@ class WorkerStats:
 class Worker(Checkpointable):
     """One worker process (a Slurm array task, or a thread of the local controller)."""
 
-    def __init__(self, cfg: RunConfig, run_dir: Path, tasks: dict[str, Task], images: dict[str, ImageResult],
-                 index: int = 0, concurrency: int | None = None):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        run_dir: Path,
+        tasks: dict[str, Task],
+        images: dict[str, ImageResult],
+        index: int = 0,
+        concurrency: int | None = None,
+    ):
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.tasks = tasks
@@ -112,8 +119,7 @@ class Worker(Checkpointable):
             self._stop.set()
             if self._done is not None:
                 self._done.wait(60.0)
-        return DelayedSubmission(Worker(self.cfg, self.run_dir, self.tasks, self.images, self.index,
-                                        self.concurrency))
+        return DelayedSubmission(Worker(self.cfg, self.run_dir, self.tasks, self.images, self.index, self.concurrency))
 
     # ------------------------------------------------------------ the loop
     def run(self, stop: threading.Event) -> dict[str, Any]:
@@ -171,9 +177,12 @@ class Worker(Checkpointable):
                 continue
             with self.lock:
                 self.stats.claimed += 1
-                fl = _InFlight(lease=lease, start_version=version,
-                               seen_versions=[version.version] if version else [],
-                               published=[(version.version, claimed_at)] if version else [])
+                fl = _InFlight(
+                    lease=lease,
+                    start_version=version,
+                    seen_versions=[version.version] if version else [],
+                    published=[(version.version, claimed_at)] if version else [],
+                )
                 self.inflight[lease.unit.uid] = fl
             try:
                 self._run_unit(fl, stop)
@@ -248,8 +257,9 @@ class Worker(Checkpointable):
                 return self._commit_once(fl, records_to_table(recs))
             except Exception as e:  # noqa: BLE001 - any cause is retried, then recorded
                 cause = f"{type(e).__name__}: {e}"
-                log.warning("unit %s: writing its records failed (attempt %d of %d): %s",
-                            fl.lease.unit.uid, attempt + 1, WRITE_ATTEMPTS, cause)
+                log.warning(
+                    "unit %s: writing its records failed (attempt %d of %d): %s", fl.lease.unit.uid, attempt + 1, WRITE_ATTEMPTS, cause
+                )
         log.error("unit %s: its records could not be written (%s); committing error records", fl.lease.unit.uid, cause)
         return self._commit_once(fl, records_to_table([write_failed_record(r, cause) for r in recs]))
 
@@ -349,11 +359,21 @@ class Worker(Checkpointable):
         with self.lock:
             running = sorted(self.inflight)
             stats = self.stats.as_dict()
-        self.queue.write_worker(self.wid, {
-            "worker": self.wid, "index": self.index, "host": socket.gethostname(), "pid": os.getpid(),
-            "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
-            "slurm_array": f"{os.environ.get('SLURM_ARRAY_JOB_ID')}_{os.environ.get('SLURM_ARRAY_TASK_ID')}"
-            if os.environ.get("SLURM_ARRAY_JOB_ID") else None,
-            "started_at": self.started_at, "beat_at": time.time(), "running": running,
-            "exited": exited, **stats,
-        })
+        self.queue.write_worker(
+            self.wid,
+            {
+                "worker": self.wid,
+                "index": self.index,
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+                "slurm_array": f"{os.environ.get('SLURM_ARRAY_JOB_ID')}_{os.environ.get('SLURM_ARRAY_TASK_ID')}"
+                if os.environ.get("SLURM_ARRAY_JOB_ID")
+                else None,
+                "started_at": self.started_at,
+                "beat_at": time.time(),
+                "running": running,
+                "exited": exited,
+                **stats,
+            },
+        )

@@ -50,8 +50,7 @@ class Array(Protocol):
 
     def ended(self) -> bool: ...
 
-    def wait(self, *, poll_s: float, timeout_s: float | None = None,
-             on_poll: OnPoll | None = None) -> tuple[dict[str, str], bool]: ...
+    def wait(self, *, poll_s: float, timeout_s: float | None = None, on_poll: OnPoll | None = None) -> tuple[dict[str, str], bool]: ...
 
     def stop(self, grace_s: float, poll_s: float = 2.0) -> None: ...
 
@@ -70,8 +69,7 @@ class LocalArray:
         self._stop = threading.Event()
         self._results: list[Any] = [None] * len(tasks)
         self._errors: list[BaseException | None] = [None] * len(tasks)
-        self._threads = [threading.Thread(target=self._one, args=(i, t), name=f"{name}-{i}", daemon=True)
-                         for i, t in enumerate(tasks)]
+        self._threads = [threading.Thread(target=self._one, args=(i, t), name=f"{name}-{i}", daemon=True) for i, t in enumerate(tasks)]
         for t in self._threads:
             t.start()
 
@@ -83,14 +81,15 @@ class LocalArray:
             self._errors[i] = e
 
     def states(self) -> dict[str, str]:
-        return {tid: "RUNNING" if t.is_alive() else ("FAILED" if e is not None else "COMPLETED")
-                for tid, t, e in zip(self.ids, self._threads, self._errors)}
+        return {
+            tid: "RUNNING" if t.is_alive() else ("FAILED" if e is not None else "COMPLETED")
+            for tid, t, e in zip(self.ids, self._threads, self._errors)
+        }
 
     def ended(self) -> bool:
         return not any(t.is_alive() for t in self._threads)
 
-    def wait(self, *, poll_s: float, timeout_s: float | None = None,
-             on_poll: OnPoll | None = None) -> tuple[dict[str, str], bool]:
+    def wait(self, *, poll_s: float, timeout_s: float | None = None, on_poll: OnPoll | None = None) -> tuple[dict[str, str], bool]:
         end = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             done = self.ended()  # before the states: a task ending in between is not left "RUNNING"
@@ -141,8 +140,7 @@ class SlurmArray:
     def ended(self) -> bool:
         return all(host_slurm.ended(s) for s in self.states().values())
 
-    def wait(self, *, poll_s: float, timeout_s: float | None = None,
-             on_poll: OnPoll | None = None) -> tuple[dict[str, str], bool]:
+    def wait(self, *, poll_s: float, timeout_s: float | None = None, on_poll: OnPoll | None = None) -> tuple[dict[str, str], bool]:
         return host_slurm.wait_tasks(self.ids, poll_s=poll_s, timeout_s=timeout_s, on_poll=on_poll)
 
     def stop(self, grace_s: float, poll_s: float = 2.0) -> None:

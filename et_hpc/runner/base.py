@@ -39,7 +39,8 @@ class Executor(Protocol):
     name: str
     in_process: bool  # its arrays' tasks run in this process (local) or as processes of their own
 
-    def run(self, plan: Plan, store: RunStore, *, detach: bool = False, notify: Notify | None = None,
-            progress: Progress | None = None) -> Outcome: ...
+    def run(
+        self, plan: Plan, store: RunStore, *, detach: bool = False, notify: Notify | None = None, progress: Progress | None = None
+    ) -> Outcome: ...
 
     def submit_array(self, tasks: Sequence[ArrayTask], spec: ArraySpec) -> Array: ...

@@ -54,12 +54,11 @@ def _per_node(cfg: RunConfig, units: list[tuple[str, int]]) -> list[Counter]:
         return [Counter({tid: cfg.samples for tid, _ in units})]  # a worker runs whole groups
     if cfg.executor == "slurm":
         n = max(1, cfg.slurm.units_per_task)
-        return [Counter(tid for tid, _ in units[i:i + n]) for i in range(0, len(units), n)]
+        return [Counter(tid for tid, _ in units[i : i + n]) for i in range(0, len(units), n)]
     return [Counter(tid for tid, _ in units)]
 
 
-def choose(cfg: RunConfig, units: list[tuple[str, int]], images: dict[str, Any],
-           scratch: Path | None = None) -> dict[str, Any]:
+def choose(cfg: RunConfig, units: list[tuple[str, int]], images: dict[str, Any], scratch: Path | None = None) -> dict[str, Any]:
     """What "auto" means for this run: ``{"warm": K, "local_copy": MODE, "why": {...}, ...}``."""
     sb = cfg.sandbox
     cores = _cores(cfg)
@@ -86,8 +85,9 @@ def choose(cfg: RunConfig, units: list[tuple[str, int]], images: dict[str, Any],
         out["why"]["local_copy"] = "no image to unpack"
     elif saved <= cost:
         eps = max((max(c.values(), default=0) for c in nodes), default=0)
-        out["why"]["local_copy"] = (f"unpacking would cost {cost:.1f} s and save {saved:.1f} s "
-                                    f"({eps} episode(s) per image per node at most): starts from the SIF")
+        out["why"]["local_copy"] = (
+            f"unpacking would cost {cost:.1f} s and save {saved:.1f} s ({eps} episode(s) per image per node at most): starts from the SIF"
+        )
     else:
         out["local_copy"], out["why"]["local_copy"] = _choose_unpack(cfg, saved, cost, per_node_mb, scratch)
     return out
@@ -119,8 +119,7 @@ def _sif_sizes_mb(images: dict[str, Any]) -> dict[str, float]:
     return sizes
 
 
-def _choose_unpack(cfg: RunConfig, saved: float, cost: float, per_node_mb: float,
-                   scratch: Path | None) -> tuple[str, str]:
+def _choose_unpack(cfg: RunConfig, saved: float, cost: float, per_node_mb: float, scratch: Path | None) -> tuple[str, str]:
     """``local_copy`` and why, once unpacking saves more than it costs: ``unpack`` when
     ``unsquashfs`` is there and the trees fit in half the free scratch and the budget, else ``auto``."""
     if not shutil.which("unsquashfs"):
@@ -133,8 +132,10 @@ def _choose_unpack(cfg: RunConfig, saved: float, cost: float, per_node_mb: float
         free_mb = 0.0
     budget_mb = cfg.sandbox.local_copy_budget_gb * 1024
     if per_node_mb > min(free_mb / 2, budget_mb):
-        return "auto", (f"the unpacked trees need about {per_node_mb:.0f} MB: more than half the free "
-                        f"scratch ({free_mb:.0f} MB) or the budget ({budget_mb:.0f} MB)")
+        return "auto", (
+            f"the unpacked trees need about {per_node_mb:.0f} MB: more than half the free "
+            f"scratch ({free_mb:.0f} MB) or the budget ({budget_mb:.0f} MB)"
+        )
     return "unpack", f"unpacking costs {cost:.1f} s and saves {saved:.1f} s per run"
 
 

@@ -47,8 +47,9 @@ UnitRunner = Callable[..., Any]  # (task, sample, cfg, image, stop) -> record (a
 WorkItem = tuple[Any, int, "ImageResult | None"]  # (task, sample, image): the task is what the unit runner takes
 
 
-def episode_runner(task: Task, sample: int, cfg: RunConfig, image: ImageResult | None, stop: threading.Event,
-                   warm: Ticket | None = None) -> EpisodeRecord:
+def episode_runner(
+    task: Task, sample: int, cfg: RunConfig, image: ImageResult | None, stop: threading.Event, warm: Ticket | None = None
+) -> EpisodeRecord:
     """The default unit runner: one real episode (``et_hpc.episode.run.run_episode``), called directly.
 
     ``warm``: a reserved warm sandbox (et_hpc.sandbox.warm.Ticket), passed only to runners that
@@ -80,8 +81,7 @@ class Warming:
 
         return sandbox_spec(task, cfg, image)
 
-    def reserve(self, task: Task, cfg: RunConfig, image: ImageResult | None, source: Hashable,
-                upcoming: list[WorkItem]) -> Ticket | None:
+    def reserve(self, task: Task, cfg: RunConfig, image: ImageResult | None, source: Hashable, upcoming: list[WorkItem]) -> Ticket | None:
         """A ticket for ``task``'s sandbox (or None); then warm ``upcoming`` for ``source``."""
         if not self.size:
             return None
@@ -97,8 +97,16 @@ class Warming:
         pool.want(source, [self.spec(t, cfg, im) for t, _, im in upcoming])
         return ticket
 
-    def run(self, runner: UnitRunner, ticket: Ticket | None, task: Any, sample: int, cfg: RunConfig,
-            image: ImageResult | None, stop: threading.Event) -> Any:
+    def run(
+        self,
+        runner: UnitRunner,
+        ticket: Ticket | None,
+        task: Any,
+        sample: int,
+        cfg: RunConfig,
+        image: ImageResult | None,
+        stop: threading.Event,
+    ) -> Any:
         """``runner`` on the unit, with ``ticket`` when there is one; the ticket is discarded after."""
         if ticket is None:
             return runner(task, sample, cfg, image, stop)
@@ -158,8 +166,11 @@ def stop_on_signals(stop: threading.Event, signals: tuple[int, ...] = (signal.SI
         if stop.is_set() and signum == signal.SIGINT:
             raise KeyboardInterrupt
         if not stop.is_set():
-            print(f"et-hpc: {signal.Signals(signum).name}: stopping, no new episodes; "
-                  "running ones are being interrupted", file=sys.stderr, flush=True)
+            print(
+                f"et-hpc: {signal.Signals(signum).name}: stopping, no new episodes; running ones are being interrupted",
+                file=sys.stderr,
+                flush=True,
+            )
         stop.set()
 
     for s in signals:
@@ -174,9 +185,17 @@ def stop_on_signals(stop: threading.Event, signals: tuple[int, ...] = (signal.SI
 class UnitPool:
     """Threads that pull work items and run them with a unit runner until done or stopped."""
 
-    def __init__(self, items: list[WorkItem], runner: UnitRunner, cfg: RunConfig, store: RunStore,
-                 concurrency: int, stop: threading.Event, progress: tqdm | None = None,
-                 ready_at: float | None = None):
+    def __init__(
+        self,
+        items: list[WorkItem],
+        runner: UnitRunner,
+        cfg: RunConfig,
+        store: RunStore,
+        concurrency: int,
+        stop: threading.Event,
+        progress: tqdm | None = None,
+        ready_at: float | None = None,
+    ):
         self.items = list(items)
         self.ready_at = ready_at  # Unix time the units became runnable: records get queue_s from it
         self.runner, self.cfg, self.store = runner, cfg, store
@@ -198,7 +217,7 @@ class UnitPool:
             item = self.items[self._next]
             self._next += 1
             self.result.started += 1
-            upcoming = self.items[self._next:self._next + self.cfg.sandbox.warm_count()]
+            upcoming = self.items[self._next : self._next + self.cfg.sandbox.warm_count()]
             return item, self.warming.reserve(item[0], self.cfg, item[2], "units", upcoming)
 
     def _work(self) -> None:
@@ -270,8 +289,7 @@ class UnitPool:
             log.error("unit %s/%s: its record could not be stored", task_id, sample, exc_info=True)
             with self._lock:
                 self.result.crashed += 1
-                self.result.failures.append(f"{task_id}#{sample}: the record could not be stored: "
-                                            f"{type(e).__name__}: {e}")
+                self.result.failures.append(f"{task_id}#{sample}: the record could not be stored: {type(e).__name__}: {e}")
             return None
 
     def interrupted(self) -> bool:
@@ -315,9 +333,15 @@ class UnitPool:
         return self.result
 
 
-def run_local(plan: Plan, runner: UnitRunner | None = None, *, store: RunStore | None = None,
-              stop: threading.Event | None = None, progress: bool = True,
-              handle_signals: bool = True) -> ExecResult:
+def run_local(
+    plan: Plan,
+    runner: UnitRunner | None = None,
+    *,
+    store: RunStore | None = None,
+    stop: threading.Event | None = None,
+    progress: bool = True,
+    handle_signals: bool = True,
+) -> ExecResult:
     """Run every unit of ``plan`` on this machine with ``cfg.node_concurrency()`` at once."""
     cfg = plan.cfg
     runner = runner or resolve_runner(cfg.unit_runner)
@@ -328,8 +352,7 @@ def run_local(plan: Plan, runner: UnitRunner | None = None, *, store: RunStore |
         from et_hpc.paths import scratch_dir
 
         scratch_dir()  # a scratch directory we must not use: one line and exit 2 before any episode
-    bar = progress_bar(total=len(items), desc=f"run {cfg.run_name()}", unit="ep", show=bool(progress),
-                       dynamic_ncols=True)
+    bar = progress_bar(total=len(items), desc=f"run {cfg.run_name()}", unit="ep", show=bool(progress), dynamic_ncols=True)
     pool = UnitPool(items, runner, cfg, store, cfg.node_concurrency(), stop, bar, ready_at=plan.planned_at)
     try:
         with stop_on_signals(stop) if handle_signals else contextlib.nullcontext():
@@ -348,8 +371,9 @@ class LocalExecutor:
         """Each task's ``run(stop)`` in a thread of this process (``spec`` names the threads)."""
         return LocalArray(tasks, spec.name)
 
-    def run(self, plan: Plan, store: RunStore, *, detach: bool = False, notify: Notify | None = None,
-            progress: Progress | None = None) -> Outcome:
+    def run(
+        self, plan: Plan, store: RunStore, *, detach: bool = False, notify: Notify | None = None, progress: Progress | None = None
+    ) -> Outcome:
         res = run_local(plan, store=store)
         if res.interrupted:
             return Outcome(rc=130, settled=False, result=res)
@@ -358,8 +382,7 @@ class LocalExecutor:
 
 def _clean(rec: Record) -> bool:
     """Ok, and nothing in it that a signal to the job's processes could have caused."""
-    return (rec_get(rec, "status") == OK and not rec_get(rec, "score_note")
-            and rec_get(rec, "stop_reason") != "shell_broken")
+    return rec_get(rec, "status") == OK and not rec_get(rec, "score_note") and rec_get(rec, "stop_reason") != "shell_broken"
 
 
 def _with_events(rec: Record, lines: list[str]) -> Record:

@@ -98,12 +98,12 @@ class Plan:
 
 def load_run_tasks(cfg: RunConfig) -> tuple[list[Task], list[str]]:
     from et_hpc.tasks.loader import load_tasks
+
     sel = cfg.tasks
     source = sel.source or (str(sel.tasks_dir) if sel.tasks_dir else None)
     if not source:
         raise UserError("no tasks given: pass SOURCE or --tasks-dir DIR, or set tasks.source in the run config")
-    res = load_tasks(source, tasks_dir=sel.tasks_dir, ids=sel.ids, glob=sel.glob, split=sel.split,
-                     sample=sel.sample, seed=sel.seed)
+    res = load_tasks(source, tasks_dir=sel.tasks_dir, ids=sel.ids, glob=sel.glob, split=sel.split, sample=sel.sample, seed=sel.seed)
     errors = [str(e) for e in (getattr(res, "errors", None) or [])]
     return list(res.tasks), errors
 
@@ -131,6 +131,7 @@ def build_failed(img: ImageResult | None) -> bool:
 
 def default_image_lookup() -> Callable[[Task], ImageResult]:
     from et_hpc.images.store import ImageStore
+
     return ImageStore().lookup
 
 
@@ -138,9 +139,14 @@ def _shown(items: list[str], n: int = 5) -> str:
     return ", ".join(items[:n]) + (f" and {len(items) - n} more" if len(items) > n else "")
 
 
-def make_plan(cfg: RunConfig, *, tasks: list[Task] | None = None,
-              image_lookup: Callable[[Task], ImageResult] | None = None, store: RunStore | None = None,
-              write: bool = True) -> Plan:
+def make_plan(
+    cfg: RunConfig,
+    *,
+    tasks: list[Task] | None = None,
+    image_lookup: Callable[[Task], ImageResult] | None = None,
+    store: RunStore | None = None,
+    write: bool = True,
+) -> Plan:
     """Units still to run for ``cfg`` (see the module doc for tasks without an image).
 
     Raises ``UserError`` (before writing anything) for images never built, for a run where no
@@ -189,8 +195,10 @@ def make_plan(cfg: RunConfig, *, tasks: list[Task] | None = None,
             # --strict, never-built images, or nothing at all could run: refuse, as before
             missing = unbuilt + [f"{t} ({w})" for t, w in sorted(no_image.items())]
             whole = " (no selected task has an image)" if not images and not unbuilt else ""
-            raise UserError(f"{len(missing)} task image(s) missing{whole}: {_shown(missing)}; build them first "
-                            f"with 'et-hpc build {src}' (add --slurm to build on the cluster)")
+            raise UserError(
+                f"{len(missing)} task image(s) missing{whole}: {_shown(missing)}; build them first "
+                f"with 'et-hpc build {src}' (add --slurm to build on the cluster)"
+            )
     # an error unit whose image is now missing is redone as no_image (--retry-errors): not counted twice
     err -= sum(1 for u in todo if u[0] in no_image and done.get(u) not in (None, NO_IMAGE))
     no_image_new = [u for u in todo if u[0] in no_image and done.get(u) != NO_IMAGE]
@@ -200,10 +208,20 @@ def make_plan(cfg: RunConfig, *, tasks: list[Task] | None = None,
     check_binds(cfg)
     choice = choose(cfg, runnable, images)
     cfg = resolve(cfg, choice)
-    plan = Plan(cfg=cfg, run_dir=run_dir, tasks=by_id, images=images, units=runnable,
-                total=len(by_id) * cfg.samples, done_ok=ok, done_error=err, load_errors=load_errors,
-                no_image=no_image, no_image_new=no_image_new,
-                sandbox={**choice, "binds": list(cfg.sandbox.binds)})
+    plan = Plan(
+        cfg=cfg,
+        run_dir=run_dir,
+        tasks=by_id,
+        images=images,
+        units=runnable,
+        total=len(by_id) * cfg.samples,
+        done_ok=ok,
+        done_error=err,
+        load_errors=load_errors,
+        no_image=no_image,
+        no_image_new=no_image_new,
+        sandbox={**choice, "binds": list(cfg.sandbox.binds)},
+    )
     if write:
         write_run_json(plan)
         record_no_image(plan, store)
@@ -215,9 +233,17 @@ def no_image_record(plan: Plan, unit: Unit) -> EpisodeRecord:
     tid, sample = unit
     task = plan.tasks[tid]
     kind = getattr(plan.cfg.policy, "kind", None)
-    return EpisodeRecord(run_name=plan.cfg.run_name(), task_id=tid, sample=sample, status=NO_IMAGE,
-                         split=getattr(task, "split", None), policy_kind=kind, host=socket.gethostname(),
-                         stop_reason=NO_IMAGE, error=f"no image: {plan.no_image[tid]}")
+    return EpisodeRecord(
+        run_name=plan.cfg.run_name(),
+        task_id=tid,
+        sample=sample,
+        status=NO_IMAGE,
+        split=getattr(task, "split", None),
+        policy_kind=kind,
+        host=socket.gethostname(),
+        stop_reason=NO_IMAGE,
+        error=f"no image: {plan.no_image[tid]}",
+    )
 
 
 def record_no_image(plan: Plan, store: RunStore) -> int:

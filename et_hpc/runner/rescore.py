@@ -80,8 +80,9 @@ def _slurm_ids() -> tuple[str | None, int | None]:
     return job, int(task) if task and task.isdigit() else None
 
 
-def rescore_unit(task: RescoreTask, sample: int, cfg: RunConfig, image: ImageResult | None,
-                 stop: threading.Event | None = None) -> EpisodeRecord:
+def rescore_unit(
+    task: RescoreTask, sample: int, cfg: RunConfig, image: ImageResult | None, stop: threading.Event | None = None
+) -> EpisodeRecord:
     """The unit runner of a rescore (docs/rescore.md). Never raises for infrastructure trouble:
     a missing or damaged kept state, a sandbox that will not start or scoring that breaks become a
     record with an error status and reward None."""
@@ -98,31 +99,37 @@ def rescore_unit(task: RescoreTask, sample: int, cfg: RunConfig, image: ImageRes
     def record(status: Status, *, sc: ScoreResult | None = None, error: str | None = None) -> EpisodeRecord:
         ok = sc if status == OK else None  # the score that counts
         t = src.timings.model_copy(update={"score_s": timings.get("score_s")})
-        return src.model_copy(update={
-            "episode_id": str(uuid.uuid4()),
-            "run_name": cfg.run_name(),
-            "status": status,
-            "reward": ok.reward if ok is not None else None,
-            "passed": sc.passed if sc is not None else None,
-            "total": sc.total if sc is not None else None,
-            "tests": [TestResult(name=x.name, outcome=x.outcome) for x in (sc.tests if sc is not None else [])],
-            "score_note": ok.note if ok is not None else None,
-            "interpreter": sc.interpreter if sc is not None else None,
-            "error": error,
-            "events": [*src.events, *events, *((sc.notes or []) if sc is not None else []),
-                       f"rescore: setup {timings.get('setup_s', 0):.3f} s, scoring {timings.get('score_s', 0):.3f} s, "
-                       f"total {time.monotonic() - t0:.3f} s"],
-            "image_digest": getattr(image, "digest", None) or src.image_digest,
-            "image_path": str(getattr(image, "path", "") or "") or src.image_path,
-            "host": socket.gethostname(),
-            "worker": f"{socket.gethostname()}:{os.getpid()}",
-            "slurm_job_id": job,
-            "slurm_array_task_id": array_task,
-            "tests_digest": task.tests_digest,
-            "rescored_from": f"{src.run_name}/{src.episode_id}",
-            "created_at": datetime.now(timezone.utc),
-            "timings": Timings.model_validate(t.model_dump()),
-        })
+        return src.model_copy(
+            update={
+                "episode_id": str(uuid.uuid4()),
+                "run_name": cfg.run_name(),
+                "status": status,
+                "reward": ok.reward if ok is not None else None,
+                "passed": sc.passed if sc is not None else None,
+                "total": sc.total if sc is not None else None,
+                "tests": [TestResult(name=x.name, outcome=x.outcome) for x in (sc.tests if sc is not None else [])],
+                "score_note": ok.note if ok is not None else None,
+                "interpreter": sc.interpreter if sc is not None else None,
+                "error": error,
+                "events": [
+                    *src.events,
+                    *events,
+                    *((sc.notes or []) if sc is not None else []),
+                    f"rescore: setup {timings.get('setup_s', 0):.3f} s, scoring {timings.get('score_s', 0):.3f} s, "
+                    f"total {time.monotonic() - t0:.3f} s",
+                ],
+                "image_digest": getattr(image, "digest", None) or src.image_digest,
+                "image_path": str(getattr(image, "path", "") or "") or src.image_path,
+                "host": socket.gethostname(),
+                "worker": f"{socket.gethostname()}:{os.getpid()}",
+                "slurm_job_id": job,
+                "slurm_array_task_id": array_task,
+                "tests_digest": task.tests_digest,
+                "rescored_from": f"{src.run_name}/{src.episode_id}",
+                "created_at": datetime.now(timezone.utc),
+                "timings": Timings.model_validate(t.model_dump()),
+            }
+        )
 
     if image is None or getattr(image, "path", None) is None:
         return record("infra_error", error=f"no image for task {task.id}: run 'et-hpc build'")
@@ -144,8 +151,9 @@ def rescore_unit(task: RescoreTask, sample: int, cfg: RunConfig, image: ImageRes
     return record(OK, sc=sc)
 
 
-def score_kept_state(run_dir: Path, value: str, task: Task, cfg: RunConfig, image: ImageResult,
-                     timings: dict[str, float] | None = None) -> tuple[ScoreResult, list[str]]:
+def score_kept_state(
+    run_dir: Path, value: str, task: Task, cfg: RunConfig, image: ImageResult, timings: dict[str, float] | None = None
+) -> tuple[ScoreResult, list[str]]:
     """Score the kept state ``value`` of ``run_dir`` with ``task.final_tests`` in a fresh sandbox of
     ``image`` (the kept overlay read-only under a tmpfs), through ``final_score`` as a live episode.
     Returns (score result, watchdog events); raises ``InfraError``/``OSError`` for what is outside the
@@ -175,13 +183,20 @@ def score_kept_state(run_dir: Path, value: str, task: Task, cfg: RunConfig, imag
         img.unlink(missing_ok=True)
         from et_hpc.sandbox.scoring import ScoreResult
 
-        note = ("the kept state changes what starts a sandbox (" + ", ".join(refused[:5])
-                + "): it is not started again, and scores 0")
+        note = "the kept state changes what starts a sandbox (" + ", ".join(refused[:5]) + "): it is not started again, and scores 0"
         return ScoreResult(status="ok", reward=0.0, note=note, interpreter="none"), []
     events = [f"rescore: the kept {p} was left out (the image's applies)" for p in left_out]
-    sb = Sandbox(Path(spec.image_path), run_prefix=spec.run_prefix, overlay_image=img, overlay_readonly=True,
-                 network_none=spec.network_none, nproc=spec.nproc, vmem_mb=spec.vmem_mb, fsize_mb=spec.fsize_mb,
-                 warm_scoring=False)
+    sb = Sandbox(
+        Path(spec.image_path),
+        run_prefix=spec.run_prefix,
+        overlay_image=img,
+        overlay_readonly=True,
+        network_none=spec.network_none,
+        nproc=spec.nproc,
+        vmem_mb=spec.vmem_mb,
+        fsize_mb=spec.fsize_mb,
+        warm_scoring=False,
+    )
     wd = None
     t = time.monotonic()
     try:
@@ -243,8 +258,18 @@ def prepare_accounts(sb: Sandbox) -> None:
     from et_hpc.sandbox.scoring import pristine_layout
 
     loader, libdirs = pristine_layout()
-    argv = [loader, "--inhibit-cache", "--library-path", ":".join(libdirs), "/.et-pristine/usr/bin/python3",
-            "-I", "-S", "-B", "-c", PREPARE_PY]
+    argv = [
+        loader,
+        "--inhibit-cache",
+        "--library-path",
+        ":".join(libdirs),
+        "/.et-pristine/usr/bin/python3",
+        "-I",
+        "-S",
+        "-B",
+        "-c",
+        PREPARE_PY,
+    ]
     cp = sb.exec(argv, timeout=60, pwd="/")
     if cp.returncode != 0:
         log.warning("naming the account in %s failed: %s", sb.name, cp.stdout[-300:])
@@ -272,8 +297,9 @@ def _check_tests(path: Path) -> str:
 def _diff(old: str | None, new: str, tid: str) -> str:
     if old is None:
         return "(the tests that scored the source episodes were not kept)"
-    return "".join(difflib.unified_diff(old.splitlines(True), new.splitlines(True),
-                                        f"{tid}/{TEST_FILE} (source run)", f"{tid}/{TEST_FILE} (rescore)"))
+    return "".join(
+        difflib.unified_diff(old.splitlines(True), new.splitlines(True), f"{tid}/{TEST_FILE} (source run)", f"{tid}/{TEST_FILE} (rescore)")
+    )
 
 
 def _read_source(src_dir: Path) -> tuple[RunConfig, list[EpisodeRecord], list[EpisodeRecord]]:
@@ -288,13 +314,11 @@ def _read_source(src_dir: Path) -> tuple[RunConfig, list[EpisodeRecord], list[Ep
         raise UserError(f"run {src_dir} has no records")
     kept = [r for r in recs if r.status == OK and fs.digest_of(r.final_state)]
     if not kept:
-        raise UserError(f"no episode of run {src_dir} kept its final state: run it with "
-                        "--set sandbox.keep_final_state=true")
+        raise UserError(f"no episode of run {src_dir} kept its final state: run it with --set sandbox.keep_final_state=true")
     return src_cfg, recs, kept
 
 
-def _new_tests(src_dir: Path, src_cfg: RunConfig, tests: Path | None,
-               task_source: str | None) -> tuple[dict[str, Task], dict[str, Path]]:
+def _new_tests(src_dir: Path, src_cfg: RunConfig, tests: Path | None, task_source: str | None) -> tuple[dict[str, Task], dict[str, Path]]:
     """The tasks by id, and the new final tests per task id (from ``--task-source`` or ``--tests``)."""
     if task_source is not None:
         from et_hpc.tasks.loader import load_tasks
@@ -313,8 +337,9 @@ def _new_tests(src_dir: Path, src_cfg: RunConfig, tests: Path | None,
     return by_id, {tid: Path(tests) / tid / TEST_FILE for tid in by_id if (Path(tests) / tid / TEST_FILE).is_file()}
 
 
-def _rescore_config(src_dir: Path, src_cfg: RunConfig, digests: dict[str, str], run_name: str | None,
-                    store: Path | None, overrides: list | None) -> RunConfig:
+def _rescore_config(
+    src_dir: Path, src_cfg: RunConfig, digests: dict[str, str], run_name: str | None, store: Path | None, overrides: list | None
+) -> RunConfig:
     """The new run's config: the source's, renamed, with the rescore unit runner, no continuous
     mode, no warm pool, and the ``--set`` overrides applied."""
     name = run_name or f"{src_dir.name}-rescore-{_digest_all(list(digests.values()))[:8]}"
@@ -346,8 +371,9 @@ def _check_resume(run_dir: Path, src_dir: Path, digests: dict[str, str]) -> None
         raise UserError(f"run {run_dir} was rescored with {what}: pick another --run-name")
 
 
-def _skip_reason(r: EpisodeRecord, texts: dict[str, str], images: dict[str, ImageResult],
-                 lookup: Callable[[Task], ImageResult], by_id: dict[str, Task]) -> str | None:
+def _skip_reason(
+    r: EpisodeRecord, texts: dict[str, str], images: dict[str, ImageResult], lookup: Callable[[Task], ImageResult], by_id: dict[str, Task]
+) -> str | None:
     """Why episode ``r`` cannot be rescored (listed, never guessed), or ``None``."""
     if r.status != OK:
         return f"status {r.status} (nothing was scored)"
@@ -363,25 +389,47 @@ def _skip_reason(r: EpisodeRecord, texts: dict[str, str], images: dict[str, Imag
     return None
 
 
-def _write_plan(plan: Plan, src_dir: Path, usable: list[str], new_tests: dict[str, Path], digests: dict[str, str],
-                texts: dict[str, str], old_tests: dict[str, str | None], skipped: list[dict[str, Any]]) -> None:
+def _write_plan(
+    plan: Plan,
+    src_dir: Path,
+    usable: list[str],
+    new_tests: dict[str, Path],
+    digests: dict[str, str],
+    texts: dict[str, str],
+    old_tests: dict[str, str | None],
+    skipped: list[dict[str, Any]],
+) -> None:
     """``rescore.json`` (source, tests with digests and diffs, what was not rescored) and ``run.json``."""
     plan.run_dir.mkdir(parents=True, exist_ok=True)
     info = {
-        "source_run": src_dir.name, "source_dir": str(src_dir),
-        "tests": {tid: {"path": str(new_tests[tid].resolve()), "digest": digests[tid],
-                        "source_digest": old_tests.get(tid),
-                        "diff": _diff(fs.kept_tests(src_dir, old_tests.get(tid)), texts[tid], tid)}
-                  for tid in usable},
+        "source_run": src_dir.name,
+        "source_dir": str(src_dir),
+        "tests": {
+            tid: {
+                "path": str(new_tests[tid].resolve()),
+                "digest": digests[tid],
+                "source_digest": old_tests.get(tid),
+                "diff": _diff(fs.kept_tests(src_dir, old_tests.get(tid)), texts[tid], tid),
+            }
+            for tid in usable
+        },
         "not_rescored": skipped,
     }
     atomic_write_text(plan.run_dir / RESCORE_JSON, json.dumps(info, indent=2) + "\n")
     save_run_json(plan.cfg, plan.run_dir, {**plan.summary(), "rescore_of": str(src_dir), "not_rescored": len(skipped)})
 
 
-def plan_rescore(source: str, *, tests: Path | None = None, task_source: str | None = None,
-                 run_name: str | None = None, store: Path | None = None, overrides: list | None = None,
-                 image_lookup: Callable[[Task], ImageResult] | None = None, write: bool = True) -> Plan:
+def plan_rescore(
+    source: str,
+    *,
+    tests: Path | None = None,
+    task_source: str | None = None,
+    run_name: str | None = None,
+    store: Path | None = None,
+    overrides: list | None = None,
+    image_lookup: Callable[[Task], ImageResult] | None = None,
+    write: bool = True,
+) -> Plan:
     """The plan of a rescore of ``source`` (docs/rescore.md). ``UserError`` (one line) for a
     missing run, a run without kept states, tests that are missing or not valid Python."""
     from et_hpc.paths import find_run_dir
@@ -395,8 +443,9 @@ def plan_rescore(source: str, *, tests: Path | None = None, task_source: str | N
     usable = [tid for tid in wanted if tid in by_id and tid in new_tests]
     if not usable:
         where = f"--tests {tests}" if tests is not None else f"--task-source {task_source}"
-        raise UserError(f"{where} has no final tests for any task of run {src_dir} with a kept state "
-                        f"(expected e.g. {wanted[0]}/{TEST_FILE})")
+        raise UserError(
+            f"{where} has no final tests for any task of run {src_dir} with a kept state (expected e.g. {wanted[0]}/{TEST_FILE})"
+        )
     texts = {tid: _check_tests(new_tests[tid]) for tid in usable}
     digests = {tid: fs.PREFIX + hashlib.sha256(texts[tid].encode()).hexdigest() for tid in usable}
     cfg = _rescore_config(src_dir, src_cfg, digests, run_name, store, overrides)
@@ -422,10 +471,16 @@ def plan_rescore(source: str, *, tests: Path | None = None, task_source: str | N
             n_done += 1
             continue
         units.append((r.task_id, r.sample))
-    tasks = {tid: RescoreTask(id=tid, task=by_id[tid].model_copy(update={"final_tests": new_tests[tid].resolve()}),
-                              source_run=str(src_dir), tests_digest=digests[tid]) for tid in usable}
-    plan = Plan(cfg=cfg, run_dir=run_dir, tasks=tasks, images=images, units=units,
-                total=len(units) + n_done, done_ok=n_done)
+    tasks = {
+        tid: RescoreTask(
+            id=tid,
+            task=by_id[tid].model_copy(update={"final_tests": new_tests[tid].resolve()}),
+            source_run=str(src_dir),
+            tests_digest=digests[tid],
+        )
+        for tid in usable
+    }
+    plan = Plan(cfg=cfg, run_dir=run_dir, tasks=tasks, images=images, units=units, total=len(units) + n_done, done_ok=n_done)
     if write:
         _write_plan(plan, src_dir, usable, new_tests, digests, texts, {r.task_id: r.tests_digest for r in kept}, skipped)
     return plan
@@ -440,40 +495,55 @@ def diff_report(run_dir: Path) -> dict[str, Any]:
     try:
         info = json.loads(p.read_text())
     except FileNotFoundError:
-        raise UserError(f"{run_dir} is not a rescored run (no {RESCORE_JSON}): run 'et-hpc rescore RUN --tests DIR' "
-                        "first") from None
+        raise UserError(f"{run_dir} is not a rescored run (no {RESCORE_JSON}): run 'et-hpc rescore RUN --tests DIR' first") from None
     except ValueError as e:
         raise UserError(f"{p} is not valid JSON ({e})") from None
     src = {r.episode_id: r for r in _source_records.__wrapped__(info["source_dir"]).values()}
     new = records_from_table(open_store(Path(run_dir)).read())
     tasks: dict[str, dict[str, Any]] = {}
     for tid, t in sorted(info["tests"].items()):
-        tasks[tid] = {"tests_digest": t["digest"], "source_tests_digest": t.get("source_digest"),
-                      "diff": t["diff"], "flipped": [], "same": 0, "errors": [], "not_rescored": []}
+        tasks[tid] = {
+            "tests_digest": t["digest"],
+            "source_tests_digest": t.get("source_digest"),
+            "diff": t["diff"],
+            "flipped": [],
+            "same": 0,
+            "errors": [],
+            "not_rescored": [],
+        }
     for r in sorted(new, key=lambda r: (r.task_id, r.sample)):
         entry = tasks.setdefault(r.task_id, {"flipped": [], "same": 0, "errors": [], "not_rescored": [], "diff": ""})
         old = src.get((r.rescored_from or "/").split("/", 1)[1])
         if r.status != OK:
             entry["errors"].append({"sample": r.sample, "status": r.status, "error": r.error})
         elif old is not None and solved(old.reward) != solved(r.reward):
-            entry["flipped"].append({"sample": r.sample, "episode_id": old.episode_id,
-                                     "old_reward": old.reward, "new_reward": r.reward})
+            entry["flipped"].append({"sample": r.sample, "episode_id": old.episode_id, "old_reward": old.reward, "new_reward": r.reward})
         else:
             entry["same"] += 1
     for s in info.get("not_rescored", []):
         tasks.setdefault(s["task_id"], {"flipped": [], "same": 0, "errors": [], "not_rescored": [], "diff": ""})
         tasks[s["task_id"]]["not_rescored"].append(s)
     flipped = sum(len(t["flipped"]) for t in tasks.values())
-    return {"run": Path(run_dir).name, "source_run": info["source_run"], "rescored": len(new), "flipped": flipped,
-            "not_rescored": len(info.get("not_rescored", [])), "tasks": tasks}
+    return {
+        "run": Path(run_dir).name,
+        "source_run": info["source_run"],
+        "rescored": len(new),
+        "flipped": flipped,
+        "not_rescored": len(info.get("not_rescored", [])),
+        "tasks": tasks,
+    }
 
 
 def format_diff(rep: dict[str, Any], *, show_diff: bool = True) -> str:
-    lines = [f"rescore {rep['run']} of {rep['source_run']}: {rep['rescored']} episode(s) rescored, "
-             f"{rep['flipped']} flipped, {rep['not_rescored']} not rescored"]
+    lines = [
+        f"rescore {rep['run']} of {rep['source_run']}: {rep['rescored']} episode(s) rescored, "
+        f"{rep['flipped']} flipped, {rep['not_rescored']} not rescored"
+    ]
     for tid, t in rep["tasks"].items():
-        lines.append(f"\n{tid}: {len(t['flipped'])} flipped, {t['same']} unchanged, {len(t['errors'])} error(s), "
-                     f"{len(t['not_rescored'])} not rescored")
+        lines.append(
+            f"\n{tid}: {len(t['flipped'])} flipped, {t['same']} unchanged, {len(t['errors'])} error(s), "
+            f"{len(t['not_rescored'])} not rescored"
+        )
         for f in t["flipped"]:
             lines.append(f"  sample {f['sample']}: {f['old_reward']:g} -> {f['new_reward']:g}  (episode {f['episode_id']})")
         for e in t["errors"]:

@@ -42,8 +42,6 @@ CHECKPOINT_GRACE_S = 60.0
 REAP_EVERY_S = 30.0  # an array task reaps dead workers' sandboxes on its node this often
 
 
-
-
 class ChunkJob(Checkpointable):
     """One array task: run a chunk of units, skipping those the store already has."""
 
@@ -80,8 +78,9 @@ class ChunkJob(Checkpointable):
         items = self.todo(store)
         log.info("chunk of %d units, %d to run", len(self.items), len(items))
         stop = threading.Event()
-        self._pool = UnitPool(items, resolve_runner(self.cfg.unit_runner), self.cfg, store,
-                              self.cfg.node_concurrency(), stop, ready_at=self.ready_at)
+        self._pool = UnitPool(
+            items, resolve_runner(self.cfg.unit_runner), self.cfg, store, self.cfg.node_concurrency(), stop, ready_at=self.ready_at
+        )
         try:
             with stop_on_signals(stop, (signal.SIGTERM,)):
                 res = self._pool.run()
@@ -101,8 +100,16 @@ class ChunkJob(Checkpointable):
 
 
 def _result_dict(r: ExecResult, n: int) -> dict[str, Any]:
-    return {"units": n, "started": r.started, "ok": r.ok, "errors": r.errors, "passed": r.passed,
-            "crashed": r.crashed, "dropped": r.dropped, "interrupted": r.interrupted}
+    return {
+        "units": n,
+        "started": r.started,
+        "ok": r.ok,
+        "errors": r.errors,
+        "passed": r.passed,
+        "crashed": r.crashed,
+        "dropped": r.dropped,
+        "interrupted": r.interrupted,
+    }
 
 
 DEFAULT_MAX_ARRAY_SIZE = 1001  # Slurm's defaults, when scontrol does not answer
@@ -169,13 +176,28 @@ def submit_limits(cfg: RunConfig) -> SubmitLimits:
     lim.add(_int(conf.get("MaxJobCount")) or DEFAULT_MAX_JOB_COUNT, _count_jobs(), "MaxJobCount")
     mine: int | None = None
     account, qos = s.account, s.qos
-    users = parse_sacctmgr(host_slurm.query(["sacctmgr", "-n", "-P", "show", "user", user,
-                                   "format=User,DefaultAccount"]) or "", ["user", "account"])
+    users = parse_sacctmgr(
+        host_slurm.query(["sacctmgr", "-n", "-P", "show", "user", user, "format=User,DefaultAccount"]) or "", ["user", "account"]
+    )
     account = account or (users[0]["account"] if users else None)
     if account:
         fields = ["account", "user", "partition", "max_submit", "grp_submit", "default_qos"]
-        out = host_slurm.query(["sacctmgr", "-n", "-P", "show", "assoc", "where", f"user={user}", f"account={account}",
-                      "format=Account,User,Partition,MaxSubmit,GrpSubmit,DefaultQOS"]) or ""
+        out = (
+            host_slurm.query(
+                [
+                    "sacctmgr",
+                    "-n",
+                    "-P",
+                    "show",
+                    "assoc",
+                    "where",
+                    f"user={user}",
+                    f"account={account}",
+                    "format=Account,User,Partition,MaxSubmit,GrpSubmit,DefaultQOS",
+                ]
+            )
+            or ""
+        )
         for r in parse_sacctmgr(out, fields):
             if r["user"] != user or r["partition"] not in ("", s.partition or ""):
                 continue
@@ -207,12 +229,13 @@ def check_fits(n_units: int, units_per_task: int, limits: SubmitLimits) -> int:
     if limits.free is None or n_tasks <= limits.free:
         return n_tasks
     if limits.free <= 0:
-        raise UserError(f"Slurm accepts no more jobs now ({limits.why}): wait for queued jobs to end "
-                        f"('squeue --me'), then rerun")
+        raise UserError(f"Slurm accepts no more jobs now ({limits.why}): wait for queued jobs to end ('squeue --me'), then rerun")
     fit = math.ceil(n_units / limits.free)
-    raise UserError(f"{n_units} units at slurm.units_per_task={units_per_task} need {n_tasks} array tasks but "
-                    f"Slurm accepts {limits.free} more ({limits.why}): rerun with "
-                    f"--set slurm.units_per_task={fit}")
+    raise UserError(
+        f"{n_units} units at slurm.units_per_task={units_per_task} need {n_tasks} array tasks but "
+        f"Slurm accepts {limits.free} more ({limits.why}): rerun with "
+        f"--set slurm.units_per_task={fit}"
+    )
 
 
 KEY_ENV = "ET_HPC_POLICY_API_KEY"
@@ -233,7 +256,7 @@ def key_by_reference(cfg: RunConfig) -> RunConfig:
 
 
 def chunked(seq: list[T], n: int) -> list[list[T]]:
-    return [seq[i:i + n] for i in range(0, len(seq), n)]
+    return [seq[i : i + n] for i in range(0, len(seq), n)]
 
 
 def submit_array(tasks: Sequence[Callable[[], Any]], spec: ArraySpec) -> SlurmArray:
@@ -250,9 +273,17 @@ def submit_array(tasks: Sequence[Callable[[], Any]], spec: ArraySpec) -> SlurmAr
     if spec.run_dir is not None:
         jobs_file = load_jobs(spec.run_dir)
         attempt = spec.record.get("attempt") or next_attempt(jobs_file)
-        jobs_file["submissions"].append({"attempt": attempt, "array_id": arr.array_id, "tasks": len(arr.ids),
-                                         "job_ids": arr.ids, **{k: v for k, v in spec.record.items() if k != "attempt"},
-                                         "submitted_at": time.time(), "folder": str(spec.folder)})
+        jobs_file["submissions"].append(
+            {
+                "attempt": attempt,
+                "array_id": arr.array_id,
+                "tasks": len(arr.ids),
+                "job_ids": arr.ids,
+                **{k: v for k, v in spec.record.items() if k != "attempt"},
+                "submitted_at": time.time(),
+                "folder": str(spec.folder),
+            }
+        )
         save_jobs(spec.run_dir, jobs_file)  # after each array, so a failure later keeps the earlier ids
     return arr
 
@@ -272,8 +303,13 @@ def submit(plan: Plan) -> list[dict[str, Any]]:
     cfg = key_by_reference(cfg)
     attempt = next_attempt(load_jobs(run_dir))
     for group in chunked(chunks, limits.max_array_size):
-        spec = ArraySpec(folder=run_dir / "slurm", name=f"et-hpc-{cfg.run_name()}", slurm=cfg.slurm, run_dir=run_dir,
-                         record={"attempt": attempt, "units": sum(len(c) for c in group)})
+        spec = ArraySpec(
+            folder=run_dir / "slurm",
+            name=f"et-hpc-{cfg.run_name()}",
+            slurm=cfg.slurm,
+            run_dir=run_dir,
+            record={"attempt": attempt, "units": sum(len(c) for c in group)},
+        )
         submit_array([ChunkJob(cfg, run_dir, c, plan.planned_at) for c in group], spec)
     return [s for s in load_jobs(run_dir)["submissions"] if s["attempt"] == attempt]
 
@@ -314,8 +350,9 @@ def live_tasks(run_dir: Path) -> list[str]:
     subs = latest_submissions(run_dir)
     if not subs:
         return []
-    return sorted(t for t, s in host_slurm.task_states(task_ids(subs)).items()
-                  if host_slurm.category(s) in ("queued", "running"))  # unknown (no answer from Slurm): go on
+    return sorted(
+        t for t, s in host_slurm.task_states(task_ids(subs)).items() if host_slurm.category(s) in ("queued", "running")
+    )  # unknown (no answer from Slurm): go on
 
 
 def refuse_if_jobs_live(plan: Plan) -> None:
@@ -323,9 +360,11 @@ def refuse_if_jobs_live(plan: Plan) -> None:
     live = live_tasks(plan.run_dir)
     if live:
         ids = ",".join(sorted({t.split("_")[0] for t in live}))
-        raise UserError(f"{len(live)} array task(s) of run {plan.cfg.run_name()} are still queued or running "
-                        f"(job {ids}): wait for them ('et-hpc status {plan.run_dir}') or cancel them "
-                        f"('scancel {ids.replace(',', ' ')}'), then rerun")
+        raise UserError(
+            f"{len(live)} array task(s) of run {plan.cfg.run_name()} are still queued or running "
+            f"(job {ids}): wait for them ('et-hpc status {plan.run_dir}') or cancel them "
+            f"('scancel {ids.replace(',', ' ')}'), then rerun"
+        )
 
 
 class SlurmExecutor:
@@ -337,8 +376,9 @@ class SlurmExecutor:
     def submit_array(self, tasks: Sequence[Callable[[], Any]], spec: ArraySpec) -> SlurmArray:
         return submit_array(tasks, spec)
 
-    def run(self, plan: Plan, store: RunStore, *, detach: bool = False, notify: Notify | None = None,
-            progress: Progress | None = None) -> Outcome:
+    def run(
+        self, plan: Plan, store: RunStore, *, detach: bool = False, notify: Notify | None = None, progress: Progress | None = None
+    ) -> Outcome:
         notify = notify or log.info
         cfg = plan.cfg
         subs = submit(plan)
@@ -354,14 +394,12 @@ class SlurmExecutor:
                 progress(sum(1 for u in todo if u in done), host_slurm.counts(states))
 
         timeout = cfg.slurm.wait_timeout_min * 60 if cfg.slurm.wait_timeout_min else None
-        states, all_ended = host_slurm.wait_tasks(task_ids(subs), poll_s=cfg.slurm.poll_s, timeout_s=timeout,
-                                             on_poll=on_poll)
+        states, all_ended = host_slurm.wait_tasks(task_ids(subs), poll_s=cfg.slurm.poll_s, timeout_s=timeout, on_poll=on_poll)
         failed = {t: states[t] for t in sorted(states) if host_slurm.category(states[t]) == "failed"}
         if failed:
             shown = ", ".join(f"{t} {s}" for t, s in list(failed.items())[:8])
             notify(f"{len(failed)} array task(s) ended without completing: {shown}")
         if not all_ended:
-            notify(f"stopped watching after {cfg.slurm.wait_timeout_min} min; jobs keep running: "
-                   f"et-hpc status {plan.run_dir}")
+            notify(f"stopped watching after {cfg.slurm.wait_timeout_min} min; jobs keep running: et-hpc status {plan.run_dir}")
             return Outcome(rc=3, settled=False, submissions=subs, failed_tasks=failed)
         return Outcome(submissions=subs, failed_tasks=failed)

@@ -75,18 +75,30 @@ def _tool_calls(m: dict[str, Any], text: str, turn: int) -> list[dict[str, Any]]
     calls = []
     for k, tc in enumerate(m.get("tool_calls") or []):
         f = tc.get("function") or {}
-        calls.append({"tool_call_id": str(tc.get("id") or f"call_{turn}_{k}"),
-                      "function_name": str(f.get("name") or "unknown"), "arguments": _arguments(f.get("arguments"))})
+        calls.append(
+            {
+                "tool_call_id": str(tc.get("id") or f"call_{turn}_{k}"),
+                "function_name": str(f.get("name") or "unknown"),
+                "arguments": _arguments(f.get("arguments")),
+            }
+        )
     if not calls:
         cmd = _COMMAND.search(text)
         if cmd:
-            calls.append({"tool_call_id": f"call_{turn}_0", "function_name": _TEXT_TOOL,
-                          "arguments": {"command": cmd.group(1)}, "extra": {"protocol": "text"}})
+            calls.append(
+                {
+                    "tool_call_id": f"call_{turn}_0",
+                    "function_name": _TEXT_TOOL,
+                    "arguments": {"command": cmd.group(1)},
+                    "extra": {"protocol": "text"},
+                }
+            )
     return calls
 
 
-def _agent_step(rec: EpisodeRecord, m: dict[str, Any], text: str, step_id: int, turn: int,
-                metrics: list[dict[str, Any]] | None) -> dict[str, Any]:
+def _agent_step(
+    rec: EpisodeRecord, m: dict[str, Any], text: str, step_id: int, turn: int, metrics: list[dict[str, Any]] | None
+) -> dict[str, Any]:
     step: dict[str, Any] = {"step_id": step_id, "source": "agent", "message": text}
     if rec.model:
         step["model_name"] = rec.model
@@ -142,12 +154,21 @@ def _steps(rec: EpisodeRecord, metrics: list[dict[str, Any]] | None) -> list[dic
 
 def _final_metrics(rec: EpisodeRecord, n_steps: int) -> dict[str, Any]:
     final_extra = {
-        "reward": rec.reward, "status": rec.status, "passed": rec.passed, "total": rec.total,
-        "tests": [{"name": x.name, "outcome": x.outcome} for x in rec.tests], "score_note": rec.score_note,
-        "stop_reason": rec.stop_reason, "error": rec.error, "turns": rec.turns,
+        "reward": rec.reward,
+        "status": rec.status,
+        "passed": rec.passed,
+        "total": rec.total,
+        "tests": [{"name": x.name, "outcome": x.outcome} for x in rec.tests],
+        "score_note": rec.score_note,
+        "stop_reason": rec.stop_reason,
+        "error": rec.error,
+        "turns": rec.turns,
         "timings": rec.timings.model_dump(exclude_none=True),
-        "peak_mem_mb": rec.peak_mem_mb, "peak_pids": rec.peak_pids, "events": rec.events,
-        "tokens_source": rec.tokens_source, "token_drift": rec.token_drift,
+        "peak_mem_mb": rec.peak_mem_mb,
+        "peak_pids": rec.peak_pids,
+        "events": rec.events,
+        "tokens_source": rec.tokens_source,
+        "token_drift": rec.token_drift,
     }
     final: dict[str, Any] = {"total_steps": n_steps, "extra": {k: v for k, v in final_extra.items() if v is not None}}
     if rec.prompt_tokens is not None:
@@ -164,17 +185,33 @@ def trajectory(rec: EpisodeRecord) -> dict[str, Any]:
     if metrics is not None and len(metrics) != n_agent:
         metrics = None  # ids that do not pair with the turns are not attached to any step
     steps = _steps(rec, metrics)
-    agent: dict[str, Any] = {"name": "et-hpc", "version": __version__,
-                             "extra": {"policy_kind": rec.policy_kind, "sampling_params": rec.sampling_params}}
+    agent: dict[str, Any] = {
+        "name": "et-hpc",
+        "version": __version__,
+        "extra": {"policy_kind": rec.policy_kind, "sampling_params": rec.sampling_params},
+    }
     if rec.model:
         agent["model_name"] = rec.model
-    root_extra = {"run_name": rec.run_name, "task_id": rec.task_id, "sample": rec.sample, "group_id": rec.group_id,
-                  "split": rec.split, "policy_version": rec.policy_version, "policy_versions": rec.policy_versions,
-                  "crossed_version": rec.crossed_version, "image_digest": rec.image_digest, "host": rec.host,
-                  "created_at": rec.created_at.isoformat()}
+    root_extra = {
+        "run_name": rec.run_name,
+        "task_id": rec.task_id,
+        "sample": rec.sample,
+        "group_id": rec.group_id,
+        "split": rec.split,
+        "policy_version": rec.policy_version,
+        "policy_versions": rec.policy_versions,
+        "crossed_version": rec.crossed_version,
+        "image_digest": rec.image_digest,
+        "host": rec.host,
+        "created_at": rec.created_at.isoformat(),
+    }
     doc: dict[str, Any] = {
-        "schema_version": ATIF_VERSION, "session_id": rec.episode_id, "trajectory_id": rec.episode_id,
-        "agent": agent, "steps": steps, "final_metrics": _final_metrics(rec, len(steps)),
+        "schema_version": ATIF_VERSION,
+        "session_id": rec.episode_id,
+        "trajectory_id": rec.episode_id,
+        "agent": agent,
+        "steps": steps,
+        "final_metrics": _final_metrics(rec, len(steps)),
         "extra": {k: v for k, v in root_extra.items() if v is not None},
     }
     if metrics is None and rec.token_ids:
@@ -209,7 +246,17 @@ def export_atif(run: RunStore, out: Path | str, ok_only: bool = False) -> AtifRe
         name = f"{_SAFE.sub('_', rec.task_id)}.{rec.sample}.json"
         atomic_write_text(out / name, json.dumps(trajectory(rec), ensure_ascii=False, indent=1) + "\n")
         counts[rec.status] = counts.get(rec.status, 0) + 1
-        index.append(json.dumps({"file": name, "episode_id": rec.episode_id, "task_id": rec.task_id, "sample": rec.sample,
-                                 "status": rec.status, "reward": rec.reward}))
+        index.append(
+            json.dumps(
+                {
+                    "file": name,
+                    "episode_id": rec.episode_id,
+                    "task_id": rec.task_id,
+                    "sample": rec.sample,
+                    "status": rec.status,
+                    "reward": rec.reward,
+                }
+            )
+        )
     atomic_write_text(out / "index.jsonl", "".join(line + "\n" for line in index))
     return AtifResult(out=out, documents=len(index), by_status=counts)

@@ -22,13 +22,14 @@ from et_hpc.util import num, pct
 if TYPE_CHECKING:
     from et_hpc.runs.store import RunStore
 
-MODEL = ("episodes/hour per node = 3600 * min(K / T, C / c): T = mean episode wall time (slot held), "
-         "c = mean node CPU time per episode (setup + exec + score + teardown + warm; model time is spent on "
-         "the GPU server), C = cores per node, K = concurrent episodes per node; N nodes: N times that, "
-         "while the model server keeps its measured latency")
+MODEL = (
+    "episodes/hour per node = 3600 * min(K / T, C / c): T = mean episode wall time (slot held), "
+    "c = mean node CPU time per episode (setup + exec + score + teardown + warm; model time is spent on "
+    "the GPU server), C = cores per node, K = concurrent episodes per node; N nodes: N times that, "
+    "while the model server keeps its measured latency"
+)
 
-COLUMNS = ["episode_id", "status", "timings", "host", "worker", "slurm_job_id", "slurm_array_task_id",
-           "peak_mem_mb", "peak_pids"]
+COLUMNS = ["episode_id", "status", "timings", "host", "worker", "slurm_job_id", "slurm_array_task_id", "peak_mem_mb", "peak_pids"]
 PARTS = ("queue_s", "setup_s", "model_s", "exec_s", "score_s", "teardown_s", "total_s", "warm_s")
 INFRA = ("setup_s", "score_s", "teardown_s", "queue_s")
 CPU = ("setup_s", "exec_s", "score_s", "teardown_s", "warm_s")
@@ -45,8 +46,13 @@ def percentile(values: list[float], p: float) -> float | None:
 
 def dist(values: list[float]) -> dict[str, Any]:
     """``n``, ``median`` (p50), ``p95``, ``mean``, ``max`` of ``values`` (None when empty)."""
-    return {"n": len(values), "median": percentile(values, 50), "p95": percentile(values, 95),
-            "mean": sum(values) / len(values) if values else None, "max": max(values) if values else None}
+    return {
+        "n": len(values),
+        "median": percentile(values, 50),
+        "p95": percentile(values, 95),
+        "mean": sum(values) / len(values) if values else None,
+        "max": max(values) if values else None,
+    }
 
 
 def busy_s(intervals: list[tuple[float, float]]) -> float:
@@ -95,16 +101,21 @@ def _per(rows: list[dict[str, Any]], key: Callable[[dict[str, Any]], str]) -> li
     for k, rs in sorted(by.items()):
         span = busy_s([(r["timings"]["start_s"], r["timings"]["stop_s"]) for r in rs])
         wall = sum(r["timings"]["total_s"] or 0.0 for r in rs)
-        out.append({"key": k, "episodes": len(rs), "busy_h": span / 3600, "episodes_per_hour": _rate(len(rs), span),
-                    "mean_concurrency": wall / span if span > 0 else None})
+        out.append(
+            {
+                "key": k,
+                "episodes": len(rs),
+                "busy_h": span / 3600,
+                "episodes_per_hour": _rate(len(rs), span),
+                "mean_concurrency": wall / span if span > 0 else None,
+            }
+        )
     return out
 
 
-def projection(t_s: float | None, cpu_s: float | None, cores: int, nodes: list[int],
-               per_node: list[int]) -> dict[str, Any]:
+def projection(t_s: float | None, cpu_s: float | None, cores: int, nodes: list[int], per_node: list[int]) -> dict[str, Any]:
     """Episodes/hour for each (nodes, per_node) from the stated MODEL."""
-    out: dict[str, Any] = {"model": MODEL, "cores_per_node": cores, "episode_s": t_s, "cpu_s": cpu_s,
-                           "cpu_bound_at_k": None, "rows": []}
+    out: dict[str, Any] = {"model": MODEL, "cores_per_node": cores, "episode_s": t_s, "cpu_s": cpu_s, "cpu_bound_at_k": None, "rows": []}
     if not t_s or t_s <= 0:
         return out
     cpu_rate = cores / cpu_s if cpu_s and cpu_s > 0 else math.inf
@@ -113,15 +124,23 @@ def projection(t_s: float | None, cpu_s: float | None, cores: int, nodes: list[i
         for k in per_node:
             slot_rate = k / t_s
             rate = min(slot_rate, cpu_rate)
-            out["rows"].append({"nodes": n, "per_node": k, "episodes_per_hour": n * 3600 * rate,
-                                "bound": "cpu" if cpu_rate < slot_rate else "slots"})
+            out["rows"].append(
+                {"nodes": n, "per_node": k, "episodes_per_hour": n * 3600 * rate, "bound": "cpu" if cpu_rate < slot_rate else "slots"}
+            )
     return out
 
 
-def capacity(rows: list[dict[str, Any]], *, cores: int, nodes: list[int] | None = None,
-             per_node: list[int] | None = None, accepted: int | None = None,
-             gpu_hours: float | None = None, gpu_hours_source: str | None = None,
-             consumers: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def capacity(
+    rows: list[dict[str, Any]],
+    *,
+    cores: int,
+    nodes: list[int] | None = None,
+    per_node: list[int] | None = None,
+    accepted: int | None = None,
+    gpu_hours: float | None = None,
+    gpu_hours_source: str | None = None,
+    consumers: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     """The capacity dict of the module docstring. ``rows`` need the ``COLUMNS``; rows without
     ``start_s``/``stop_s``/``total_s`` (episodes refused before they started) are left out."""
     seen: set[str | None] = set()
@@ -166,8 +185,12 @@ def capacity(rows: list[dict[str, Any]], *, cores: int, nodes: list[int] | None 
         "sandbox_pids_max": max(pids) if pids else None,
         "projection": proj,
     }
-    trainer: dict[str, Any] = {"accepted_episodes": accepted, "gpu_hours": gpu_hours,
-                               "gpu_hours_source": gpu_hours_source, "accepted_per_gpu_hour": None}
+    trainer: dict[str, Any] = {
+        "accepted_episodes": accepted,
+        "gpu_hours": gpu_hours,
+        "gpu_hours_source": gpu_hours_source,
+        "accepted_per_gpu_hour": None,
+    }
     if accepted is not None and gpu_hours:
         trainer["accepted_per_gpu_hour"] = accepted / gpu_hours
     trainer["consumers"] = [consumer_kpis(c) for c in consumers or []]
@@ -183,11 +206,16 @@ def consumer_kpis(cursor: dict[str, Any]) -> dict[str, Any]:
     span = (last - first) if isinstance(first, (int, float)) and isinstance(last, (int, float)) else None
     raw = tm.get("staleness")
     hist = {str(k): v for k, v in raw.items() if isinstance(v, int)} if isinstance(raw, dict) else {}
-    return {"consumer": cursor.get("consumer"), "delivered": cursor.get("delivered"),
-            "calls": tm.get("calls", 0), "wait_s": tm.get("wait_s"),
-            "wait_fraction": tm["wait_s"] / span if span and isinstance(tm.get("wait_s"), (int, float)) else None,
-            "staleness_p50": hist_percentile(hist, 50), "staleness_p95": hist_percentile(hist, 95),
-            "staleness": hist}
+    return {
+        "consumer": cursor.get("consumer"),
+        "delivered": cursor.get("delivered"),
+        "calls": tm.get("calls", 0),
+        "wait_s": tm.get("wait_s"),
+        "wait_fraction": tm["wait_s"] / span if span and isinstance(tm.get("wait_s"), (int, float)) else None,
+        "staleness_p50": hist_percentile(hist, 50),
+        "staleness_p95": hist_percentile(hist, 95),
+        "staleness": hist,
+    }
 
 
 # --- reading a run ---------------------------------------------------------------------------
@@ -252,8 +280,9 @@ def _file_gpu_hours(path: Path) -> float | None:
     return sacct_gpu_hours(str(job)) if job is not None else None
 
 
-def run_capacity(store: RunStore, *, cores: int, nodes: list[int] | None = None, per_node: list[int] | None = None,
-                 gpu_hours: float | None = None) -> dict[str, Any]:
+def run_capacity(
+    store: RunStore, *, cores: int, nodes: list[int] | None = None, per_node: list[int] | None = None, gpu_hours: float | None = None
+) -> dict[str, Any]:
     """``capacity`` of one ``RunStore``: every raw row, the accepted count from ``select()``, the
     GPU-hours given (else from sacct of the endpoint file's job) and the stream consumers."""
     rows = store.read(columns=COLUMNS, dedupe=False).to_pylist()
@@ -262,14 +291,23 @@ def run_capacity(store: RunStore, *, cores: int, nodes: list[int] | None = None,
     if gpu_hours is None:
         gpu_hours = endpoint_gpu_hours(store.config() or {})
         source = "sacct of the endpoint files' jobs" if gpu_hours is not None else None
-    return capacity(rows, cores=cores, nodes=nodes, per_node=per_node, accepted=counts.episodes,
-                    gpu_hours=gpu_hours, gpu_hours_source=source, consumers=read_consumers(store.path))
+    return capacity(
+        rows,
+        cores=cores,
+        nodes=nodes,
+        per_node=per_node,
+        accepted=counts.episodes,
+        gpu_hours=gpu_hours,
+        gpu_hours_source=source,
+        consumers=read_consumers(store.path),
+    )
 
 
 # --- text ------------------------------------------------------------------------------------
 def format_capacity(cap: dict[str, Any]) -> str:
     """The capacity dict as plain-text lines and tables."""
     from et_hpc.util import format_table
+
     ts, io, mem = cap["time_split"], cap["infra_overhead_s"], cap["sandbox_mem_mb"]
     lines = [
         f"capacity: {cap['episodes']} episodes ({cap['ok']} ok) in {num(cap['busy_h'], '{:.2f}')} busy hours: "
@@ -281,36 +319,65 @@ def format_capacity(cap: dict[str, Any]) -> str:
         f"sandbox peak memory: median {num(mem['median'])} MB, p95 {num(mem['p95'])} MB, max {num(mem['max'])} MB; "
         f"peak processes max {cap['sandbox_pids_max'] if cap['sandbox_pids_max'] is not None else '-'}",
         "",
-        format_table(["part", "median s", "p95 s", "mean s"],
-                     [[k, num(d["median"], "{:.3f}"), num(d["p95"], "{:.3f}"), num(d["mean"], "{:.3f}")]
-                      for k, d in ts.items()]),
+        format_table(
+            ["part", "median s", "p95 s", "mean s"],
+            [[k, num(d["median"], "{:.3f}"), num(d["p95"], "{:.3f}"), num(d["mean"], "{:.3f}")] for k, d in ts.items()],
+        ),
         "",
-        format_table(["node", "episodes", "busy h", "episodes/hour", "mean concurrent"],
-                     [[h["key"], h["episodes"], num(h["busy_h"], "{:.3f}"), num(h["episodes_per_hour"]),
-                       num(h["mean_concurrency"], "{:.2f}")] for h in cap["by_host"]]),
+        format_table(
+            ["node", "episodes", "busy h", "episodes/hour", "mean concurrent"],
+            [
+                [h["key"], h["episodes"], num(h["busy_h"], "{:.3f}"), num(h["episodes_per_hour"]), num(h["mean_concurrency"], "{:.2f}")]
+                for h in cap["by_host"]
+            ],
+        ),
         "",
-        format_table(["worker", "episodes", "busy h", "episodes/hour"],
-                     [[w["key"], w["episodes"], num(w["busy_h"], "{:.3f}"), num(w["episodes_per_hour"])]
-                      for w in cap["by_worker"]]),
+        format_table(
+            ["worker", "episodes", "busy h", "episodes/hour"],
+            [[w["key"], w["episodes"], num(w["busy_h"], "{:.3f}"), num(w["episodes_per_hour"])] for w in cap["by_worker"]],
+        ),
     ]
     pr = cap["projection"]
-    lines += ["", f"projection: {pr['model']}.",
-              f"measured T {num(pr['episode_s'], '{:.2f}')} s, c {num(pr['cpu_s'], '{:.2f}')} s; C {pr['cores_per_node']} "
-              f"(--cores); CPU-bound above K = {num(pr['cpu_bound_at_k'])} per node"]
+    lines += [
+        "",
+        f"projection: {pr['model']}.",
+        f"measured T {num(pr['episode_s'], '{:.2f}')} s, c {num(pr['cpu_s'], '{:.2f}')} s; C {pr['cores_per_node']} "
+        f"(--cores); CPU-bound above K = {num(pr['cpu_bound_at_k'])} per node",
+    ]
     if pr["rows"]:
-        lines.append(format_table(["nodes", "episodes per node", "episodes/hour", "bound by"],
-                                  [[r["nodes"], r["per_node"], num(r["episodes_per_hour"]), r["bound"]]
-                                   for r in pr["rows"]]))
+        lines.append(
+            format_table(
+                ["nodes", "episodes per node", "episodes/hour", "bound by"],
+                [[r["nodes"], r["per_node"], num(r["episodes_per_hour"]), r["bound"]] for r in pr["rows"]],
+            )
+        )
     tr = cap["trainer"]
-    lines += ["", f"trainer: {tr['accepted_episodes'] if tr['accepted_episodes'] is not None else '-'} accepted episodes "
-              "(ok, in groups without an error member)"
-              + (f"; {num(tr['gpu_hours'], '{:.2f}')} GPU-hours ({tr['gpu_hours_source']}): "
-                 f"{num(tr['accepted_per_gpu_hour'])} accepted episodes per GPU-hour" if tr["gpu_hours"] else
-                 "; GPU-hours unknown (--gpu-hours X)")]
+    lines += [
+        "",
+        f"trainer: {tr['accepted_episodes'] if tr['accepted_episodes'] is not None else '-'} accepted episodes "
+        "(ok, in groups without an error member)"
+        + (
+            f"; {num(tr['gpu_hours'], '{:.2f}')} GPU-hours ({tr['gpu_hours_source']}): "
+            f"{num(tr['accepted_per_gpu_hour'])} accepted episodes per GPU-hour"
+            if tr["gpu_hours"]
+            else "; GPU-hours unknown (--gpu-hours X)"
+        ),
+    ]
     if tr["consumers"]:
-        lines.append(format_table(["consumer", "groups delivered", "next_batch calls", "trainer waiting",
-                                   "staleness p50", "staleness p95"],
-                                  [[c["consumer"], c["delivered"] if c["delivered"] is not None else "-", c["calls"],
-                                    pct(c["wait_fraction"]), num(c["staleness_p50"], "{}"),
-                                    num(c["staleness_p95"], "{}")] for c in tr["consumers"]]))
+        lines.append(
+            format_table(
+                ["consumer", "groups delivered", "next_batch calls", "trainer waiting", "staleness p50", "staleness p95"],
+                [
+                    [
+                        c["consumer"],
+                        c["delivered"] if c["delivered"] is not None else "-",
+                        c["calls"],
+                        pct(c["wait_fraction"]),
+                        num(c["staleness_p50"], "{}"),
+                        num(c["staleness_p95"], "{}"),
+                    ]
+                    for c in tr["consumers"]
+                ],
+            )
+        )
     return "\n".join(lines)

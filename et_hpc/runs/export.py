@@ -31,8 +31,19 @@ log = logging.getLogger(__name__)
 
 # The keys of atroposlib.envs.base.ScoredDataGroup (0.4.0), all present in every exported group.
 ATROPOS_KEYS = (
-    "tokens", "masks", "scores", "advantages", "ref_logprobs", "messages", "generation_params",
-    "inference_logprobs", "group_overrides", "overrides", "images", "distill_token_ids", "distill_logprobs",
+    "tokens",
+    "masks",
+    "scores",
+    "advantages",
+    "ref_logprobs",
+    "messages",
+    "generation_params",
+    "inference_logprobs",
+    "group_overrides",
+    "overrides",
+    "images",
+    "distill_token_ids",
+    "distill_logprobs",
 )
 _ATROPOS_ROLES = ("system", "user", "assistant", "tool")
 
@@ -78,7 +89,13 @@ SKYRL_SCHEMA = pa.schema(
     ]
 )
 GENERATOR_OUTPUT_COLUMNS = (
-    "prompt_token_ids", "response_ids", "rewards", "loss_masks", "stop_reasons", "rollout_logprobs", "trajectory_ids",
+    "prompt_token_ids",
+    "response_ids",
+    "rewards",
+    "loss_masks",
+    "stop_reasons",
+    "rollout_logprobs",
+    "trajectory_ids",
 )
 
 
@@ -100,16 +117,22 @@ class ExportResult(BaseModel):
         what = "groups" if self.format == "atropos" else "episodes"
         n = self.groups if self.format == "atropos" else self.rows
         kept_err = f", {c.dropped_error_episodes} error episodes left out of kept groups" if c.dropped_error_episodes else ""
-        return (f"wrote {n} {what} ({self.episodes} ok episodes in {self.groups} groups, {self.with_tokens} "
-                f"{'groups' if self.format == 'atropos' else 'rows'} with tokens) to {self.path}; of {c.total} groups "
-                f"({c.complete} complete, {c.masked} with an error member, {c.zero_variance} zero-variance): "
-                f"dropped {c.dropped_masked} masked ({self.on_error}), {c.dropped_zero_variance} zero-variance, "
-                f"{c.dropped_no_tokens} without exact token ids{kept_err}")
+        return (
+            f"wrote {n} {what} ({self.episodes} ok episodes in {self.groups} groups, {self.with_tokens} "
+            f"{'groups' if self.format == 'atropos' else 'rows'} with tokens) to {self.path}; of {c.total} groups "
+            f"({c.complete} complete, {c.masked} with an error member, {c.zero_variance} zero-variance): "
+            f"dropped {c.dropped_masked} masked ({self.on_error}), {c.dropped_zero_variance} zero-variance, "
+            f"{c.dropped_no_tokens} without exact token ids{kept_err}"
+        )
 
 
-def selected_groups(run: RunStore, on_error: str = "mask", drop_zero_variance: bool = False,
-                    progress: bool = False, require_tokens: bool = True,
-                    ) -> tuple[list[list[EpisodeRecord]], GroupCounts]:
+def selected_groups(
+    run: RunStore,
+    on_error: str = "mask",
+    drop_zero_variance: bool = False,
+    progress: bool = False,
+    require_tokens: bool = True,
+) -> tuple[list[list[EpisodeRecord]], GroupCounts]:
     """The selected groups as lists of ``EpisodeRecord`` (sample order), and the counts.
 
     With ``require_tokens`` (what the exports do) a group with a member without exact token ids
@@ -120,8 +143,9 @@ def selected_groups(run: RunStore, on_error: str = "mask", drop_zero_variance: b
     return [recs for _, recs in groups], counts
 
 
-def _selected(run: RunStore, on_error: str, drop_zero_variance: bool, progress: bool,
-              require_tokens: bool) -> tuple[list[tuple[Group, list[EpisodeRecord]]], GroupCounts]:
+def _selected(
+    run: RunStore, on_error: str, drop_zero_variance: bool, progress: bool, require_tokens: bool
+) -> tuple[list[tuple[Group, list[EpisodeRecord]]], GroupCounts]:
     table, groups, counts = run.select(on_error, drop_zero_variance)
     rows = table.to_pylist()
     recs = [EpisodeRecord.from_row(r) for r in progress_bar(rows, desc="load", unit="ep", show=None if progress else False)]
@@ -144,8 +168,11 @@ def atropos_message(m: dict[str, Any]) -> dict[str, Any]:
         content = ""
     elif not isinstance(content, (str, list)):
         content = json.dumps(content, ensure_ascii=False)
-    out: dict[str, Any] = {"role": m.get("role") if m.get("role") in _ATROPOS_ROLES else "user",
-                           "content": content, "reward": m.get("reward")}
+    out: dict[str, Any] = {
+        "role": m.get("role") if m.get("role") in _ATROPOS_ROLES else "user",
+        "content": content,
+        "reward": m.get("reward"),
+    }
     for k in ("tool_calls", "tool_call_id", "name"):
         if m.get(k) is not None:
             out[k] = m[k]
@@ -159,8 +186,10 @@ def atropos_group(records: list[EpisodeRecord]) -> dict[str, Any]:
         raise ValueError("an Atropos group holds ok episodes only")
     missing = [r for r in records if not r.has_tokens]
     if missing:
-        raise ValueError(f"{len(missing)} of {len(records)} episodes have no exact token ids "
-                         f"({missing[0].token_drift or missing[0].tokens_source or 'absent'})")
+        raise ValueError(
+            f"{len(missing)} of {len(records)} episodes have no exact token ids "
+            f"({missing[0].token_drift or missing[0].tokens_source or 'absent'})"
+        )
     n = len(records)
     group: dict[str, Any] = dict.fromkeys(ATROPOS_KEYS)
     seqs = [r.token_sequence() for r in records]
@@ -173,9 +202,14 @@ def atropos_group(records: list[EpisodeRecord]) -> dict[str, Any]:
     group["group_overrides"] = {"group_size": n}
     group["generation_params"] = records[0].sampling_params or None
     r0 = records[0]
-    group["et_hpc"] = {"run_name": r0.run_name, "group_id": r0.group_id, "task_id": r0.task_id,
-                       "policy_version": r0.policy_version,
-                       "samples": [r.sample for r in records], "episode_ids": [r.episode_id for r in records]}
+    group["et_hpc"] = {
+        "run_name": r0.run_name,
+        "group_id": r0.group_id,
+        "task_id": r0.task_id,
+        "policy_version": r0.policy_version,
+        "samples": [r.sample for r in records],
+        "episode_ids": [r.episode_id for r in records],
+    }
     return group
 
 
@@ -223,21 +257,31 @@ def iter_atropos_groups(groups: list[list[EpisodeRecord]], stats: dict[str, int]
         yield group
 
 
-def export_atropos(run: RunStore, out: Path | str, *, on_error: str = "mask", drop_zero_variance: bool = True,
-                   progress: bool = False) -> ExportResult:
+def export_atropos(
+    run: RunStore, out: Path | str, *, on_error: str = "mask", drop_zero_variance: bool = True, progress: bool = False
+) -> ExportResult:
     """Write the selected groups as Atropos ScoredDataGroup JSONL (atomically); returns the counts."""
     out = _check_out(out)
     groups, counts = selected_groups(run, on_error, drop_zero_variance, progress)
     stats: dict[str, int] = {}
     lines = 0
     with atomic_open(out) as f:  # streamed: a 10k-episode export is hundreds of MB of JSON
-        for g in progress_bar(iter_atropos_groups(groups, stats), total=len(groups), desc="atropos", unit="group",
-                              show=None if progress else False):
+        for g in progress_bar(
+            iter_atropos_groups(groups, stats), total=len(groups), desc="atropos", unit="group", show=None if progress else False
+        ):
             f.write(json.dumps(g, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n")
             lines += 1
-    return ExportResult(path=str(out), format="atropos", on_error=on_error, drop_zero_variance=drop_zero_variance,
-                        episodes=counts.episodes, groups=len(groups), with_tokens=stats.get("with_tokens", 0),
-                        rows=lines, counts=counts)
+    return ExportResult(
+        path=str(out),
+        format="atropos",
+        on_error=on_error,
+        drop_zero_variance=drop_zero_variance,
+        episodes=counts.episodes,
+        groups=len(groups),
+        with_tokens=stats.get("with_tokens", 0),
+        rows=lines,
+        counts=counts,
+    )
 
 
 def _msg(m: dict[str, Any]) -> dict[str, str | None]:
@@ -266,8 +310,7 @@ def skyrl_tokens(r: EpisodeRecord) -> dict[str, Any]:
                 rollout_lps = None
             else:
                 rollout_lps += list(lps[i]) + [0.0] * len(obs)  # type: ignore[index]
-    return {"prompt_token_ids": list(r.prompt_token_ids[0]), "response_ids": response, "loss_masks": masks,
-            "rollout_logprobs": rollout_lps}
+    return {"prompt_token_ids": list(r.prompt_token_ids[0]), "response_ids": response, "loss_masks": masks, "rollout_logprobs": rollout_lps}
 
 
 def instance_id(r: EpisodeRecord, group: Group | None = None) -> str:
@@ -315,8 +358,9 @@ def skyrl_row(r: EpisodeRecord, group: Group | None = None) -> dict[str, Any]:
     return row
 
 
-def export_skyrl(run: RunStore, out: Path | str, *, on_error: str = "mask", drop_zero_variance: bool = False,
-                 progress: bool = False) -> ExportResult:
+def export_skyrl(
+    run: RunStore, out: Path | str, *, on_error: str = "mask", drop_zero_variance: bool = False, progress: bool = False
+) -> ExportResult:
     """Write the selected groups' ok episodes as SkyRL/verl parquet (atomically); returns the counts."""
     out = _check_out(out)
     groups, counts = _selected(run, on_error, drop_zero_variance, progress, True)
@@ -326,18 +370,37 @@ def export_skyrl(run: RunStore, out: Path | str, *, on_error: str = "mask", drop
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink, compression="zstd")
     atomic_write_bytes(out, sink.getvalue().to_pybytes())
-    return ExportResult(path=str(out), format="skyrl", on_error=on_error, drop_zero_variance=drop_zero_variance,
-                        episodes=len(records), groups=len(groups),
-                        with_tokens=sum(r["response_ids"] is not None for r in rows), rows=table.num_rows,
-                        counts=counts)
+    return ExportResult(
+        path=str(out),
+        format="skyrl",
+        on_error=on_error,
+        drop_zero_variance=drop_zero_variance,
+        episodes=len(records),
+        groups=len(groups),
+        with_tokens=sum(r["response_ids"] is not None for r in rows),
+        rows=table.num_rows,
+        counts=counts,
+    )
 
 
 # The keys of SkyRL 0.4.0's GeneratorOutput TypedDict (skyrl/train/generators/base.py in the
 # skyrl 0.4.0 wheel), in its order; all of them are required keys of the TypedDict.
 SKYRL_GENERATOR_OUTPUT_KEYS = (
-    "prompt_token_ids", "response_ids", "rewards", "loss_masks", "stop_reasons", "rollout_metrics",
-    "rollout_logprobs", "trajectory_ids", "trajectory_generation_times", "trajectory_time_splits",
-    "rollout_expert_indices", "rollout_sample_support", "is_last_step", "env_metrics", "pixel_values",
+    "prompt_token_ids",
+    "response_ids",
+    "rewards",
+    "loss_masks",
+    "stop_reasons",
+    "rollout_metrics",
+    "rollout_logprobs",
+    "trajectory_ids",
+    "trajectory_generation_times",
+    "trajectory_time_splits",
+    "rollout_expert_indices",
+    "rollout_sample_support",
+    "is_last_step",
+    "env_metrics",
+    "pixel_values",
     "image_grid_thw",
 )
 
@@ -371,10 +434,14 @@ def generator_output(path: Path | str) -> dict[str, Any]:
     cols = {c: t.column(c).to_pylist() for c in GENERATOR_OUTPUT_COLUMNS}
     tid = trajectory_id_class()
     out: dict[str, Any] = dict.fromkeys(SKYRL_GENERATOR_OUTPUT_KEYS)
-    out.update(prompt_token_ids=cols["prompt_token_ids"], response_ids=cols["response_ids"],
-               rewards=cols["rewards"], loss_masks=cols["loss_masks"], stop_reasons=cols["stop_reasons"],
-               trajectory_ids=[tid(instance_id=d["instance_id"], repetition_id=d["repetition_id"])
-                               for d in cols["trajectory_ids"]])
+    out.update(
+        prompt_token_ids=cols["prompt_token_ids"],
+        response_ids=cols["response_ids"],
+        rewards=cols["rewards"],
+        loss_masks=cols["loss_masks"],
+        stop_reasons=cols["stop_reasons"],
+        trajectory_ids=[tid(instance_id=d["instance_id"], repetition_id=d["repetition_id"]) for d in cols["trajectory_ids"]],
+    )
     lps = cols["rollout_logprobs"]
     out["rollout_logprobs"] = lps if all(x is not None for x in lps) else None
     return out
@@ -390,8 +457,22 @@ def _check_out(out: Path | str) -> Path:
 
 
 __all__ = [
-    "ATROPOS_KEYS", "ExportResult", "GENERATOR_OUTPUT_COLUMNS", "Group", "SKYRL_GENERATOR_OUTPUT_KEYS", "SKYRL_SCHEMA",
-    "TrajectoryID", "atropos_group", "trajectory_id_class",
-    "atropos_message", "export_atropos", "export_skyrl", "generator_output", "iter_atropos_groups",
-    "selected_groups", "skyrl_row", "skyrl_tokens", "validate_atropos_group",
+    "ATROPOS_KEYS",
+    "ExportResult",
+    "GENERATOR_OUTPUT_COLUMNS",
+    "Group",
+    "SKYRL_GENERATOR_OUTPUT_KEYS",
+    "SKYRL_SCHEMA",
+    "TrajectoryID",
+    "atropos_group",
+    "trajectory_id_class",
+    "atropos_message",
+    "export_atropos",
+    "export_skyrl",
+    "generator_output",
+    "iter_atropos_groups",
+    "selected_groups",
+    "skyrl_row",
+    "skyrl_tokens",
+    "validate_atropos_group",
 ]

@@ -38,7 +38,7 @@ def digest_of(value: str | None) -> str | None:
     """The hex digest a record's ``final_state`` names, or None (not kept, not asked for, malformed)."""
     if not value or not value.startswith(PREFIX):
         return None
-    hx = value[len(PREFIX):]
+    hx = value[len(PREFIX) :]
     return hx if _HEX.match(hx) else None
 
 
@@ -104,8 +104,17 @@ def _keep(overlay: Path, run_dir: Path, limit_mb: float) -> str:
     store = run_dir / DIR
     store.mkdir(parents=True, exist_ok=True)
     tmp = store / f".tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    argv = ["tar", "--sparse", "--numeric-owner", "-C", str(overlay.parent), "-cf", "-",
-            f"--transform=s|^{re.escape(overlay.name)}$|{MEMBER}|", overlay.name]
+    argv = [
+        "tar",
+        "--sparse",
+        "--numeric-owner",
+        "-C",
+        str(overlay.parent),
+        "-cf",
+        "-",
+        f"--transform=s|^{re.escape(overlay.name)}$|{MEMBER}|",
+        overlay.name,
+    ]
     h = hashlib.sha256()
     z = zlib.compressobj(6, zlib.DEFLATED, 31)  # gzip framing: `tar -xzf` reads it
     written = 0
@@ -195,9 +204,12 @@ def extract(archive: Path, value: str, dest: Path) -> Path:
     work.mkdir(mode=0o700)
     try:
         h = hashlib.sha256()
-        proc = subprocess.Popen(["tar", "-xz", "--sparse", "--no-same-owner", "--no-same-permissions",
-                                 "-C", str(work), "-f", "-", MEMBER],
-                                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        proc = subprocess.Popen(
+            ["tar", "-xz", "--sparse", "--no-same-owner", "--no-same-permissions", "-C", str(work), "-f", "-", MEMBER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
         assert proc.stdin is not None
         try:
             with open(archive, "rb") as f:
@@ -274,16 +286,14 @@ REFUSED = {
     "/upper/usr": {"lib64", "sbin"},
     "/upper/usr/bin": {"sh", "dash"},
     "/upper/usr/lib": set(),
-    f"/upper/usr/lib/{_ARCH}": {"libc.so.6", "ld-linux-x86-64.so.2", "libnss_files.so.2", "libnss_dns.so.2",
-                                "libnss_compat.so.2"},
+    f"/upper/usr/lib/{_ARCH}": {"libc.so.6", "ld-linux-x86-64.so.2", "libnss_files.so.2", "libnss_dns.so.2", "libnss_compat.so.2"},
     "/upper/etc": set(),
 }
 LEFT_OUT = ("/upper/etc/ld.so.preload", "/upper/etc/ld.so.cache")
 _MUST_BE_DIRS = {"/upper": ("usr", "etc"), "/upper/usr": ("bin", "lib"), "/upper/usr/lib": (_ARCH,)}
 # NSS modules glibc and Debian's base ship; an /etc/nsswitch.conf naming others is left out (apptainer
 # looks accounts up inside the instance when it starts one and at every exec)
-NSS_MODULES = {"files", "dns", "compat", "db", "nis", "nisplus", "hesiod", "systemd", "myhostname", "mymachines",
-               "resolve"}
+NSS_MODULES = {"files", "dns", "compat", "db", "nis", "nisplus", "hesiod", "systemd", "myhostname", "mymachines", "resolve"}
 
 
 def _foreign_nss(text: str) -> bool:
@@ -295,6 +305,8 @@ def _foreign_nss(text: str) -> bool:
         if any(t not in NSS_MODULES for t in toks):
             return True
     return False
+
+
 _OPAQUE = ".wh..wh..opq"
 
 
@@ -333,8 +345,12 @@ def check_start(img: Path) -> tuple[list[str], list[str]]:
                 refused.append(f"{path.rstrip('/')}/{sub} (no longer a directory)")
         for e in sorted(entries):
             base = e.removeprefix(".wh.")
-            if e in names or base in names or e == _OPAQUE or (e.startswith(".wh.") and base in
-                                                               {"usr", "etc", "bin", "lib", "lib64", _ARCH}):
+            if (
+                e in names
+                or base in names
+                or e == _OPAQUE
+                or (e.startswith(".wh.") and base in {"usr", "etc", "bin", "lib", "lib64", _ARCH})
+            ):
                 refused.append(f"{path.rstrip('/')}/{base}")
         if entries and "opaque" in _dfs(img, f"ea_list {d}"):
             refused.append(f"{path} (made opaque)")

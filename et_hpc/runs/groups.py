@@ -77,8 +77,7 @@ def legacy_group(group_id: str | None, task_id: str, schema_version: int | None)
     return (schema_version or 1) < GROUP_ID_SCHEMA and (not group_id or group_id == task_id)
 
 
-def group_key(run_name: str, task_id: str, policy_version: str | None = None,
-              group_id: str | None = None) -> GroupKey:
+def group_key(run_name: str, task_id: str, policy_version: str | None = None, group_id: str | None = None) -> GroupKey:
     """The key of the group an episode belongs to: ``(run_name, "g", group_id)``; without a
     ``group_id`` (a legacy row) ``(run_name, "t", task_id, policy_version)``."""
     if group_id:
@@ -97,21 +96,27 @@ def groups_of(table: pa.Table) -> list[Group]:
         raise ValueError(f"groups_of needs columns {missing}")
     cols = {c: table.column(c).to_pylist() for c in _GROUP_READ_COLS}
     by_key: dict[GroupKey, list[int]] = {}
-    for i, (run, gid, task, version, sv) in enumerate(zip(cols["run_name"], cols["group_id"], cols["task_id"],
-                                                         cols["policy_version"], cols["schema_version"])):
+    for i, (run, gid, task, version, sv) in enumerate(
+        zip(cols["run_name"], cols["group_id"], cols["task_id"], cols["policy_version"], cols["schema_version"])
+    ):
         key = group_key(run, task, version, None if legacy_group(gid, task, sv) else gid)
         by_key.setdefault(key, []).append(i)
     out = []
     for key, idx in by_key.items():
         idx.sort(key=lambda i: cols["sample"][i])
         first = idx[0]
-        out.append(Group(
-            run_name=key[0], task_id=cols["task_id"][first], policy_version=cols["policy_version"][first] or None,
-            group_id=key[2] if key[1] == "g" else "", rows=idx,
-            samples=[cols["sample"][i] for i in idx],
-            statuses=[cols["status"][i] for i in idx],
-            rewards=[cols["reward"][i] for i in idx],
-        ))
+        out.append(
+            Group(
+                run_name=key[0],
+                task_id=cols["task_id"][first],
+                policy_version=cols["policy_version"][first] or None,
+                group_id=key[2] if key[1] == "g" else "",
+                rows=idx,
+                samples=[cols["sample"][i] for i in idx],
+                statuses=[cols["status"][i] for i in idx],
+                rewards=[cols["reward"][i] for i in idx],
+            )
+        )
     return out
 
 
@@ -128,8 +133,7 @@ def count_groups(groups: list[Group]) -> GroupCounts:
     return c
 
 
-def select_groups(groups: list[Group], on_error: str = "mask",
-                  drop_zero_variance: bool = False) -> tuple[list[Group], GroupCounts]:
+def select_groups(groups: list[Group], on_error: str = "mask", drop_zero_variance: bool = False) -> tuple[list[Group], GroupCounts]:
     """The groups a trainer may get, each reduced to its ``ok`` members, and the counts.
 
     ``on_error``: ``"mask"`` leaves out every group with an error member; ``"keep-ok"`` keeps its
@@ -144,12 +148,14 @@ def select_groups(groups: list[Group], on_error: str = "mask",
         if g.masked and on_error == "mask":
             counts.dropped_masked += 1
             continue
-        okg = g.model_copy(update={
-            "rows": g.ok_rows(),
-            "samples": [s for s, st in zip(g.samples, g.statuses) if st == "ok"],
-            "rewards": [w for w, st in zip(g.rewards, g.statuses) if st == "ok"],
-            "statuses": [st for st in g.statuses if st == "ok"],
-        })
+        okg = g.model_copy(
+            update={
+                "rows": g.ok_rows(),
+                "samples": [s for s, st in zip(g.samples, g.statuses) if st == "ok"],
+                "rewards": [w for w, st in zip(g.rewards, g.statuses) if st == "ok"],
+                "statuses": [st for st in g.statuses if st == "ok"],
+            }
+        )
         if not okg.rows:
             counts.dropped_masked += 1
             continue
@@ -161,4 +167,3 @@ def select_groups(groups: list[Group], on_error: str = "mask",
         counts.episodes += len(okg.rows)
         kept.append(okg)
     return kept, counts
-

@@ -27,8 +27,7 @@ from et_hpc.runs.store import RUN_CONFIG, RunStore, Store
 from et_hpc.util import format_table, num, pct, progress_bar
 
 Z95 = 1.959963984540054
-_COLUMNS = ["task_id", "sample", "status", "reward", "passed", "total", "split", "model", "created_at",
-            "episode_id"]
+_COLUMNS = ["task_id", "sample", "status", "reward", "passed", "total", "split", "model", "created_at", "episode_id"]
 
 
 class RunRow(BaseModel):
@@ -137,9 +136,17 @@ def run_row(rs: RunStore, split: str | None = None) -> RunRow:
     models = sorted({r["model"] for r in rows if r["model"]})
     model = (policy.get("model") if isinstance(policy, dict) else None) or (", ".join(models) or None)
     return RunRow(
-        run=rs.name, path=str(rs.path), time=when.isoformat() if when else None, time_source=source,
-        model=model, episodes=len(rows), ok=len(ok), errors=len(rows) - len(ok), solved=n_solved,
-        pass_rate=n_solved / len(ok) if ok else None, pass_rate_ci=wilson(n_solved, len(ok)),
+        run=rs.name,
+        path=str(rs.path),
+        time=when.isoformat() if when else None,
+        time_source=source,
+        model=model,
+        episodes=len(rows),
+        ok=len(ok),
+        errors=len(rows) - len(ok),
+        solved=n_solved,
+        pass_rate=n_solved / len(ok) if ok else None,
+        pass_rate_ci=wilson(n_solved, len(ok)),
         mean_reward=sum(rewards) / len(rewards) if rewards else None,
         mean_test_fraction=sum(fracs) / len(fracs) if fracs else None,
         task_rates={t: c[0] / c[1] for t, c in sorted(per_task.items())},
@@ -152,7 +159,8 @@ def task_changes(prev: RunRow, last: RunRow) -> TaskChanges:
     was = {t: prev.task_rates[t] > 0 for t in both}
     now = {t: last.task_rates[t] > 0 for t in both}
     return TaskChanges(
-        previous=prev.run, last=last.run,
+        previous=prev.run,
+        last=last.run,
         newly_solved=[t for t in both if now[t] and not was[t]],
         newly_failed=[t for t in both if was[t] and not now[t]],
         still_solved=sum(1 for t in both if now[t] and was[t]),
@@ -166,19 +174,20 @@ def build_report(store: Path | str, glob: str = "*", split: str | None = None) -
     """Score every run of ``store`` matching ``glob`` and compare each with the one before."""
     root = Path(store).expanduser()
     if not root.exists():
-        raise UserError(f"store {root} does not exist; pass the store folder that holds the runs "
-                        f"(e.g. $ET_HPC_STORE)")
+        raise UserError(f"store {root} does not exist; pass the store folder that holds the runs (e.g. $ET_HPC_STORE)")
     if not root.is_dir():
         raise UserError(f"store {root} is not a directory; pass the store folder that holds the runs")
     if (root / RUN_CONFIG).exists() or any(root.glob("part-*.parquet")):
-        raise UserError(f"{root} is one run, not a store; pass its parent folder {root.parent} "
-                        f"(with --glob '{root.name}' to report only this run)")
+        raise UserError(
+            f"{root} is one run, not a store; pass its parent folder {root.parent} (with --glob '{root.name}' to report only this run)"
+        )
     names = Store(root).runs()
     chosen = [n for n in names if fnmatch.fnmatchcase(n, glob)]
     if not chosen:
         shown = ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
-        raise UserError(f"no run in {root} matches --glob {glob!r}"
-                        + (f" (runs there: {shown})" if names else " (the store holds no runs)"))
+        raise UserError(
+            f"no run in {root} matches --glob {glob!r}" + (f" (runs there: {shown})" if names else " (the store holds no runs)")
+        )
     rows = [run_row(RunStore(root / n), split) for n in _progress(chosen)]
     for r in rows:
         r.capacity = run_capacity(RunStore(r.path), cores=os.cpu_count() or 1)
@@ -208,22 +217,49 @@ def _delta(r: RunRow) -> str:
     return f"{100 * r.delta:+.1f}pp{ci}{' *' if r.significant else ''}"
 
 
-HEADERS = ["run", "date", "model", "episodes", "ok", "errors", "pass rate [95% CI]", "mean reward",
-           "mean passed/total", "change vs previous [95% CI]"]
+HEADERS = [
+    "run",
+    "date",
+    "model",
+    "episodes",
+    "ok",
+    "errors",
+    "pass rate [95% CI]",
+    "mean reward",
+    "mean passed/total",
+    "change vs previous [95% CI]",
+]
 
 
 def table_rows(rep: Report) -> list[list[str]]:
     out = []
     for r in rep.runs:
         ci = f" [{pct(r.pass_rate_ci[0])}, {pct(r.pass_rate_ci[1])}]" if r.pass_rate_ci else ""
-        out.append([r.run, (r.time or "-")[:16].replace("T", " "), r.model or "-", str(r.episodes), str(r.ok),
-                    str(r.errors), pct(r.pass_rate) + ci, num(r.mean_reward, "{:.3f}"), num(r.mean_test_fraction, "{:.3f}"),
-                    _delta(r)])
+        out.append(
+            [
+                r.run,
+                (r.time or "-")[:16].replace("T", " "),
+                r.model or "-",
+                str(r.episodes),
+                str(r.ok),
+                str(r.errors),
+                pct(r.pass_rate) + ci,
+                num(r.mean_reward, "{:.3f}"),
+                num(r.mean_test_fraction, "{:.3f}"),
+                _delta(r),
+            ]
+        )
     return out
 
 
-CAPACITY_HEADERS = ["run", "episodes/hour", "model share", "infra overhead median / p95 s",
-                    "sandbox MB median / p95 / max", "accepted / GPU-hour"]
+CAPACITY_HEADERS = [
+    "run",
+    "episodes/hour",
+    "model share",
+    "infra overhead median / p95 s",
+    "sandbox MB median / p95 / max",
+    "accepted / GPU-hour",
+]
 
 
 def capacity_rows(rep: Report) -> list[list[str]]:
@@ -234,27 +270,41 @@ def capacity_rows(rep: Report) -> list[list[str]]:
             out.append([r.run, "-", "-", "-", "-", "-"])
             continue
         io, mem = c["infra_overhead_s"], c["sandbox_mem_mb"]
-        out.append([r.run, num(c["episodes_per_hour"]), pct(c["model_share"]),
-                    f"{num(io['median'], '{:.2f}')} / {num(io['p95'], '{:.2f}')}",
-                    f"{num(mem['median'])} / {num(mem['p95'])} / {num(mem['max'])}",
-                    num(c["trainer"]["accepted_per_gpu_hour"])])
+        out.append(
+            [
+                r.run,
+                num(c["episodes_per_hour"]),
+                pct(c["model_share"]),
+                f"{num(io['median'], '{:.2f}')} / {num(io['p95'], '{:.2f}')}",
+                f"{num(mem['median'])} / {num(mem['p95'])} / {num(mem['max'])}",
+                num(c["trainer"]["accepted_per_gpu_hour"]),
+            ]
+        )
     return out
 
 
-CAPACITY_NOTE = ("capacity: every recorded episode (retries included); episodes/hour over busy time; infra "
-                 "overhead = setup + scoring + teardown + queue; accepted = ok episodes of groups without an "
-                 "error member ('et-hpc status RUN --capacity' has the details and a projection)")
+CAPACITY_NOTE = (
+    "capacity: every recorded episode (retries included); episodes/hour over busy time; infra "
+    "overhead = setup + scoring + teardown + queue; accepted = ok episodes of groups without an "
+    "error member ('et-hpc status RUN --capacity' has the details and a projection)"
+)
 
 
 def format_text(rep: Report) -> str:
-    lines = [format_table(HEADERS, table_rows(rep)),
-             "* the 95% interval of the change excludes 0 (pp = percentage points)",
-             "", format_table(CAPACITY_HEADERS, capacity_rows(rep)), CAPACITY_NOTE]
+    lines = [
+        format_table(HEADERS, table_rows(rep)),
+        "* the 95% interval of the change excludes 0 (pp = percentage points)",
+        "",
+        format_table(CAPACITY_HEADERS, capacity_rows(rep)),
+        CAPACITY_NOTE,
+    ]
     c = rep.changes
     if c is not None:
-        lines.append(f"\n{c.previous} -> {c.last}: {len(c.newly_solved)} newly solved, "
-                     f"{len(c.newly_failed)} newly failed, {c.still_solved} still solved, "
-                     f"{c.still_failed} still failed")
+        lines.append(
+            f"\n{c.previous} -> {c.last}: {len(c.newly_solved)} newly solved, "
+            f"{len(c.newly_failed)} newly failed, {c.still_solved} still solved, "
+            f"{c.still_failed} still failed"
+        )
         for label, tasks in (("newly solved", c.newly_solved), ("newly failed", c.newly_failed)):
             if tasks:
                 lines.append(f"  {label}: {', '.join(tasks[:20])}" + (" ..." if len(tasks) > 20 else ""))
@@ -277,11 +327,15 @@ def svg_chart(runs: list[RunRow], width: int = 760, height: int = 300) -> str:
     def y(v: float) -> float:
         return top + h * (1 - v)
 
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-           f'viewBox="0 0 {width} {height}" role="img" aria-label="pass rate per run">']
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" role="img" aria-label="pass rate per run">'
+    ]
     for v in (0, 0.25, 0.5, 0.75, 1.0):
-        out.append(f'<line x1="{left}" y1="{y(v):.1f}" x2="{left + w}" y2="{y(v):.1f}" stroke="#ddd"/>'
-                   f'<text x="{left - 6}" y="{y(v) + 4:.1f}" font-size="11" text-anchor="end">{int(v * 100)}%</text>')
+        out.append(
+            f'<line x1="{left}" y1="{y(v):.1f}" x2="{left + w}" y2="{y(v):.1f}" stroke="#ddd"/>'
+            f'<text x="{left - 6}" y="{y(v) + 4:.1f}" font-size="11" text-anchor="end">{int(v * 100)}%</text>'
+        )
     if pts:
         path = " ".join(f"{'M' if k == 0 else 'L'}{x(i):.1f},{y(rate):.1f}" for k, (i, _, rate) in enumerate(pts))
         out.append(f'<path d="{path}" fill="none" stroke="#1f77b4" stroke-width="2"/>')
@@ -289,15 +343,21 @@ def svg_chart(runs: list[RunRow], width: int = 760, height: int = 300) -> str:
         cx, cy = x(i), y(rate)
         if r.pass_rate_ci:
             lo, hi = y(r.pass_rate_ci[0]), y(r.pass_rate_ci[1])
-            out.append(f'<line x1="{cx:.1f}" y1="{lo:.1f}" x2="{cx:.1f}" y2="{hi:.1f}" stroke="#555"/>'
-                       f'<line x1="{cx - 4:.1f}" y1="{lo:.1f}" x2="{cx + 4:.1f}" y2="{lo:.1f}" stroke="#555"/>'
-                       f'<line x1="{cx - 4:.1f}" y1="{hi:.1f}" x2="{cx + 4:.1f}" y2="{hi:.1f}" stroke="#555"/>')
-        out.append(f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="4" fill="#1f77b4">'
-                   f'<title>{html.escape(r.run)}: {pct(r.pass_rate)} of {r.ok}</title></circle>')
+            out.append(
+                f'<line x1="{cx:.1f}" y1="{lo:.1f}" x2="{cx:.1f}" y2="{hi:.1f}" stroke="#555"/>'
+                f'<line x1="{cx - 4:.1f}" y1="{lo:.1f}" x2="{cx + 4:.1f}" y2="{lo:.1f}" stroke="#555"/>'
+                f'<line x1="{cx - 4:.1f}" y1="{hi:.1f}" x2="{cx + 4:.1f}" y2="{hi:.1f}" stroke="#555"/>'
+            )
+        out.append(
+            f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="4" fill="#1f77b4">'
+            f"<title>{html.escape(r.run)}: {pct(r.pass_rate)} of {r.ok}</title></circle>"
+        )
     for i, (r, label) in enumerate(zip(runs, labels)):
-        out.append(f'<text x="{x(i):.1f}" y="{top + h + 14}" font-size="10" text-anchor="end" '
-                   f'transform="rotate(-30 {x(i):.1f} {top + h + 14})"><title>{html.escape(r.run)}</title>'
-                   f'{html.escape(label)}</text>')
+        out.append(
+            f'<text x="{x(i):.1f}" y="{top + h + 14}" font-size="10" text-anchor="end" '
+            f'transform="rotate(-30 {x(i):.1f} {top + h + 14})"><title>{html.escape(r.run)}</title>'
+            f"{html.escape(label)}</text>"
+        )
     out.append("</svg>")
     return "\n".join(out)
 
@@ -308,7 +368,8 @@ def format_html(rep: Report) -> str:
     head = "".join(f"<th>{e(h)}</th>" for h in HEADERS)
     body = "\n".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>" for row in table_rows(rep))
     parts = [
-        "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
         f"<title>et-hpc report: {e(rep.glob)}</title>",
         "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
         "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}td:first-child,th{text-align:left}"
@@ -320,18 +381,24 @@ def format_html(rep: Report) -> str:
         svg_chart(rep.runs),
         f"<p>Episodes, transcripts and tests: <code>et-hpc view {e(rep.store)}/RUN</code> writes a viewer per run.</p>",
         f"<h2>Runs</h2><table><thead><tr>{head}</tr></thead><tbody>\n{body}\n</tbody></table>",
-        "<h2>Capacity</h2><table><thead><tr>" + "".join(f"<th>{e(h)}</th>" for h in CAPACITY_HEADERS)
-        + "</tr></thead><tbody>\n" + "\n".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>"
-                                             for row in capacity_rows(rep))
+        "<h2>Capacity</h2><table><thead><tr>"
+        + "".join(f"<th>{e(h)}</th>" for h in CAPACITY_HEADERS)
+        + "</tr></thead><tbody>\n"
+        + "\n".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>" for row in capacity_rows(rep))
         + f"\n</tbody></table><p>{e(CAPACITY_NOTE)}</p>",
     ]
     c = rep.changes
     if c is not None:
-        parts.append(f"<h2>Tasks changed: {e(c.previous)} &rarr; {e(c.last)}</h2>"
-                     f"<p>{c.still_solved} still solved, {c.still_failed} still failed.</p>")
-        for label, tasks in (("Newly solved", c.newly_solved), ("Newly failed", c.newly_failed),
-                             ("Scored only in the previous run", c.only_previous),
-                             ("Scored only in the last run", c.only_last)):
+        parts.append(
+            f"<h2>Tasks changed: {e(c.previous)} &rarr; {e(c.last)}</h2>"
+            f"<p>{c.still_solved} still solved, {c.still_failed} still failed.</p>"
+        )
+        for label, tasks in (
+            ("Newly solved", c.newly_solved),
+            ("Newly failed", c.newly_failed),
+            ("Scored only in the previous run", c.only_previous),
+            ("Scored only in the last run", c.only_last),
+        ):
             items = "".join(f"<li><code>{e(t)}</code></li>" for t in tasks) or "<li>none</li>"
             parts.append(f"<h3>{label} ({len(tasks)})</h3><ul>{items}</ul>")
     parts.append("</body></html>\n")

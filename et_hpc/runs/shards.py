@@ -36,7 +36,8 @@ DEFAULT_TARGET_ROWS = 16384
 # dictionary encoding only for the repetitive columns (not transcripts, ids or token lists).
 COMPRESSION = "lz4"
 _DICT_COLS = [
-    n for n in EPISODE_SCHEMA.names
+    n
+    for n in EPISODE_SCHEMA.names
     if n not in ("episode_id", "messages", "prompt_token_ids", "token_ids", "logprobs", "error", "created_at")
 ]
 _UNIT_COLS = ["task_id", "sample", "status"]
@@ -97,8 +98,7 @@ def _first_per_key(table: pa.Table, keys: list[str]) -> pa.Table:
     keyed = table.select(list(dict.fromkeys(keys + ["created_at", "episode_id"]))).append_column("__not_ok", not_ok)
     order = pc.sort_indices(
         keyed,
-        sort_keys=[(k, "ascending") for k in keys]
-        + [("__not_ok", "ascending"), ("created_at", "descending"), ("episode_id", "ascending")],
+        sort_keys=[(k, "ascending") for k in keys] + [("__not_ok", "ascending"), ("created_at", "descending"), ("episode_id", "ascending")],
     )
     n = len(order)
     differs = None

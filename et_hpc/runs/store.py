@@ -114,8 +114,15 @@ class RunStore:
                 return write_table_atomic(self.path, records_to_table(list(records)))
             except Exception as e:  # noqa: BLE001 - any cause is retried, then reported with it
                 last = e
-                log.warning("run store %s: writing %d record(s) failed (attempt %d of %d): %s: %s",
-                            self.path, len(records), i + 1, attempts, type(e).__name__, e)
+                log.warning(
+                    "run store %s: writing %d record(s) failed (attempt %d of %d): %s: %s",
+                    self.path,
+                    len(records),
+                    i + 1,
+                    attempts,
+                    type(e).__name__,
+                    e,
+                )
         raise StoreWriteError(f"{type(last).__name__}: {last}") from last
 
     def write_or_error(self, records: list[EpisodeRecord]) -> tuple[Path | None, str | None]:
@@ -141,11 +148,7 @@ class RunStore:
     def shards(self) -> list[Path]:
         """Finished shards, oldest name first (names start with the UTC write time)."""
         try:
-            names = [
-                e.name
-                for e in os.scandir(self.path)
-                if e.name.startswith(PART_PREFIX) and e.name.endswith(".parquet")
-            ]
+            names = [e.name for e in os.scandir(self.path) if e.name.startswith(PART_PREFIX) and e.name.endswith(".parquet")]
         except FileNotFoundError:
             return []
         return [self.path / n for n in sorted(names)]
@@ -214,8 +217,9 @@ class RunStore:
                 except FileNotFoundError:
                     return f.name, None
                 except (OSError, pa.ArrowException) as e:
-                    raise UserError(f"shard {f} is not a readable parquet file ({str(e).splitlines()[0][:200]}); "
-                                    f"move it out of the run directory") from e
+                    raise UserError(
+                        f"shard {f} is not a readable parquet file ({str(e).splitlines()[0][:200]}); move it out of the run directory"
+                    ) from e
 
             with ThreadPoolExecutor(max_workers=min(16, max(1, len(todo)))) as ex:
                 for name, t in ex.map(one, todo):
@@ -237,9 +241,7 @@ class RunStore:
         """Status of every unit that has a record: ``{(task_id, sample): status}``; ``ok`` wins."""
         t = self._unit_keys()
         out: dict[tuple[str, int], str] = {}
-        for task, sample, status in zip(
-            t.column("task_id").to_pylist(), t.column("sample").to_pylist(), t.column("status").to_pylist()
-        ):
+        for task, sample, status in zip(t.column("task_id").to_pylist(), t.column("sample").to_pylist(), t.column("status").to_pylist()):
             key = (task, sample)
             if out.get(key) != "ok":
                 out[key] = status
@@ -250,8 +252,9 @@ class RunStore:
         table = self.read()
         return table, groups_of(table)
 
-    def select(self, on_error: str = "mask", drop_zero_variance: bool = False,
-               columns: list[str] | None = None) -> tuple[pa.Table, list[Group], GroupCounts]:
+    def select(
+        self, on_error: str = "mask", drop_zero_variance: bool = False, columns: list[str] | None = None
+    ) -> tuple[pa.Table, list[Group], GroupCounts]:
         """What a trainer may train on: ok episodes of the selected groups (see ``select_groups``).
 
         Returns the table of those episodes (grouped, groups in first-seen order, members by
@@ -280,11 +283,7 @@ class RunStore:
         ok_mask = pc.equal(t.column("status"), "ok")
         ok_t = t.filter(ok_mask)
         rewards = [r for r in ok_t.column("reward").to_pylist() if r is not None]
-        fracs = [
-            p / n
-            for p, n in zip(ok_t.column("passed").to_pylist(), ok_t.column("total").to_pylist())
-            if p is not None and n
-        ]
+        fracs = [p / n for p, n in zip(ok_t.column("passed").to_pylist(), ok_t.column("total").to_pylist()) if p is not None and n]
         n_solved = sum(1 for r in rewards if is_solved(r))
         plan = (self.config() or {}).get("plan")
         planned = plan.get("units_total") if isinstance(plan, dict) else None
@@ -316,8 +315,9 @@ def _raise_bad_shard(files: list[Path], err: Exception) -> None:
         except FileNotFoundError:
             continue
         except (OSError, pa.ArrowException) as e:
-            raise UserError(f"shard {f} is not a readable parquet file ({str(e).splitlines()[0][:200]}); "
-                            f"move it out of the run directory") from e
+            raise UserError(
+                f"shard {f} is not a readable parquet file ({str(e).splitlines()[0][:200]}); move it out of the run directory"
+            ) from e
     raise err
 
 

@@ -33,17 +33,62 @@ CHUNK_EPISODES = 64
 CHUNK_BYTES = 2_000_000
 
 # the compact row of every episode (run page), in this order; strings are dictionary-encoded
-INDEX_COLS = ["episode_id", "task_id", "sample", "group_id", "status", "reward", "passed", "total", "stop_reason",
-              "score_note", "policy_version", "turns", "prompt_tokens", "completion_tokens", "timings", "peak_mem_mb",
-              "error", "created_at"]
+INDEX_COLS = [
+    "episode_id",
+    "task_id",
+    "sample",
+    "group_id",
+    "status",
+    "reward",
+    "passed",
+    "total",
+    "stop_reason",
+    "score_note",
+    "policy_version",
+    "turns",
+    "prompt_tokens",
+    "completion_tokens",
+    "timings",
+    "peak_mem_mb",
+    "error",
+    "created_at",
+]
 _DICT_FIELDS = ("task", "group", "status", "stop", "note", "pv", "error")
 _TIME_FIELDS = ("queue_s", "setup_s", "agent_s", "model_s", "exec_s", "score_s", "teardown_s", "total_s")
 # the details of an episode (episode page); JSON columns are copied into the data file as they are
-DETAIL_COLS = ["episode_id", "messages", "tests", "events", "timings", "prompt_token_ids", "token_ids", "logprobs",
-               "tokens_source", "token_drift", "policy_version", "policy_versions", "crossed_version", "model",
-               "policy_kind", "sampling_params", "split", "host", "worker", "slurm_job_id", "slurm_array_task_id",
-               "image_digest", "image_path", "peak_mem_mb", "peak_pids", "interpreter", "versions", "error",
-               "score_note", "created_at", "turn_s"]
+DETAIL_COLS = [
+    "episode_id",
+    "messages",
+    "tests",
+    "events",
+    "timings",
+    "prompt_token_ids",
+    "token_ids",
+    "logprobs",
+    "tokens_source",
+    "token_drift",
+    "policy_version",
+    "policy_versions",
+    "crossed_version",
+    "model",
+    "policy_kind",
+    "sampling_params",
+    "split",
+    "host",
+    "worker",
+    "slurm_job_id",
+    "slurm_array_task_id",
+    "image_digest",
+    "image_path",
+    "peak_mem_mb",
+    "peak_pids",
+    "interpreter",
+    "versions",
+    "error",
+    "score_note",
+    "created_at",
+    "turn_s",
+]
 _RAW_JSON = ("messages", "sampling_params", "versions")
 
 
@@ -106,8 +151,22 @@ def _index(rs: RunStore) -> tuple[dict[str, Any], list[str]]:
     timings = table.column("timings").to_pylist()
     order = sorted(range(table.num_rows), key=lambda i: (cols["task_id"][i], cols["sample"][i]))
     dicts = {k: _Dict() for k in _DICT_FIELDS}
-    out: dict[str, list] = {k: [] for k in ("id", "sample", "reward", "passed", "total", "turns", "ptok", "ctok",
-                                            "mem", "start", *(f"t_{t.removesuffix('_s')}" for t in _TIME_FIELDS))}
+    out: dict[str, list] = {
+        k: []
+        for k in (
+            "id",
+            "sample",
+            "reward",
+            "passed",
+            "total",
+            "turns",
+            "ptok",
+            "ctok",
+            "mem",
+            "start",
+            *(f"t_{t.removesuffix('_s')}" for t in _TIME_FIELDS),
+        )
+    }
     for i in order:
         out["id"].append(cols["episode_id"][i])
         dicts["task"].add(cols["task_id"][i])
@@ -121,8 +180,13 @@ def _index(rs: RunStore) -> tuple[dict[str, Any], list[str]]:
         dicts["error"].add(err[:300] if err else None)
         out["sample"].append(cols["sample"][i])
         out["reward"].append(_num(cols["reward"][i], 6))
-        for k, c in (("passed", "passed"), ("total", "total"), ("turns", "turns"), ("ptok", "prompt_tokens"),
-                     ("ctok", "completion_tokens")):
+        for k, c in (
+            ("passed", "passed"),
+            ("total", "total"),
+            ("turns", "turns"),
+            ("ptok", "prompt_tokens"),
+            ("ctok", "completion_tokens"),
+        ):
             out[k].append(cols[c][i])
         out["mem"].append(_num(cols["peak_mem_mb"][i], 1))
         t = timings[i] or {}
@@ -212,8 +276,15 @@ def _write_run(rs: RunStore, key: str, data_dir: Path) -> RunSite:
     flush()
     index["chunk"] = [chunk_of.get(i, -1) for i in ids]
     cfg = rs.config() or {}
-    meta = {"key": key, "name": rs.name, "path": str(rs.path), "planned_at": cfg.get("planned_at"),
-            "units_total": (cfg.get("plan") or {}).get("units_total"), "episodes": len(ids), "chunks": n_chunks}
+    meta = {
+        "key": key,
+        "name": rs.name,
+        "path": str(rs.path),
+        "planned_at": cfg.get("planned_at"),
+        "units_total": (cfg.get("plan") or {}).get("units_total"),
+        "episodes": len(ids),
+        "chunks": n_chunks,
+    }
     total += _write(data_dir / f"{key}.js", f"ETV.run({_js(key)},{_js(meta)},{_js(index)});\n")
     return RunSite(key=key, name=rs.name, path=str(rs.path), episodes=len(ids), chunks=n_chunks, data_bytes=total)
 
@@ -225,15 +296,19 @@ def _check_out(out: Path) -> None:
         page = out / "index.html"
         ours = page.is_file() and MARKER in page.read_text(encoding="utf-8", errors="replace")[:4000]
         if not ours:
-            raise UserError(f"-o {out} is a directory holding other files; give an empty or new directory "
-                            f"(or one an earlier 'et-hpc view' wrote)")
+            raise UserError(
+                f"-o {out} is a directory holding other files; give an empty or new directory (or one an earlier 'et-hpc view' wrote)"
+            )
 
 
 def page_html(runs: list[RunSite], title: str) -> str:
     """The viewer page with the list of runs written in (as JSON no markup can break out of)."""
-    manifest = {"title": title, "generated": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                "version": __version__,
-                "runs": [{"key": r.key, "name": r.name, "path": r.path, "episodes": r.episodes} for r in runs]}
+    manifest = {
+        "title": title,
+        "generated": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "version": __version__,
+        "runs": [{"key": r.key, "name": r.name, "path": r.path, "episodes": r.episodes} for r in runs],
+    }
     text = _js(manifest).replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
     page = PAGE.read_text(encoding="utf-8").replace("/*MANIFEST*/null", text)
     # the page's own script is the only inline script allowed to run (its hash in the page's CSP)

@@ -40,8 +40,7 @@ CLONE_NEWIPC = 0x08000000
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
-NAMESPACES = (("user", CLONE_NEWUSER), ("mnt", CLONE_NEWNS), ("pid", CLONE_NEWPID),
-              ("net", CLONE_NEWNET), ("ipc", CLONE_NEWIPC))
+NAMESPACES = (("user", CLONE_NEWUSER), ("mnt", CLONE_NEWNS), ("pid", CLONE_NEWPID), ("net", CLONE_NEWNET), ("ipc", CLONE_NEWIPC))
 
 
 def helper_argv() -> list[str]:
@@ -116,23 +115,24 @@ def _emitter(marker: str) -> Emit:
     def emit(d: dict) -> None:
         os.write(1, ("\n" + marker + json.dumps(d) + "\n").encode())
         os._exit(0)
+
     return emit
 
 
 def _drive(cfg: dict, w: int, devnull: int) -> None:
     """The driver (forked child): runs the tests and sends its messages, one JSON line each, on ``w``."""
+
     def send(d: dict) -> None:
         data = (json.dumps(d) + "\n").encode()
         while data:
-            data = data[os.write(w, data):]
+            data = data[os.write(w, data) :]
 
     try:
         send(_run_pytest(cfg, send, devnull))
     except Refused as e:
         send({"kind": "agent", "error": str(e.args[0]), "stage": e.args[1] if len(e.args) > 1 else "view"})
     except Infra as e:
-        send({"kind": "infra", "error": str(e.args[0]),
-              "stage": e.args[1] if len(e.args) > 1 else "prepare"})
+        send({"kind": "infra", "error": str(e.args[0]), "stage": e.args[1] if len(e.args) > 1 else "prepare"})
     except BaseException as e:  # noqa: BLE001 - our bug, or (once the tests started) theirs
         send({"kind": "failed", "error": f"scoring driver failed: {type(e).__name__}: {e}"})
     os._exit(0)
@@ -179,16 +179,19 @@ def _driver_result(buf: bytes, status: int) -> dict:
             res = {**res, "kind": "disturbed" if started else "infra"}
         res["stages"] = {**res.get("stages", {}), **STAGES}
         return res
-    how = (f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status)
-           else f"exit {os.WEXITSTATUS(status)}")
+    how = f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"exit {os.WEXITSTATUS(status)}"
     # once the tests started, programs they run (the agent's) can kill it or lower its rlimits
-    return {"kind": "disturbed" if started else "infra", "stage": "tests" if started else "prepare",
-            "error": f"the scoring driver ended ({how}) {'while the tests ran' if started else 'before the tests ran'}"}
+    return {
+        "kind": "disturbed" if started else "infra",
+        "stage": "tests" if started else "prepare",
+        "error": f"the scoring driver ended ({how}) {'while the tests ran' if started else 'before the tests ran'}",
+    }
 
 
 def main() -> None:
     import resource  # noqa: F401 - needed after entering, when nothing can be imported
     import stat  # noqa: F401
+
     _mark("imported")
     raw = _read_config()
     _mark("config_read")

@@ -45,7 +45,7 @@ WORK_DIRS = ("tmp", "mnt", "media", "srv", "opt", "run")  # in the pristine tree
 # unittest; skip/xfail marks; warnings) stays.
 UNUSED_PLUGINS = ("pastebin", "setuponly", "setupplan", "stepwise", "python_path")
 # Run by the pristine python: its own site dirs only, non-dumpable, a fence before the report.
-BOOT = r'''
+BOOT = r"""
 import time
 _t = {"start": time.monotonic()}
 import os, sys, site
@@ -113,11 +113,11 @@ for f in (sys.stdout, sys.stderr):
     except Exception:
         pass
 os._exit(rc if isinstance(rc, int) else 1)
-'''
+"""
 
 
 # Warm-up mode: the pristine python as far as pytest and its builtin plugins, nothing of a task's.
-WARM = r'''
+WARM = r"""
 import os, sys, site
 for d in %(sitedirs)r:
     if os.path.isdir(d) and not os.path.islink(d):
@@ -135,7 +135,7 @@ try:
 except Exception:
     pass
 os._exit(0)
-'''
+"""
 
 
 def _warm(cfg: dict, devnull: int) -> dict:
@@ -148,8 +148,18 @@ def _warm(cfg: dict, devnull: int) -> dict:
     ver = _python_version(pristine)
     if ver is None or not (os.path.isfile(loader) and os.path.isfile(python)):
         return {"kind": "warm", "ran": False}
-    argv = [loader, "--inhibit-cache", "--library-path", ":".join(cfg["libdirs"]), python, "-I", "-S", "-B",
-            "-c", WARM % {"sitedirs": _sitedirs(pristine, ver)}]
+    argv = [
+        loader,
+        "--inhibit-cache",
+        "--library-path",
+        ":".join(cfg["libdirs"]),
+        python,
+        "-I",
+        "-S",
+        "-B",
+        "-c",
+        WARM % {"sitedirs": _sitedirs(pristine, ver)},
+    ]
     env = {"PATH": cfg["path"], "HOME": "/", "LANG": "C.UTF-8", "LOCPATH": pristine + "/usr/lib/locale"}
 
     def child() -> None:  # niced already: the helper is
@@ -162,8 +172,9 @@ def _warm(cfg: dict, devnull: int) -> dict:
     # leave the child to its parent-death signal: see ended)
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:
-        p = subprocess.Popen(argv, env=env, stdin=devnull, stdout=devnull, stderr=devnull, close_fds=True,
-                             start_new_session=True, preexec_fn=child, cwd="/")
+        p = subprocess.Popen(
+            argv, env=env, stdin=devnull, stdout=devnull, stderr=devnull, close_fds=True, start_new_session=True, preexec_fn=child, cwd="/"
+        )
     except OSError as e:
         return {"kind": "warm", "ran": False, "error": str(e)}
 
@@ -192,15 +203,20 @@ def _warm(cfg: dict, devnull: int) -> dict:
 
 def _sitedirs(pristine: str, ver: str) -> list[str]:
     pre = pristine + "/usr"
-    return [pre + "/local/lib/" + ver + "/dist-packages", pre + "/lib/python3/dist-packages",
-            pre + "/lib/" + ver + "/dist-packages", pre + "/local/lib/" + ver + "/site-packages",
-            pre + "/lib/" + ver + "/site-packages"]
+    return [
+        pre + "/local/lib/" + ver + "/dist-packages",
+        pre + "/lib/python3/dist-packages",
+        pre + "/lib/" + ver + "/dist-packages",
+        pre + "/local/lib/" + ver + "/site-packages",
+        pre + "/lib/" + ver + "/site-packages",
+    ]
 
 
 def _python_version(pristine: str) -> str | None:
     try:
-        names = sorted(n for n in os.listdir(pristine + "/usr/lib") if n.startswith("python3.")
-                       and os.path.isfile(f"{pristine}/usr/lib/{n}/os.py"))
+        names = sorted(
+            n for n in os.listdir(pristine + "/usr/lib") if n.startswith("python3.") and os.path.isfile(f"{pristine}/usr/lib/{n}/os.py")
+        )
     except OSError:
         return None
     return names[-1] if names else None
@@ -222,8 +238,18 @@ def _pristine_control(cfg: dict, ver: str, devnull: int) -> bool:
     tests' root came from the state the agent left."""
     pristine = cfg["pristine"]
     n = len(pristine)
-    argv = [cfg["loader"][n:], "--inhibit-cache", "--library-path", ":".join(d[n:] for d in cfg["libdirs"]),
-            "/usr/bin/python3", "-I", "-S", "-B", "-c", CONTROL % {"sitedirs": _sitedirs("", ver)}]
+    argv = [
+        cfg["loader"][n:],
+        "--inhibit-cache",
+        "--library-path",
+        ":".join(d[n:] for d in cfg["libdirs"]),
+        "/usr/bin/python3",
+        "-I",
+        "-S",
+        "-B",
+        "-c",
+        CONTROL % {"sitedirs": _sitedirs("", ver)},
+    ]
     env = {"PATH": cfg["path"], "HOME": "/", "LANG": "C.UTF-8", "LOCPATH": "/usr/lib/locale"}
 
     def child() -> None:
@@ -233,8 +259,9 @@ def _pristine_control(cfg: dict, ver: str, devnull: int) -> bool:
         drop_privileges()
 
     try:
-        p = subprocess.Popen(argv, env=env, stdin=devnull, stdout=devnull, stderr=devnull, close_fds=True,
-                             start_new_session=True, preexec_fn=child, cwd="/")
+        p = subprocess.Popen(
+            argv, env=env, stdin=devnull, stdout=devnull, stderr=devnull, close_fds=True, start_new_session=True, preexec_fn=child, cwd="/"
+        )
         return p.wait(timeout=60) == 0
     except (OSError, subprocess.SubprocessError):
         return False
@@ -247,8 +274,10 @@ def _no_survivors(me: int) -> None:
     if left:  # the host's sweep ended every process of the instance before we entered
         ok, _ = kill_all(me)
         _mark("killed")
-        raise Refused(f"{len(left)} process(es) of the instance outlived the sweep from the host "
-                      f"({'killed' if ok else 'not all could be killed'})", "survivors")
+        raise Refused(
+            f"{len(left)} process(es) of the instance outlived the sweep from the host ({'killed' if ok else 'not all could be killed'})",
+            "survivors",
+        )
     _mark("killed")
 
 
@@ -338,12 +367,38 @@ def _run_pytest(cfg: dict, send: Callable[[dict], None], devnull: int) -> dict:
     if why:
         notes.append(f"{why}: the tests ran from /")
     libdirs = ":".join(cfg["libdirs"])
-    argv = [loader, "--inhibit-cache", "--library-path", libdirs, python, "-I", "-S", "-B", "-c",
-            BOOT % {"sitedirs": _sitedirs(pristine, ver), "junit": junit, "stages": stages},
-            "-p", "no:cacheprovider", *(a for n in UNUSED_PLUGINS for a in ("-p", "no:" + n)),
-            "--rootdir", work, "-c", ini, "--noconftest", "--junitxml", junit, "-q", path]
-    env = {"PATH": cfg["path"], "HOME": home, "LANG": "C.UTF-8", "LOCPATH": pristine + "/usr/lib/locale",
-           "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "TMPDIR": tmpdir}
+    argv = [
+        loader,
+        "--inhibit-cache",
+        "--library-path",
+        libdirs,
+        python,
+        "-I",
+        "-S",
+        "-B",
+        "-c",
+        BOOT % {"sitedirs": _sitedirs(pristine, ver), "junit": junit, "stages": stages},
+        "-p",
+        "no:cacheprovider",
+        *(a for n in UNUSED_PLUGINS for a in ("-p", "no:" + n)),
+        "--rootdir",
+        work,
+        "-c",
+        ini,
+        "--noconftest",
+        "--junitxml",
+        junit,
+        "-q",
+        path,
+    ]
+    env = {
+        "PATH": cfg["path"],
+        "HOME": home,
+        "LANG": "C.UTF-8",
+        "LOCPATH": pristine + "/usr/lib/locale",
+        "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+        "TMPDIR": tmpdir,
+    }
 
     def child() -> None:
         _limits(cfg)
@@ -358,8 +413,17 @@ def _run_pytest(cfg: dict, send: Callable[[dict], None], devnull: int) -> dict:
     # whatever ends or breaks it is the state's doing (see enter.main)
     send({"stage": "pytest_started"})
     try:
-        p = subprocess.Popen(argv, env=env, stdin=devnull, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             close_fds=True, start_new_session=True, preexec_fn=child, cwd="/")
+        p = subprocess.Popen(
+            argv,
+            env=env,
+            stdin=devnull,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            close_fds=True,
+            start_new_session=True,
+            preexec_fn=child,
+            cwd="/",
+        )
     except OSError as e:
         raise Infra(f"the pristine interpreter could not be started: {e}") from None
     _mark("pytest_spawned")
@@ -378,11 +442,27 @@ def _run_pytest(cfg: dict, send: Callable[[dict], None], devnull: int) -> dict:
     if interp is not None:
         control = _pristine_control(cfg, ver, devnull)
         _mark("control")
-        return {"kind": "interp", "control": control, "error": interp + ": " + out.strip()[-300:],
-                "out": out, "notes": notes, "stages": STAGES}
-    return {"kind": "ran", "rc": rc if rc >= 0 else None, "signal": -rc if rc < 0 else None,
-            "timed_out": timed_out, "junit": report, "out": out, "killed": 0,
-            "killed_after": killed_after, "cwd": cwd, "notes": notes, "stages": STAGES}
+        return {
+            "kind": "interp",
+            "control": control,
+            "error": interp + ": " + out.strip()[-300:],
+            "out": out,
+            "notes": notes,
+            "stages": STAGES,
+        }
+    return {
+        "kind": "ran",
+        "rc": rc if rc >= 0 else None,
+        "signal": -rc if rc < 0 else None,
+        "timed_out": timed_out,
+        "junit": report,
+        "out": out,
+        "killed": 0,
+        "killed_after": killed_after,
+        "cwd": cwd,
+        "notes": notes,
+        "stages": STAGES,
+    }
 
 
 def _read_stages(path: str) -> None:

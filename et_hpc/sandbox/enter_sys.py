@@ -29,6 +29,7 @@ STAGES: dict[str, float] = {"helper_start": T_START}  # stage -> time.monotonic(
 def _mark(stage: str) -> None:
     STAGES[stage] = time.monotonic()
 
+
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p)
 
@@ -48,12 +49,14 @@ def _check(rc: int, what: str) -> None:
 
 
 def _mount(src: str, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
-    _check(_libc.mount(src.encode(), target.encode(), fstype.encode() if fstype else None, flags,
-                       data.encode() if data else None), f"mount {target}")
+    _check(
+        _libc.mount(src.encode(), target.encode(), fstype.encode() if fstype else None, flags, data.encode() if data else None),
+        f"mount {target}",
+    )
 
 
 def _stat_fields(text: str) -> list[str]:
-    return text[text.rfind(")") + 2:].split()
+    return text[text.rfind(")") + 2 :].split()
 
 
 def _others(me: int) -> list[int]:
@@ -91,6 +94,7 @@ def _read_small(path: str, limit: int = 65536) -> str | None:
     """A regular file of ours (the report, stage times: on scoring's own tmpfs) as text, or None
     if it is absent or not a regular file (never blocks on a FIFO a test's program left there)."""
     import stat as _st
+
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_NOFOLLOW)
     except OSError:
@@ -106,8 +110,7 @@ def _read_small(path: str, limit: int = 65536) -> str | None:
 
 
 class _Caps(ctypes.Structure):
-    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
-                ("inheritable", ctypes.c_uint32)]
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
 
 
 class _CapHdr(ctypes.Structure):
@@ -127,9 +130,14 @@ def drop_privileges() -> None:
 
 def _limits(cfg: dict) -> None:
     import resource as _r
+
     lim = cfg.get("limits") or {}
-    for name, res, scale in (("vmem_mb", _r.RLIMIT_AS, 1 << 20), ("nproc", _r.RLIMIT_NPROC, 1),
-                             ("fsize_mb", _r.RLIMIT_FSIZE, 1 << 20), ("cpu_s", _r.RLIMIT_CPU, 1)):
+    for name, res, scale in (
+        ("vmem_mb", _r.RLIMIT_AS, 1 << 20),
+        ("nproc", _r.RLIMIT_NPROC, 1),
+        ("fsize_mb", _r.RLIMIT_FSIZE, 1 << 20),
+        ("cpu_s", _r.RLIMIT_CPU, 1),
+    ):
         v = lim.get(name)
         if v:
             _r.setrlimit(res, (int(v) * scale, int(v) * scale))

@@ -29,6 +29,7 @@ def _place(src: str, st: os.stat_result, dst: str) -> None:
     """``dst`` (in the view) shows ``src``: the same symlink, or a bind mount of the object itself
     (a directory recursively, with what is mounted below it)."""
     import stat as _st
+
     if _st.S_ISLNK(st.st_mode):
         os.symlink(os.readlink(src), dst)
         return
@@ -88,6 +89,7 @@ def _dir_like(src: str, dst: str) -> None:
     except OSError:
         return
     import stat as _st
+
     if _st.S_ISDIR(st.st_mode):
         os.chmod(dst, _st.S_IMODE(st.st_mode))
         try:
@@ -129,6 +131,7 @@ def runtime_view(pristine: str, avoid: str, notes: list[str]) -> None:
     except OSError as e:
         raise Infra(f"could not build the tests' root: {e}") from None
     import stat as _st
+
     for d, skip in (("/usr", LIB_NAMES), ("/etc", ETC_RUNTIME)):
         try:
             is_dir = _st.S_ISDIR(os.stat(d).st_mode)
@@ -156,6 +159,7 @@ def _usable_dir(path: str) -> str | None:
     """Why ``path`` is not a directory the agent's uid can enter and list, or None if it is."""
     try:
         import stat as _st
+
         st = os.stat(path)
     except OSError as e:
         return f"{path} is unusable ({e.strerror})"

@@ -31,7 +31,7 @@ class Helper:
         try:
             view = memoryview(b"%d\n" % len(payload) + payload)
             while view:
-                view = view[os.write(self.cfg_w, view):]
+                view = view[os.write(self.cfg_w, view) :]
         except OSError:
             pass
         finally:
@@ -42,8 +42,9 @@ def spawn(stdout: int = subprocess.PIPE) -> Helper:
     """Start a helper now (OSError when it cannot be started)."""
     cfg_r, cfg_w = os.pipe()  # the config goes through a pipe only we hold
     try:
-        proc = subprocess.Popen(enter.helper_argv(), stdin=cfg_r, stdout=stdout, stderr=stdout,
-                                start_new_session=True, close_fds=True, env={})
+        proc = subprocess.Popen(
+            enter.helper_argv(), stdin=cfg_r, stdout=stdout, stderr=stdout, start_new_session=True, close_fds=True, env={}
+        )
     except OSError:
         os.close(cfg_w)
         raise

@@ -24,7 +24,7 @@ from et_hpc.host import procfs
 
 # Runs as a separate host process: enters the instance's user and mount namespaces, then answers
 # one JSON line per request line: "s" -> {"used": {mountpoint: bytes}}, "e PATH" -> {"freed": bytes}.
-_HELPER = r'''
+_HELPER = r"""
 import ctypes, json, os, shutil, sys
 pid = int(sys.argv[1])
 def unescape(p):
@@ -115,7 +115,7 @@ for line in sys.stdin:
         res["error"] = str(e)
     sys.stdout.write(json.dumps(res) + "\n")
     sys.stdout.flush()
-'''
+"""
 
 
 class TmpfsProbe:
@@ -131,8 +131,12 @@ class TmpfsProbe:
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-I", "-S", "-c", _HELPER, str(init_pid)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                text=True, close_fds=True, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+                close_fds=True,
+                env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
             )
             first = self._ask(None)
         except OSError as e:
@@ -302,6 +306,7 @@ def nested_tmpfs(probe: TmpfsProbe, own_mnt: str | None, pids: list[int], counte
                 counted.add(dev)
                 out[f"{mp} (nested mount namespace of pid {pid})"] = used
     return out
+
 
 def _open_file(pid: int, fd: str) -> tuple[str, os.stat_result] | None:
     """The path and stat of a regular file behind ``pid``'s ``fd`` (not /dev, /proc), or None."""

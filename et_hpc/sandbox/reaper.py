@@ -53,8 +53,7 @@ def _name_owner(name: str) -> int | None:
     return int(m.group("pid"))
 
 
-def reap(scratch: Path | None = None, all_runs: bool = False, dry_run: bool = False,
-         wait_starts: bool = True) -> ReapReport:
+def reap(scratch: Path | None = None, all_runs: bool = False, dry_run: bool = False, wait_starts: bool = True) -> ReapReport:
     """Stop dead workers' instances and delete their overlays and registry files.
 
     Default: what the registry and overlay files in this node's scratch name. ``all_runs``: also any
@@ -196,6 +195,7 @@ def start_reaping(stop: threading.Event, interval_s: float, scratch: Path | None
     """A daemon thread that reaps dead workers' sandboxes on this node every ``interval_s`` until
     ``stop`` is set. Each round costs a directory listing and a look at /proc; apptainer is started
     only when a dead owner's sandbox is found."""
+
     def loop() -> None:
         while not stop.wait(interval_s):
             reap_dead(scratch, wait_starts=False)

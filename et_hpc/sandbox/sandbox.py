@@ -48,6 +48,7 @@ _LIVE_LOCK = threading.Lock()
 _HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
 _installed = False
 
+
 class Sandbox:
     """One apptainer instance for one episode (the options: docs/sandbox.md, "The sandbox").
 
@@ -362,7 +363,7 @@ class Sandbox:
                 st = Path(f"/proc/{pid}/stat").read_text()
             except OSError as e:
                 raise InfraError(f"instance {self.name}: init {pid} is gone: {e}") from None
-            self._init = (pid, st[st.rfind(")") + 2:].split()[19])
+            self._init = (pid, st[st.rfind(")") + 2 :].split()[19])
         return self._init
 
     def health(self) -> str:
@@ -380,7 +381,7 @@ class Sandbox:
             pid, start = self._init
             try:
                 st = Path(f"/proc/{pid}/stat").read_text()
-                return "alive" if st[st.rfind(")") + 2:].split()[19] == start else "gone"
+                return "alive" if st[st.rfind(")") + 2 :].split()[19] == start else "gone"
             except FileNotFoundError:
                 return "gone"
             except OSError as e:
@@ -474,6 +475,7 @@ def wait_for_start(name: str, timeout_s: float = START_WAIT_S) -> bool:
 
 
 # -- stopping on signals and exit ------------------------------------------------------------
+
 
 def live_sandboxes() -> list[Sandbox]:
     with _LIVE_LOCK:

@@ -43,8 +43,10 @@ _LOADERS = {
 }
 # Scoring rlimits when the sandbox does not set its own (``vmem_mb``, ``nproc``, ``fsize_mb``).
 DEFAULT_LIMITS = {"vmem_mb": 8192, "nproc": 512, "fsize_mb": 4096}
-GONE_NOTE = ("the instance ended after the agent's last turn (its init exited while the sandbox was "
-             "live; an agent can do this from inside, e.g. kill -TERM 1)")
+GONE_NOTE = (
+    "the instance ended after the agent's last turn (its init exited while the sandbox was "
+    "live; an agent can do this from inside, e.g. kill -TERM 1)"
+)
 
 
 class TestOutcome(TestResult):
@@ -72,8 +74,7 @@ class ScoreResult(BaseModel):
 def pristine_layout(pristine: str = PRISTINE) -> tuple[str, list[str]]:
     """(the pristine dynamic loader, its library dirs) for this machine's architecture."""
     arch, ld = _LOADERS.get(platform.machine(), _LOADERS["x86_64"])
-    libdirs = [f"{pristine}/usr/lib/{arch}", f"{pristine}/lib/{arch}", f"{pristine}/usr/lib64",
-               f"{pristine}/usr/lib", f"{pristine}/lib"]
+    libdirs = [f"{pristine}/usr/lib/{arch}", f"{pristine}/lib/{arch}", f"{pristine}/usr/lib64", f"{pristine}/usr/lib", f"{pristine}/lib"]
     return f"{pristine}/usr/lib/{arch}/{ld}", libdirs
 
 
@@ -106,8 +107,12 @@ def run_tests(
     host: dict[str, float] = {}
     if not sandbox.pristine_bound:
         sandbox.close_shells()
-        return _error("the image's pristine copy is not bound at /.et-pristine (apptainer could not "
-                      "find its root partition), so no untouched interpreter exists", "", t0)
+        return _error(
+            "the image's pristine copy is not bound at /.et-pristine (apptainer could not "
+            "find its root partition), so no untouched interpreter exists",
+            "",
+            t0,
+        )
     try:
         sandbox.prepare()  # a no-op once the agent's first shell did it
         pid, start = sandbox.init_process()
@@ -122,15 +127,24 @@ def run_tests(
     if swept.init_gone:
         return _decide(sandbox, Facts("infra"), {"error": "the instance's init ended before scoring"}, t0)
     if swept.left:
-        return _decide(sandbox, Facts("swept_left"), {"error": f"{swept.left} process(es) of the instance "
-                                                      "could not be killed from the host"}, t0)
+        return _decide(
+            sandbox, Facts("swept_left"), {"error": f"{swept.left} process(es) of the instance could not be killed from the host"}, t0
+        )
     marker = "ET-SCORE-" + secrets.token_hex(12) + ":"
     loader, libdirs = pristine_layout()
     cfg = {
-        "pid": pid, "starttime": start, "marker": marker, "pristine": PRISTINE, "loader": loader,
-        "libdirs": libdirs, "source": source,
+        "pid": pid,
+        "starttime": start,
+        "marker": marker,
+        "pristine": PRISTINE,
+        "loader": loader,
+        "libdirs": libdirs,
+        "source": source,
         "name": tests.name if tests.name.startswith("test_") else "test_" + tests.name,
-        "home": sandbox.home, "path": CLEAN_PATH, "timeout": timeout_s, "tail": tail_chars,
+        "home": sandbox.home,
+        "path": CLEAN_PATH,
+        "timeout": timeout_s,
+        "tail": tail_chars,
         "limits": scoring_limits(sandbox, timeout_s),
     }
     host["config"] = time.monotonic()
@@ -153,9 +167,13 @@ def run_tests(
     text = out.decode("utf-8", "replace")
     i = text.rfind(marker)
     if i < 0:  # the helper itself (a host process outside the instance's reach) failed
-        return _decide(sandbox, Facts("infra"), {"error": f"the scoring helper failed (exit {proc.returncode}): "
-                       f"{(text + err.decode('utf-8', 'replace')).strip()[-500:]}"}, t0)
-    res = json.loads(text[i + len(marker):].strip().splitlines()[0])
+        return _decide(
+            sandbox,
+            Facts("infra"),
+            {"error": f"the scoring helper failed (exit {proc.returncode}): {(text + err.decode('utf-8', 'replace')).strip()[-500:]}"},
+            t0,
+        )
+    res = json.loads(text[i + len(marker) :].strip().splitlines()[0])
     res["killed"] = swept.killed
     host["helper_done"] = time.monotonic()
     r = _decide(sandbox, facts_of(res), res, t0, timeout_s=timeout_s)
@@ -164,6 +182,7 @@ def run_tests(
 
 
 # -- who is to blame: one table ----------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Facts:
@@ -199,24 +218,35 @@ class Row:
 
 BLAME: tuple[Row, ...] = (
     Row("instance_ended", lambda f: f.instance == "gone", "ok", 0.0, GONE_NOTE, True),
-    Row("stopped_by_us", lambda f: f.instance == "stopped", "error", None,
-        "the sandbox was stopped while scoring ({error})", False),
+    Row("stopped_by_us", lambda f: f.instance == "stopped", "error", None, "the sandbox was stopped while scoring ({error})", False),
     Row("host_failed", lambda f: f.instance.startswith("host"), "error", None, "{error} ({instance})", False),
     Row("unkillable", lambda f: f.outcome == "swept_left", "ok", 0.0, "{error}", True),
     Row("survivors", lambda f: f.outcome == "survivors", "ok", 0.0, "{error}", True),
     Row("state_unmappable", lambda f: f.outcome == "agent", "ok", 0.0, "{error}", True),
-    Row("driver_disturbed", lambda f: f.outcome == "disturbed", "ok", 0.0,
-        "the scoring driver was disturbed while the tests ran: {error}", True),
-    Row("interpreter_by_state", lambda f: f.outcome == "interp" and f.control, "ok", 0.0,
-        "the tests' interpreter could not start in the state left ({error})", True),
-    Row("interpreter_by_image", lambda f: f.outcome == "interp", "error", None,
-        "{error} (the same in the pristine image alone)", False),
-    Row("timeout", lambda f: f.outcome == "ran" and f.timed_out, "ok", 0.0,
-        "tests exceeded the verifier timeout{timeout}", True),
-    Row("no_report", lambda f: f.outcome == "ran" and f.report == "none", "ok", 0.0,
-        "pytest ended ({how}) without writing its report", True),
-    Row("bad_report", lambda f: f.outcome == "ran" and f.report == "unreadable", "ok", 0.0,
-        "pytest's report is unreadable ({error})", True),
+    Row(
+        "driver_disturbed",
+        lambda f: f.outcome == "disturbed",
+        "ok",
+        0.0,
+        "the scoring driver was disturbed while the tests ran: {error}",
+        True,
+    ),
+    Row(
+        "interpreter_by_state",
+        lambda f: f.outcome == "interp" and f.control,
+        "ok",
+        0.0,
+        "the tests' interpreter could not start in the state left ({error})",
+        True,
+    ),
+    Row("interpreter_by_image", lambda f: f.outcome == "interp", "error", None, "{error} (the same in the pristine image alone)", False),
+    Row("timeout", lambda f: f.outcome == "ran" and f.timed_out, "ok", 0.0, "tests exceeded the verifier timeout{timeout}", True),
+    Row(
+        "no_report", lambda f: f.outcome == "ran" and f.report == "none", "ok", 0.0, "pytest ended ({how}) without writing its report", True
+    ),
+    Row(
+        "bad_report", lambda f: f.outcome == "ran" and f.report == "unreadable", "ok", 0.0, "pytest's report is unreadable ({error})", True
+    ),
     Row("tests", lambda f: f.outcome == "ran", "ok", None, "", True),
     # the instance alive, nothing of the agent's running (the host swept it) and its state only
     # listed and bound (errors there are state_unmappable): the host, apptainer, the image, us
@@ -263,8 +293,7 @@ def _health(sandbox: Sandbox, facts: Facts) -> str:
     return health
 
 
-def _decide(sandbox: Sandbox | None, facts: Facts, res: dict, t0: float, *,
-            timeout_s: float | None = None) -> ScoreResult:
+def _decide(sandbox: Sandbox | None, facts: Facts, res: dict, t0: float, *, timeout_s: float | None = None) -> ScoreResult:
     """The result the blame table gives for ``facts``; the instance's health is read (from the
     host) whenever the tests did not run to a report."""
     if sandbox is not None and not (facts.outcome == "ran" and facts.report == "parsed" and not facts.timed_out):
@@ -282,8 +311,7 @@ def _decide(sandbox: Sandbox | None, facts: Facts, res: dict, t0: float, *,
             parse_junit(res.get("junit") or "")
         except ET.ParseError as e:
             error = str(e)
-    note = row.note.format(error=error, instance=facts.instance, how=how,
-                           timeout=f" ({timeout_s:g} s)" if timeout_s is not None else "")
+    note = row.note.format(error=error, instance=facts.instance, how=how, timeout=f" ({timeout_s:g} s)" if timeout_s is not None else "")
     if row.status == "error":
         return _error(note, tail, t0, interp)
     if row.name in ("no_report", "bad_report"):
@@ -318,9 +346,18 @@ def start_warmup(sandbox: Sandbox, timeout_s: float = 120.0) -> subprocess.Popen
         return None
     pid, start = sandbox.init_process()
     loader, libdirs = pristine_layout()
-    cfg = {"mode": "warm", "pid": pid, "starttime": start, "marker": "ET-WARM-" + secrets.token_hex(12) + ":",
-           "pristine": PRISTINE, "loader": loader, "libdirs": libdirs, "path": CLEAN_PATH,
-           "timeout": timeout_s, "limits": scoring_limits(sandbox, timeout_s)}
+    cfg = {
+        "mode": "warm",
+        "pid": pid,
+        "starttime": start,
+        "marker": "ET-WARM-" + secrets.token_hex(12) + ":",
+        "pristine": PRISTINE,
+        "loader": loader,
+        "libdirs": libdirs,
+        "path": CLEAN_PATH,
+        "timeout": timeout_s,
+        "limits": scoring_limits(sandbox, timeout_s),
+    }
     helper = helper_pool.spawn(stdout=subprocess.DEVNULL)
     helper.feed(json.dumps(cfg).encode())
     proc = helper.proc
@@ -338,13 +375,11 @@ def run_initial_tests(sandbox: Sandbox, path: Path, *, timeout_s: float = 120.0)
 
 
 def _error(msg: str, tail: str, t0: float, interp: str = "none") -> ScoreResult:
-    return ScoreResult(status="error", reward=None, error=msg, output_tail=tail,
-                       duration_s=time.monotonic() - t0, interpreter=interp)
+    return ScoreResult(status="error", reward=None, error=msg, output_tail=tail, duration_s=time.monotonic() - t0, interpreter=interp)
 
 
 def _agent(note: str, tail: str, t0: float, interp: str = "none", **kw) -> ScoreResult:
-    return ScoreResult(status="ok", reward=0.0, note=note, output_tail=tail,
-                       duration_s=time.monotonic() - t0, interpreter=interp, **kw)
+    return ScoreResult(status="ok", reward=0.0, note=note, output_tail=tail, duration_s=time.monotonic() - t0, interpreter=interp, **kw)
 
 
 def _result(res: dict, t0: float, interp: str = "pristine", *, timeout_s: float | None = None) -> ScoreResult:
@@ -363,9 +398,19 @@ def _verdict(res: dict, t0: float, notes: list[str], tail: str, interp: str) -> 
         note = "; ".join(notes)
     elif not all_ok and total == 0:
         note = f"pytest collected no test (exit {res.get('rc')})"
-    return ScoreResult(status="ok", reward=1.0 if all_ok else 0.0, passed=passed, total=total, tests=tests,
-                       note=note, duration_s=time.monotonic() - t0, notes=notes,
-                       killed_processes=int(res.get("killed") or 0), output_tail=tail, interpreter=interp)
+    return ScoreResult(
+        status="ok",
+        reward=1.0 if all_ok else 0.0,
+        passed=passed,
+        total=total,
+        tests=tests,
+        note=note,
+        duration_s=time.monotonic() - t0,
+        notes=notes,
+        killed_processes=int(res.get("killed") or 0),
+        output_tail=tail,
+        interpreter=interp,
+    )
 
 
 def _with_notes(msg: str, notes: list[str]) -> str:

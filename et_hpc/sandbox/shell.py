@@ -110,12 +110,12 @@ class _Capture:
             i = self.buf.find(self.end_token, start)
             if i >= 0:
                 j = self.buf.rfind(b"\n" + self.marker + b":", 0, i)
-                after = bytes(self.buf[i + len(self.end_token):])
+                after = bytes(self.buf[i + len(self.end_token) :])
                 if j < 0:  # marker start scrolled away (absurdly long job list): keep what we have
                     self.found = (b"", b"")
                     del self.buf[:]
                 else:
-                    info = bytes(self.buf[j + len(self.marker) + 2: i])
+                    info = bytes(self.buf[j + len(self.marker) + 2 : i])
                     del self.buf[j:]
                     self.found = (b"", info)
                 return after
@@ -142,13 +142,9 @@ class _Capture:
             head, rest = head + rest[:take], rest[take:]
         if len(rest) > self.tail_cap:
             dropped += len(rest) - self.tail_cap
-            rest = rest[len(rest) - self.tail_cap:]
+            rest = rest[len(rest) - self.tail_cap :]
         if dropped:
-            text = (
-                _decode(head)
-                + f"\n[... output truncated: {dropped} bytes omitted from the middle ...]\n"
-                + _decode(rest)
-            )
+            text = _decode(head) + f"\n[... output truncated: {dropped} bytes omitted from the middle ...]\n" + _decode(rest)
         else:
             text = _decode(head + rest)
         return clean_output(text), dropped > 0
@@ -160,6 +156,7 @@ def _decode(b: bytes) -> str:
 
 # ---------------------------------------------------------------------------------------------
 # Killing the process groups of a timed-out command from the host side (parsing: procfs).
+
 
 def kill_session(sid: int, rounds: int = 10) -> None:
     """SIGKILL every process group in session ``sid`` (host view) until none is left."""
@@ -258,9 +255,7 @@ class Shell:
         )
         with self._cv:
             self._cap = _Capture(self.output_limit)
-        self._reader = threading.Thread(
-            target=self._read_loop, args=(self._proc,), name="et-shell-reader", daemon=True
-        )
+        self._reader = threading.Thread(target=self._read_loop, args=(self._proc,), name="et-shell-reader", daemon=True)
         self._reader.start()
         self._protected = set()
         assert self._proc.stdin is not None
@@ -289,9 +284,11 @@ class Shell:
         if self.host_pid is not None and shell_guard.non_dumpable(self.host_pid):
             return
         self._terminate()
-        why = ("no copy of bash could be made and run (/dev/shm, /tmp and $HOME full, read-only "
-               "or noexec, or bash unreadable)" if shell_guard.COPY_FAILED in startup_output
-               else "the new shell is readable by the commands (its bash copy was replaced?)")
+        why = (
+            "no copy of bash could be made and run (/dev/shm, /tmp and $HOME full, read-only or noexec, or bash unreadable)"
+            if shell_guard.COPY_FAILED in startup_output
+            else "the new shell is readable by the commands (its bash copy was replaced?)"
+        )
         raise ShellDied(f"the shell's input could not be made private: {why}")
 
     def boundary_notes(self) -> list[str]:
@@ -464,12 +461,9 @@ class Shell:
         timeout_note = f"[command timed out after {timeout:g} s and was killed]"
         if cap.found is not None:
             return self._finish(cap, t0, notes + [timeout_note], restarted, timed_out=True)
-        return self._restart(cap, t0, notes + [timeout_note], _WEDGED_NOTE, "the shell did not respond",
-                             timed_out=True)
+        return self._restart(cap, t0, notes + [timeout_note], _WEDGED_NOTE, "the shell did not respond", timed_out=True)
 
-    def _restart(
-        self, cap: _Capture, t0: float, notes: list[str], note: str, what: str, *, timed_out: bool
-    ) -> CommandResult:
+    def _restart(self, cap: _Capture, t0: float, notes: list[str], note: str, what: str, *, timed_out: bool) -> CommandResult:
         """The shell is dead or wedged: start a new one and say so in the command's result."""
         out, trunc = cap.output()
         notes = notes + self._take_notes()
@@ -488,9 +482,7 @@ class Shell:
             shell_restarted=True,
         )
 
-    def _finish(
-        self, cap: _Capture, t0: float, notes: list[str], restarted: bool, *, timed_out: bool
-    ) -> CommandResult:
+    def _finish(self, cap: _Capture, t0: float, notes: list[str], restarted: bool, *, timed_out: bool) -> CommandResult:
         out, trunc = cap.output()
         info = cap.found[1].decode("utf-8", "replace") if cap.found else ""
         code, self._protected = _parse_info(info)
@@ -537,10 +529,7 @@ class Shell:
 
 _RESTART_NOTE = "[the shell had exited; a new shell was started in $HOME (directory and variables reset)]"
 _DIED_NOTE = "[the shell exited; a new shell was started in $HOME (directory and variables reset)]"
-_WEDGED_NOTE = (
-    "[the shell did not respond after the timeout; a new shell was started in $HOME "
-    "(directory and variables reset)]"
-)
+_WEDGED_NOTE = "[the shell did not respond after the timeout; a new shell was started in $HOME (directory and variables reset)]"
 
 
 def _parse_info(info: str) -> tuple[int | None, set[int]]:

@@ -24,13 +24,13 @@ COPY_FAILED = "ET_SHELL_NOT_PRIVATE"
 # Tried in order (/dev/shm first: the copy, held until the shell ends, takes no space of the
 # agent's disk); a noexec mount or a full one moves on to the next. Nothing is left behind.
 PRIVATE_LINE = (
-    "shopt -s execfail; for __et_d in /dev/shm /tmp \"$HOME\"; do "
-    "__et_t=$(mktemp -d \"$__et_d/.et-shell.XXXXXX\" 2>/dev/null) || continue; "
-    "if cp \"$(command -v bash)\" \"$__et_t/bash\" 2>/dev/null && chmod 0111 \"$__et_t/bash\"; then "
-    "__ET_COPY=$__et_t exec \"$__et_t/bash\" --noprofile --norc; fi; rm -rf \"$__et_t\"; done; "
+    'shopt -s execfail; for __et_d in /dev/shm /tmp "$HOME"; do '
+    '__et_t=$(mktemp -d "$__et_d/.et-shell.XXXXXX" 2>/dev/null) || continue; '
+    'if cp "$(command -v bash)" "$__et_t/bash" 2>/dev/null && chmod 0111 "$__et_t/bash"; then '
+    '__ET_COPY=$__et_t exec "$__et_t/bash" --noprofile --norc; fi; rm -rf "$__et_t"; done; '
     f"echo {COPY_FAILED}\n"
     # read by the copy (or by the first bash when every copy failed)
-    "shopt -u execfail; [ -n \"${__ET_COPY-}\" ] && rm -rf \"$__ET_COPY\"; unset __ET_COPY __et_d __et_t\n"
+    'shopt -u execfail; [ -n "${__ET_COPY-}" ] && rm -rf "$__ET_COPY"; unset __ET_COPY __et_d __et_t\n'
 )
 
 BACKGROUND_NOTE = (

@@ -93,9 +93,17 @@ def start_ready(spec: SandboxSpec) -> Ready:
 
     t0 = time.monotonic()
     sif = episode_image(SimpleNamespace(path=spec.image_path, digest=spec.image_digest), spec)
-    sandbox = Sandbox(Path(sif), run_prefix=spec.run_prefix, overlay_mb=spec.overlay_mb,
-                      writable_tmpfs=spec.writable_tmpfs, network_none=spec.network_none,
-                      nproc=spec.nproc, vmem_mb=spec.vmem_mb, fsize_mb=spec.fsize_mb, binds=spec.binds)
+    sandbox = Sandbox(
+        Path(sif),
+        run_prefix=spec.run_prefix,
+        overlay_mb=spec.overlay_mb,
+        writable_tmpfs=spec.writable_tmpfs,
+        network_none=spec.network_none,
+        nproc=spec.nproc,
+        vmem_mb=spec.vmem_mb,
+        fsize_mb=spec.fsize_mb,
+        binds=spec.binds,
+    )
     wd: Watchdog | None = None
     try:
         sandbox.start()
@@ -103,9 +111,14 @@ def start_ready(spec: SandboxSpec) -> Ready:
         shell.run(f"umask {AGENT_UMASK}", timeout=30)
         if spec.watchdog_interval_s:
             # the agent's shell is spared at first (the command that blew up returns killed) and gets the note
-            wd = Watchdog(sandbox, memory_mb=spec.memory_mb, max_pids=spec.max_pids,
-                          interval_s=spec.watchdog_interval_s, protect=lambda: set() if shell.host_pid is None else {shell.host_pid},
-                          on_event=shell.add_note)
+            wd = Watchdog(
+                sandbox,
+                memory_mb=spec.memory_mb,
+                max_pids=spec.max_pids,
+                interval_s=spec.watchdog_interval_s,
+                protect=lambda: set() if shell.host_pid is None else {shell.host_pid},
+                on_event=shell.add_note,
+            )
             wd.prepare()
     except BaseException:
         _stop(sandbox, wd, sif)
@@ -231,6 +244,7 @@ class WarmPool:
     def retire(self, readies: list[Ready]) -> bool:
         """Stop ``readies`` (finished episodes' sandboxes) in a background thread that ``close()``
         waits for; False (nothing done) when the pool is closed."""
+
         def run() -> None:
             try:
                 for r in readies:
@@ -328,7 +342,7 @@ class WarmPool:
             drop = entry.discard or self.closed
             if error is not None:
                 self._failures += 1
-                self._paused_until = time.monotonic() + min(60.0, 2.0 ** self._failures)
+                self._paused_until = time.monotonic() + min(60.0, 2.0**self._failures)
                 if entry in self._stock:
                     self._stock.remove(entry)
             else:
@@ -345,6 +359,7 @@ class WarmPool:
 
     def _stop_later(self, entry: _Entry) -> None:
         """(Under the lock.) Stop an unwanted ready sandbox in the background (close() waits for it)."""
+
         def run() -> None:
             self._drop(entry)
             with self._lock:

@@ -130,8 +130,7 @@ class Watchdog:
             self._probe = TmpfsProbe(self.init_pid)
             self.tmpfs_ok = self._probe.ok
             if not self._probe.ok:
-                log.warning("watchdog: cannot measure the instance's tmpfs (%s); /dev/shm is not limited",
-                            self._probe.error)
+                log.warning("watchdog: cannot measure the instance's tmpfs (%s); /dev/shm is not limited", self._probe.error)
         return self
 
     def stop(self) -> None:
@@ -189,13 +188,14 @@ class Watchdog:
                 what = f"{-(-s.total_kb // 1024)} MB"  # rounded up: over the ceiling reads as over it
                 if s.tmpfs_kb >= 1024 or s.other_kb >= 1024:
                     what += f": processes {s.proc_kb // 1024} MB, tmpfs {s.tmpfs_kb // 1024} MB"
-                nested = [f"{mp} {used // 2**20} MB" for mp, used in s.tmpfs.items()
-                          if "nested" in mp and used >= 1 << 20]
+                nested = [f"{mp} {used // 2**20} MB" for mp, used in s.tmpfs.items() if "nested" in mp and used >= 1 << 20]
                 if nested:
                     what += f" (of it {', '.join(nested)})"
                 if s.other_kb >= 1024:
-                    what += (f", files held open (memfd, unmounted tmpfs) {s.held // 2**20} MB,"
-                             f" unattached SysV shared memory {s.sysv // 2**20} MB")
+                    what += (
+                        f", files held open (memfd, unmounted tmpfs) {s.held // 2**20} MB,"
+                        f" unattached SysV shared memory {s.sysv // 2**20} MB"
+                    )
                 return self._trip(f"memory ceiling {self.memory_mb} MB reached ({what})", s)
             return None
 

@@ -41,7 +41,7 @@ def lookup_base(name: str, base_map: dict[str, Path]) -> Path | None:
     candidates = [name]
     stripped = name[2:] if name.startswith("./") else name
     candidates += [stripped, "./" + stripped]
-    bare = stripped[len("docker://"):] if stripped.startswith("docker://") else stripped
+    bare = stripped[len("docker://") :] if stripped.startswith("docker://") else stripped
     candidates += [bare, "docker://" + bare]
     if ":" in bare and "/" not in bare:  # ubuntu:22.04 -> ubuntu_22.04.sif
         candidates += [bare.replace(":", "_") + ".sif", "./" + bare.replace(":", "_") + ".sif"]

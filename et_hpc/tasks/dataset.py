@@ -30,8 +30,14 @@ HUB_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 def split_from_name(path: Path) -> str | None:
     stem = path.name.split(".")[0].lower()
-    for word, split in (("train", "train"), ("validation", "validation"), ("valid", "validation"),
-                        ("val", "validation"), ("test", "test"), ("eval", "validation")):
+    for word, split in (
+        ("train", "train"),
+        ("validation", "validation"),
+        ("valid", "validation"),
+        ("val", "validation"),
+        ("test", "test"),
+        ("eval", "validation"),
+    ):
         if re.search(rf"(^|[^a-z]){word}([^a-z]|$)", stem):
             return split
     return None
@@ -163,6 +169,10 @@ def load_parquet(
         where = tasks_dir if tasks_dir is not None else f"the paths as written (relative to {base})"
         log.warning(
             "%s: skipped %d of %d rows whose task folder is not in %s (e.g. %s); pass --tasks-dir",
-            source, len(skipped), len(ds), where, skipped[0],
+            source,
+            len(skipped),
+            len(ds),
+            where,
+            skipped[0],
         )
     return tasks, errors, len(skipped)

@@ -28,8 +28,7 @@ from et_hpc.tasks.model import NormalisedRecipe
 RUN_FILE = "/.et-hpc-run.sh"
 STAGE_DIR = "/.et-hpc-copy"
 IGNORED = {"EXPOSE", "VOLUME", "STOPSIGNAL", "HEALTHCHECK", "ONBUILD"}
-KNOWN = {"FROM", "RUN", "CMD", "ENTRYPOINT", "ENV", "ARG", "WORKDIR", "USER", "COPY", "ADD", "LABEL",
-         "SHELL", "MAINTAINER"} | IGNORED
+KNOWN = {"FROM", "RUN", "CMD", "ENTRYPOINT", "ENV", "ARG", "WORKDIR", "USER", "COPY", "ADD", "LABEL", "SHELL", "MAINTAINER"} | IGNORED
 _HEREDOC_RE = re.compile(r"(?<!<)<<(?!<)(-?)\s*(?:'([^']+)'|\"([^\"]+)\"|([A-Za-z_][A-Za-z0-9_.-]*))")
 _VAR_RE = re.compile(r"\\\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:[-+])([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
 
@@ -169,7 +168,7 @@ def _parse_kv(args: str, path: Path, line: int, what: str) -> list[tuple[str, st
     if not toks:
         raise TaskError(f"{path}:{line}: {what} without arguments; remove it or add KEY=value")
     if "=" not in toks[0]:  # legacy "ENV KEY value with spaces"
-        rest = args.strip()[len(args.strip().split(None, 1)[0]):].strip()
+        rest = args.strip()[len(args.strip().split(None, 1)[0]) :].strip()
         try:
             val = " ".join(shlex.split(rest)) if rest else ""
         except ValueError:
@@ -256,9 +255,7 @@ class _Converter:
             self.rewrites.append(f"FROM {image} -> Bootstrap: docker (not in the base map: the build needs a registry)")
 
     def do_ARG(self, ins: Instruction) -> None:
-        for k, v in _parse_kv(ins.args, self.path, ins.line, "ARG") if "=" in ins.args else [
-            (t, None) for t in ins.args.split()
-        ]:
+        for k, v in _parse_kv(ins.args, self.path, ins.line, "ARG") if "=" in ins.args else [(t, None) for t in ins.args.split()]:
             if v is None:
                 self.args.setdefault(k, "")
                 continue
@@ -482,7 +479,7 @@ class _Converter:
                 "et_hpc_as() {  # run a command as a Dockerfile USER (name, uid, or user:group)",
                 '    local spec="$1"; shift',
                 '    local u="${spec%%:*}" g=""; [ "$spec" != "$u" ] && g="${spec#*:}"',
-                '    local uid gid home',
+                "    local uid gid home",
                 '    uid=$(id -u "$u" 2>/dev/null || echo "$u")',
                 '    if [ -n "$g" ]; then gid=$(getent group "$g" | cut -d: -f3); gid=${gid:-$g};',
                 '    else gid=$(id -g "$u" 2>/dev/null || echo "$uid"); fi',
@@ -511,9 +508,7 @@ class _Converter:
         return "\n".join(out) + "\n"
 
 
-def convert_dockerfile(
-    path: Path, *, context_dir: Path | None = None, base_map: dict[str, Path]
-) -> NormalisedRecipe:
+def convert_dockerfile(path: Path, *, context_dir: Path | None = None, base_map: dict[str, Path]) -> NormalisedRecipe:
     """Convert a Dockerfile into a def to build; ``TaskError`` names the file and line of any problem."""
     path = Path(path).resolve()
     context = Path(context_dir).resolve() if context_dir else path.parent
@@ -541,9 +536,7 @@ def convert_dockerfile(
     if conv.workdir_set:
         conv.rewrites.append(f"WORKDIR: runtime cwd {conv.workdir} (label et-hpc.workdir, %runscript cd)")
     if conv.user not in ("root", "0"):
-        conv.rewrites.append(
-            f"USER {conv.user}: later RUN steps run through setpriv; at run time the invoking user runs the task"
-        )
+        conv.rewrites.append(f"USER {conv.user}: later RUN steps run through setpriv; at run time the invoking user runs the task")
     if conv.files:
         conv.rewrites.append(f"COPY/ADD: {len(conv.files)} context path(s) -> %files into {STAGE_DIR}, copied in order")
     for k, n in sorted(conv.ignored.items()):

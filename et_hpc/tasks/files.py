@@ -18,6 +18,4 @@ def read_text(path: Path, what: str = "file") -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise TaskError(
-            f"{path}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); re-save it as UTF-8"
-        ) from None
+        raise TaskError(f"{path}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); re-save it as UTF-8") from None

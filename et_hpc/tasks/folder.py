@@ -21,6 +21,4 @@ def load_task_folder(folder: Path) -> Task:
         return load_harbor(folder)
     if is_native(folder):
         return load_native(folder)
-    raise TaskError(
-        f"{folder}: not a task folder (no task.json/container.def or instruction.md/environment/Dockerfile)"
-    )
+    raise TaskError(f"{folder}: not a task folder (no task.json/container.def or instruction.md/environment/Dockerfile)")

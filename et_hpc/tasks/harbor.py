@@ -107,6 +107,14 @@ def load_harbor(folder: Path) -> Task:
         if isinstance(data.get("name"), str):
             meta["name"] = data["name"]
     meta["layout"] = "harbor"
-    return task_from_folder(folder, prompt=prompt, truth=truth, recipe=recipe, kind="harbor", metadata=meta,
-                            initial=env_dir / "test_initial_state.py",
-                            final=folder / "tests" / "test_final_state.py", limits=limits)
+    return task_from_folder(
+        folder,
+        prompt=prompt,
+        truth=truth,
+        recipe=recipe,
+        kind="harbor",
+        metadata=meta,
+        initial=env_dir / "test_initial_state.py",
+        final=folder / "tests" / "test_final_state.py",
+        limits=limits,
+    )

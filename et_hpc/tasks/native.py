@@ -34,7 +34,7 @@ def read_json(path: Path, what: str) -> object:
 def read_task_json(path: Path) -> dict:
     data = read_json(path, "task.json")
     if not isinstance(data, dict):
-        raise TaskError(f"{path}: expected a JSON object with \"description\" and \"truth\"; got {type(data).__name__}")
+        raise TaskError(f'{path}: expected a JSON object with "description" and "truth"; got {type(data).__name__}')
     return data
 
 
@@ -65,11 +65,11 @@ def load_native(folder: Path) -> Task:
     folder = Path(folder).resolve()
     tj = folder / "task.json"
     if not tj.exists():
-        raise TaskError(f"{folder}: no task.json; add one with \"description\" (the prompt) and \"truth\"")
+        raise TaskError(f'{folder}: no task.json; add one with "description" (the prompt) and "truth"')
     data = read_task_json(tj)
     prompt = data.get("description")
     if not isinstance(prompt, str) or not prompt.strip():
-        raise TaskError(f"{tj}: no \"description\" (the task prompt); add it as a non-empty string")
+        raise TaskError(f'{tj}: no "description" (the task prompt); add it as a non-empty string')
     truth = data.get("truth")
     if truth is not None and not isinstance(truth, str):
         truth = json.dumps(truth)
@@ -83,12 +83,30 @@ def load_native(folder: Path) -> Task:
     meta: dict = {"layout": "native"}
     if isinstance(data.get("name"), str):
         meta["name"] = data["name"]
-    return task_from_folder(folder, prompt=prompt, truth=truth, recipe=recipe, kind="native", metadata=meta,
-                            initial=folder / "test_initial_state.py", final=folder / "test_final_state.py")
+    return task_from_folder(
+        folder,
+        prompt=prompt,
+        truth=truth,
+        recipe=recipe,
+        kind="native",
+        metadata=meta,
+        initial=folder / "test_initial_state.py",
+        final=folder / "test_final_state.py",
+    )
 
 
-def task_from_folder(folder: Path, *, prompt: str, truth: str | None, recipe: Recipe, kind: SourceKind,
-                     initial: Path, final: Path, metadata: dict, limits: Limits | None = None) -> Task:
+def task_from_folder(
+    folder: Path,
+    *,
+    prompt: str,
+    truth: str | None,
+    recipe: Recipe,
+    kind: SourceKind,
+    initial: Path,
+    final: Path,
+    metadata: dict,
+    limits: Limits | None = None,
+) -> Task:
     """The Task of a task folder, with the optional files (tests, solution, recorded runs) that exist."""
     solve = folder / "solution" / "solve.sh"
     return Task(

@@ -30,9 +30,24 @@ if TYPE_CHECKING:  # pragma: no cover
 # Section names Apptainer 1.4 accepts (``%appX`` sections take an app name argument).
 SECTIONS = frozenset(
     {
-        "setup", "files", "environment", "post", "runscript", "test", "labels", "help",
-        "startscript", "arguments",
-        "appinstall", "apphelp", "apprun", "applabels", "appenv", "appfiles", "appstart", "apptest",
+        "setup",
+        "files",
+        "environment",
+        "post",
+        "runscript",
+        "test",
+        "labels",
+        "help",
+        "startscript",
+        "arguments",
+        "appinstall",
+        "apphelp",
+        "apprun",
+        "applabels",
+        "appenv",
+        "appfiles",
+        "appstart",
+        "apptest",
     }
 )
 _SECTION_RE = re.compile(r"^\s*%(\S*)(.*)$")
@@ -79,10 +94,7 @@ def parse_def_text(text: str, path: Path) -> DefFile:
         if m:  # Apptainer treats any line starting with '%' (after blanks) as a section header
             name, args = m.group(1), m.group(2).strip()
             if name not in SECTIONS:
-                raise TaskError(
-                    f"{path}:{i}: unknown section '%{name}'; Apptainer knows "
-                    + ", ".join("%" + s for s in sorted(SECTIONS))
-                )
+                raise TaskError(f"{path}:{i}: unknown section '%{name}'; Apptainer knows " + ", ".join("%" + s for s in sorted(SECTIONS)))
             sections.append(Section(name, args, i))
             continue
         if sections:
@@ -136,8 +148,7 @@ def normalise_def(def_path: Path, context_dir: Path | None, base_map: dict[str, 
     return NormalisedRecipe(text=text, files=files, base=base, rewrites=rewrites, kind="def", source=def_path)
 
 
-def _rewrite_bootstrap(def_path: Path, d: DefFile, base_map: dict[str, Path], out: list[str],
-                       rewrites: list[str]) -> Path | None:
+def _rewrite_bootstrap(def_path: Path, d: DefFile, base_map: dict[str, Path], out: list[str], rewrites: list[str]) -> Path | None:
     """The base image the header names through ``base_map`` (``localimage``: required; ``docker``:
     when the map knows it, switched to ``localimage``), rewritten in ``out``; None for another base."""
     boot_line, boot = d.header["bootstrap"]
@@ -151,9 +162,7 @@ def _rewrite_bootstrap(def_path: Path, d: DefFile, base_map: dict[str, Path], ou
             return Path(value)
         found = lookup_base(value, base_map)
         if found is None:
-            raise TaskError(
-                f"{def_path}:{ln}: unknown base image {value!r}; known names: {known_bases(base_map)}"
-            )
+            raise TaskError(f"{def_path}:{ln}: unknown base image {value!r}; known names: {known_bases(base_map)}")
         out[ln - 1] = f"From: {found}"
         rewrites.append(f"From: {value} -> {found}")
         return found
@@ -168,8 +177,7 @@ def _rewrite_bootstrap(def_path: Path, d: DefFile, base_map: dict[str, Path], ou
     return None
 
 
-def _rewrite_files(def_path: Path, sec: Section, context: Path, out: list[str], rewrites: list[str],
-                   files: list[tuple[Path, str]]) -> None:
+def _rewrite_files(def_path: Path, sec: Section, context: Path, out: list[str], rewrites: list[str], files: list[tuple[Path, str]]) -> None:
     """A ``%files`` section's sources (relative ones from ``context``, which must exist) appended to
     ``files``; relative sources rewritten in ``out`` as absolute paths."""
     for j, raw in enumerate(sec.body):
@@ -185,9 +193,7 @@ def _rewrite_files(def_path: Path, sec: Section, context: Path, out: list[str], 
         dest = toks[1] if len(toks) > 1 else src
         host = Path(src) if Path(src).is_absolute() else (context / src)
         if not host.exists():
-            raise TaskError(
-                f"{def_path}:{lineno}: %files source {src!r} not found (looked in {context}); add it to the task folder"
-            )
+            raise TaskError(f"{def_path}:{lineno}: %files source {src!r} not found (looked in {context}); add it to the task folder")
         host = host.resolve()
         files.append((host, dest))
         if not Path(src).is_absolute():
@@ -215,15 +221,14 @@ def normalise(task_or_recipe_path: Task | Recipe | Path | str, *, base_map: dict
             recipe = load_task_folder(p).recipe
         else:
             kind: Literal["def", "dockerfile", "sif"] = (
-                "sif" if p.suffix == ".sif" else ("dockerfile" if "dockerfile" in p.name.lower() else "def"))
+                "sif" if p.suffix == ".sif" else ("dockerfile" if "dockerfile" in p.name.lower() else "def")
+            )
             recipe = Recipe(kind=kind, path=p, context_dir=p.parent)
     if recipe.kind == "sif":
         sif = Path(recipe.path).resolve()
         if not sif.is_file():
             raise TaskError(f"{sif}: prebuilt SIF not found; rebuild it or remove the reference")
-        return NormalisedRecipe(
-            text="", files=[(sif, "")], base=None, rewrites=[f"prebuilt {sif.name} used as is"], kind="sif", source=sif
-        )
+        return NormalisedRecipe(text="", files=[(sif, "")], base=None, rewrites=[f"prebuilt {sif.name} used as is"], kind="sif", source=sif)
     if recipe.kind == "dockerfile":
         from et_hpc.tasks.dockerfile import convert_dockerfile
 

@@ -68,10 +68,7 @@ def load_script(source: dict | str | Path) -> dict[str, list]:
         raise UserError(f"{where}: a script maps a substring of the first user message to a list of replies")
     for key, replies in data.items():
         for i, r in enumerate(replies):
-            ok = isinstance(r, str) or (
-                isinstance(r, dict)
-                and ("fault" in r or "command" in r or "content" in r or "tool_calls" in r)
-            )
+            ok = isinstance(r, str) or (isinstance(r, dict) and ("fault" in r or "command" in r or "content" in r or "tool_calls" in r))
             if isinstance(r, dict) and "fault" in r and r["fault"] not in ATTEMPT_FAULTS | REPLY_FAULTS:
                 ok = False
             if not ok:
@@ -136,9 +133,22 @@ class _Handler(BaseHTTPRequestHandler):
         if self._refused(path):
             return
         if path in ("/v1/models", "/models"):
-            self._send(200, {"object": "list", "data": [{
-                "id": name, "object": "model", "created": int(srv.started), "owned_by": "et-hpc",
-                "max_model_len": srv.max_model_len} for name in (srv.served_names or [srv.model])]})
+            self._send(
+                200,
+                {
+                    "object": "list",
+                    "data": [
+                        {
+                            "id": name,
+                            "object": "model",
+                            "created": int(srv.started),
+                            "owned_by": "et-hpc",
+                            "max_model_len": srv.max_model_len,
+                        }
+                        for name in (srv.served_names or [srv.model])
+                    ],
+                },
+            )
         elif path in ("/health", "/v1/health"):
             self._send(200, {})
         else:
@@ -252,13 +262,15 @@ class ScriptedServer:
         """Serve these names from now on (the first is the one answers name)."""
         self.served_names = list(names)
 
-    def write_endpoint_file(self, path: Path, job_id: str | None = None, model_version: str | None = None,
-                            served_model: str | None = None) -> dict:
+    def write_endpoint_file(
+        self, path: Path, job_id: str | None = None, model_version: str | None = None, served_model: str | None = None
+    ) -> dict:
         """Write the same endpoint file as ``slurm/vllm.sbatch`` (mode 0600, with the key)."""
         from et_hpc.agent.endpoint import endpoint_record, write_endpoint_file
 
-        rec = endpoint_record(HOST, self.port, self.model, job_id, api_key=self.api_key,
-                              model_version=model_version, served_model=served_model)
+        rec = endpoint_record(
+            HOST, self.port, self.model, job_id, api_key=self.api_key, model_version=model_version, served_model=served_model
+        )
         write_endpoint_file(Path(path), rec)
         return rec
 
@@ -284,8 +296,9 @@ class ScriptedServer:
             h._error(400, "scripted server: no script entry matches the first user message", "BadRequestError")
             return
         try:
-            prompt_ids = tk.encode_chat(messages, req.get("tools") or None,
-                                        add_generation_prompt=bool(req.get("add_generation_prompt", True)))
+            prompt_ids = tk.encode_chat(
+                messages, req.get("tools") or None, add_generation_prompt=bool(req.get("add_generation_prompt", True))
+            )
         except (AttributeError, TypeError) as e:
             entry["served"] = "bad_messages"
             h._error(400, f"scripted server: cannot render the messages: {e}", "BadRequestError")
@@ -322,7 +335,7 @@ class ScriptedServer:
             return
         text = tk.decode(ids)
         head = "<|im_start|>user\n"
-        first_user = text[text.find(head) + len(head):].split(tk.EOS, 1)[0] if head in text else ""
+        first_user = text[text.find(head) + len(head) :].split(tk.EOS, 1)[0] if head in text else ""
         key = next((k for k in self.script if k in first_user), None)
         turn = max(text.count("<|im_start|>assistant") - 1, 0)
         with self._lock:
@@ -342,20 +355,39 @@ class ScriptedServer:
         finish = chat["choices"][0]["finish_reason"]
         out = tk.encode(gen) + ([] if finish == "length" else [tk.EOS_ID])
         usage = {"prompt_tokens": len(ids), "completion_tokens": len(out), "total_tokens": len(ids) + len(out)}
-        choice: dict[str, Any] = {"index": 0, "text": gen, "logprobs": None,
-                                  "finish_reason": "length" if finish == "length" else "stop", "stop_reason": None}
+        choice: dict[str, Any] = {
+            "index": 0,
+            "text": gen,
+            "logprobs": None,
+            "finish_reason": "length" if finish == "length" else "stop",
+            "stop_reason": None,
+        }
         if self.return_token_ids and req.get("return_token_ids"):
             choice["token_ids"] = out
             choice["prompt_token_ids"] = ids
-        h._send(200, {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                      "model": (self.served_names or [req.get("model") or self.model])[0], "choices": [choice], "usage": usage})
+        h._send(
+            200,
+            {
+                "id": f"cmpl-{uuid.uuid4().hex}",
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": (self.served_names or [req.get("model") or self.model])[0],
+                "choices": [choice],
+                "usage": usage,
+            },
+        )
 
     def _context_error(self, h: _Handler, prompt_tokens: int, req: dict) -> None:
         want = prompt_tokens + int(req.get("max_tokens") or req.get("max_completion_tokens") or 0)
-        h._error(400, (
-            f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-            f"{want} tokens ({prompt_tokens} in the messages, {want - prompt_tokens} in the completion). "
-            "Please reduce the length of the messages or completion."), "BadRequestError")
+        h._error(
+            400,
+            (
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{want} tokens ({prompt_tokens} in the messages, {want - prompt_tokens} in the completion). "
+                "Please reduce the length of the messages or completion."
+            ),
+            "BadRequestError",
+        )
 
     def _fault(self, h: _Handler, fault: dict, prompt_tokens: int, req: dict) -> None:
         kind = fault["fault"]
@@ -389,12 +421,15 @@ class ScriptedServer:
             tool_calls = [_tool_call(c) for c in calls]
         reasoning = extra.get("reasoning")
         finish = extra.get("finish_reason") or ("tool_calls" if tool_calls else "stop")
-        gen = tk.generation_text(content, [(c["function"]["name"], c["function"]["arguments"]) for c in tool_calls],
-                                 reasoning)
+        gen = tk.generation_text(content, [(c["function"]["name"], c["function"]["arguments"]) for c in tool_calls], reasoning)
         ids = tk.encode(gen) + ([] if finish == "length" else [tk.EOS_ID])
         prompt_tokens, completion_tokens = len(prompt_ids), len(ids)
-        usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                 "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": None}
+        usage: dict[str, Any] = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": None,
+        }
         usage.update(extra.get("usage") or {})
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         as_ids = bool(req.get("return_tokens_as_token_ids"))
@@ -402,8 +437,7 @@ class ScriptedServer:
 
         def entry(t: int, j: int) -> dict:
             text = tk.token_text(t)
-            return {"token": f"token_id:{t}" if as_ids else text, "logprob": logprob_of(t, j),
-                    "bytes": list(text.encode("utf-8"))}
+            return {"token": f"token_id:{t}" if as_ids else text, "logprob": logprob_of(t, j), "bytes": list(text.encode("utf-8"))}
 
         logprobs = None
         if req.get("logprobs"):
@@ -456,11 +490,11 @@ class ScriptedServer:
                 agp = bool(req.get("add_generation_prompt", True))
                 cont = bool(req.get("continue_final_message", False))
                 if agp and cont:
-                    h._error(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
-                             "BadRequestError")
+                    h._error(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.", "BadRequestError")
                     return
-                ids = tk.encode_chat(req["messages"] or [], req.get("tools") or None,
-                                     add_generation_prompt=agp, continue_final_message=cont)
+                ids = tk.encode_chat(
+                    req["messages"] or [], req.get("tools") or None, add_generation_prompt=agp, continue_final_message=cont
+                )
             elif "prompt" in req:
                 ids = tk.encode(str(req["prompt"]))
             else:
@@ -469,8 +503,15 @@ class ScriptedServer:
         except (AttributeError, TypeError, ValueError) as e:
             h._error(400, f"scripted server: cannot tokenize: {e}", "BadRequestError")
             return
-        h._send(200, {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
-                      "token_strs": [tk.token_text(t) for t in ids] if req.get("return_token_strs") else None})
+        h._send(
+            200,
+            {
+                "count": len(ids),
+                "max_model_len": self.max_model_len,
+                "tokens": ids,
+                "token_strs": [tk.token_text(t) for t in ids] if req.get("return_token_strs") else None,
+            },
+        )
 
 
 def _tool_call(c: dict) -> dict:
@@ -482,8 +523,7 @@ def _tool_call(c: dict) -> dict:
         if c.get("timeout") is not None:
             body["timeout"] = c["timeout"]
         name, args = "terminal", json.dumps(body, ensure_ascii=False)  # the template's own spelling
-    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex[:16]}", "type": "function",
-            "function": {"name": name, "arguments": args}}
+    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex[:16]}", "type": "function", "function": {"name": name, "arguments": args}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -492,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
         description="Serve scripted chat replies in vLLM's OpenAI-compatible shape on 127.0.0.1, for "
         "dry runs of the agent loop without a model. The script (JSON or YAML) maps a substring of the "
         "first user message to a list of replies: text, {command, timeout}, or {fault: ...}.",
-        epilog="example:\n  echo '{\"\": [{\"command\": \"echo hi > /home/user/f\"}, \"done\"]}' > s.json\n"
+        epilog='example:\n  echo \'{"": [{"command": "echo hi > /home/user/f"}, "done"]}\' > s.json\n'
         "  python -m et_hpc.testing.scripted_server --script s.json --port 0 --endpoint-file ep.json",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -503,23 +543,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=32768, help="context length to enforce")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--endpoint-file", type=Path, help="write the endpoint JSON here (as slurm/vllm.sbatch does)")
-    where.add_argument("--endpoint-dir", type=Path,
-                       help="write the endpoint JSON as DIR/<$SLURM_JOB_ID or scripted-PORT>.json (one of many servers)")
-    p.add_argument("--old-vllm", action="store_true",
-                   help="behave like vLLM before 0.10.2: ignore return_token_ids (no token-id fields)")
+    where.add_argument(
+        "--endpoint-dir", type=Path, help="write the endpoint JSON as DIR/<$SLURM_JOB_ID or scripted-PORT>.json (one of many servers)"
+    )
+    p.add_argument("--old-vllm", action="store_true", help="behave like vLLM before 0.10.2: ignore return_token_ids (no token-id fields)")
     p.add_argument("--no-tokenize", action="store_true", help="serve no /tokenize (like servers other than vLLM)")
-    p.add_argument("--api-key", help="require this key on /v1 (default: $VLLM_API_KEY, as vllm serve; the "
-                   "environment keeps a key out of the process list)")
+    p.add_argument(
+        "--api-key",
+        help="require this key on /v1 (default: $VLLM_API_KEY, as vllm serve; the environment keeps a key out of the process list)",
+    )
     p.add_argument("--model-version", help="model_version to put in the endpoint file")
     p.add_argument("--log-requests", action="store_true", help="print 'served chat turn=N' after each reply")
     args = p.parse_args(argv)
     from et_hpc.errors import UserError
 
     try:
-        srv = ScriptedServer(args.script, port=args.port, model=args.model, max_model_len=args.max_model_len,
-                             return_token_ids=not args.old_vllm, tokenize_endpoint=not args.no_tokenize,
-                             api_key=args.api_key or os.environ.get("VLLM_API_KEY") or None,
-                             served_names=args.served_model_name)
+        srv = ScriptedServer(
+            args.script,
+            port=args.port,
+            model=args.model,
+            max_model_len=args.max_model_len,
+            return_token_ids=not args.old_vllm,
+            tokenize_endpoint=not args.no_tokenize,
+            api_key=args.api_key or os.environ.get("VLLM_API_KEY") or None,
+            served_names=args.served_model_name,
+        )
     except UserError as e:
         print(f"scripted_server: error: {e}", file=sys.stderr)
         return 2

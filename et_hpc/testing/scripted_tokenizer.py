@@ -105,8 +105,13 @@ def generation_text(content: str | None, calls: list[tuple[str, str]], reasoning
     return assistant_body(content, calls, reasoning)
 
 
-def render_chat(messages: list[dict[str, Any]], tools: list[dict] | None = None, *,
-                add_generation_prompt: bool = False, continue_final_message: bool = False) -> str:
+def render_chat(
+    messages: list[dict[str, Any]],
+    tools: list[dict] | None = None,
+    *,
+    add_generation_prompt: bool = False,
+    continue_final_message: bool = False,
+) -> str:
     """The chat template (see the module docstring); the Jinja twin is ``CHAT_TEMPLATE``."""
     out: list[str] = []
     msgs = list(messages)

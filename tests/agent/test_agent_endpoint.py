@@ -17,10 +17,11 @@ from et_hpc.testing.scripted_server import ScriptedServer
 def test_waits_for_file_written_late(tmp_path):
     ep = tmp_path / "shared" / "vllm.json"
     with ScriptedServer({"": ["hi"]}, model="late-model") as srv:
+
         def write_later() -> None:
             time.sleep(1.0)
             ep.parent.mkdir()
-            ep.write_text("{\"host\": ")  # a torn write first: must be waited out, not fail
+            ep.write_text('{"host": ')  # a torn write first: must be waited out, not fail
             time.sleep(0.5)
             srv.write_endpoint_file(ep, job_id="77")
 

@@ -16,19 +16,20 @@ from et_hpc.testing.scripted_server import ScriptedServer
 
 
 def _policy(srv, mode="tools", **kw):
-    return OpenAIPolicy(srv.base_url, mode=mode, backoff_base_s=0.01, backoff_max_s=0.02,
-                        rng=random.Random(1), **kw)
+    return OpenAIPolicy(srv.base_url, mode=mode, backoff_base_s=0.01, backoff_max_s=0.02, rng=random.Random(1), **kw)
 
 
 def test_tools_mode_solves_file_task(tmp_path, shell):
     out = tmp_path / "greeting.txt"
-    script = {"greeting": [
-        {"command": "cd " + str(tmp_path) + " && export WHO=world", "timeout": 10},
-        {"command": 'printf "hello %s\\n" "$WHO" > greeting.txt'},  # cwd and env persist
-        {"command": "cat greeting.txt"},
-        {"command": "ls missing-file"},
-        "The file is written.",
-    ]}
+    script = {
+        "greeting": [
+            {"command": "cd " + str(tmp_path) + " && export WHO=world", "timeout": 10},
+            {"command": 'printf "hello %s\\n" "$WHO" > greeting.txt'},  # cwd and env persist
+            {"command": "cat greeting.txt"},
+            {"command": "ls missing-file"},
+            "The file is written.",
+        ]
+    }
     with ScriptedServer(script) as srv:
         r = run_agent("Write the greeting file.", shell, _policy(srv), BudgetConfig())
     assert r.status == "ok" and r.stop_reason == "done", r.error
@@ -48,12 +49,14 @@ def test_tools_mode_solves_file_task(tmp_path, shell):
 
 
 def test_text_mode_solves_file_task(tmp_path, shell):
-    script = {"numbers": [
-        "<think>make the dir</think><command>mkdir -p " + str(tmp_path / "d") + "</command>",
-        "I will now write it.",  # unparsable: the model is told so and goes on
-        "<command>echo wrong</command> no, this one: <command>seq 3 > " + str(tmp_path / "d/n.txt") + "</command>",
-        "<command>rm -rf /</command><action>done</action>",  # done wins: nothing runs
-    ]}
+    script = {
+        "numbers": [
+            "<think>make the dir</think><command>mkdir -p " + str(tmp_path / "d") + "</command>",
+            "I will now write it.",  # unparsable: the model is told so and goes on
+            "<command>echo wrong</command> no, this one: <command>seq 3 > " + str(tmp_path / "d/n.txt") + "</command>",
+            "<command>rm -rf /</command><action>done</action>",  # done wins: nothing runs
+        ]
+    }
     with ScriptedServer(script) as srv:
         r = run_agent("Write the numbers file.", shell, _policy(srv, mode="text"), BudgetConfig())
     assert r.stop_reason == "done" and r.status == "ok"
@@ -190,8 +193,9 @@ def test_null_and_oracle_policies(tmp_path, shell):
     sol = tmp_path / "solve.sh"
     target = tmp_path / "made.txt"
     sol.write_text(f"#!/bin/bash\nset -e\ncat > {target} <<'EOF'\nline with 'quotes' and $HOME\nEOF\n")
-    task = Task(id="t1", prompt="p", recipe=Recipe(kind="def", path=tmp_path / "c.def", context_dir=tmp_path),
-                solution=sol, source=tmp_path)
+    task = Task(
+        id="t1", prompt="p", recipe=Recipe(kind="def", path=tmp_path / "c.def", context_dir=tmp_path), solution=sol, source=tmp_path
+    )
     pol = make_policy(PolicyConfig(kind="oracle"), task)
     assert isinstance(pol, OraclePolicy)
     r = run_agent("p", shell, pol, BudgetConfig(command_timeout_s=5, wall_time_s=1000))

@@ -70,8 +70,7 @@ def test_replay_emits_recorded_commands_in_order(fixtures_dir, task_name):
                 expected.append(cmds[-1])
     assert len(expected) >= 2
     sh = _TranscriptShell([])
-    r = run_agent(msgs[1]["content"], sh, ReplayPolicy(path, idx), BudgetConfig(max_turns=64),
-                  system_prompt=msgs[0]["content"])
+    r = run_agent(msgs[1]["content"], sh, ReplayPolicy(path, idx), BudgetConfig(max_turns=64), system_prompt=msgs[0]["content"])
     assert sh.commands == expected
     assert r.stop_reason == "done" and r.status == "ok"
     recorded_assistant = [m["content"] for m in msgs if m["role"] == "assistant"]
@@ -84,8 +83,7 @@ def test_replay_policy_via_task_and_range_errors(fixtures_dir, tmp_path):
     src = fixtures_dir / "native" / "task_000000_3bb4337a"
     files = sorted((src / "solutions").glob("*_summary.json"))
     runs = [f for f in files if f.name != "summary.json"]
-    task = Task(id="t", prompt="p", recipe=Recipe(kind="def", path=src / "container.def", context_dir=src),
-                recorded_runs=runs, source=src)
+    task = Task(id="t", prompt="p", recipe=Recipe(kind="def", path=src / "container.def", context_dir=src), recorded_runs=runs, source=src)
     pol = make_policy(PolicyConfig(kind="replay", replay_index=3), task)
     assert isinstance(pol, ReplayPolicy) and pol.run_index == 3
     with pytest.raises(UserError, match="out of range"):

@@ -40,10 +40,15 @@ def test_several_tool_calls_run_only_the_first(shell, tmp_path):
 
 
 def test_malformed_json_and_unknown_tool(shell):
-    r = _run([{"fault": "malformed_tool_json"},
-              {"tool_calls": [{"name": "python", "arguments": '{"code": "print(1)"}'}]},
-              {"tool_calls": [{"arguments": '{"cmd": "ls"}'}]},
-              "giving up"], shell)
+    r = _run(
+        [
+            {"fault": "malformed_tool_json"},
+            {"tool_calls": [{"name": "python", "arguments": '{"code": "print(1)"}'}]},
+            {"tool_calls": [{"arguments": '{"cmd": "ls"}'}]},
+            "giving up",
+        ],
+        shell,
+    )
     assert [t.outcome for t in r.turns] == ["malformed_tool_json", "unknown_tool", "bad_tool_arguments", "no_tool_call"]
     assert r.stop_reason == "done" and "Unknown tool 'python'" in r.turns[1].observation
 
@@ -51,10 +56,16 @@ def test_malformed_json_and_unknown_tool(shell):
 def test_text_outside_the_protocol_and_thinking(shell, tmp_path):
     keep = tmp_path / "keep"
     keep.write_text("x")
-    r = _run(["Let me look around first.",
-              f"<think>maybe <command>rm {keep}</command>? no.</think>Nothing to run yet.",
-              f"<think>now</think><command>echo hi > {tmp_path / 'out'}</command>",
-              "<action>done</action>"], shell, mode="text")
+    r = _run(
+        [
+            "Let me look around first.",
+            f"<think>maybe <command>rm {keep}</command>? no.</think>Nothing to run yet.",
+            f"<think>now</think><command>echo hi > {tmp_path / 'out'}</command>",
+            "<action>done</action>",
+        ],
+        shell,
+        mode="text",
+    )
     assert [t.outcome for t in r.turns] == ["unparsed_reply", "unparsed_reply", "thinking", None]
     assert keep.exists()  # a command inside <think> is not run
     assert (tmp_path / "out").read_text() == "hi\n"  # positive control: one outside it is

@@ -143,8 +143,11 @@ def test_logprobs_and_token_ids_kept():
 
 
 def test_tools_mode_shapes():
-    script = {"t": [{"tool_calls": [{"command": "ls"}, {"command": "pwd"}]}], "m": [{"fault": "malformed_tool_json"}],
-              "f": ["All finished."]}
+    script = {
+        "t": [{"tool_calls": [{"command": "ls"}, {"command": "pwd"}]}],
+        "m": [{"fault": "malformed_tool_json"}],
+        "f": ["All finished."],
+    }
     with ScriptedServer(script) as srv:
         p, _ = _policy(srv)
         a = p.act(_msgs("t"))

@@ -40,9 +40,24 @@ class Server:
         env = dict(os.environ, VLLM_API_KEY=key or "")  # as vllm serve: the key from the environment
         with open(log, "w") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "et_hpc.scripted_server", "--script", str(script), "--port", "0",
-                 "--endpoint-dir", str(directory), "--log-requests", "--model-version", "v1"],
-                stdout=out, stderr=subprocess.STDOUT, env=env)
+                [
+                    sys.executable,
+                    "-m",
+                    "et_hpc.scripted_server",
+                    "--script",
+                    str(script),
+                    "--port",
+                    "0",
+                    "--endpoint-dir",
+                    str(directory),
+                    "--log-requests",
+                    "--model-version",
+                    "v1",
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
 
         def started():
             m = re.search(r"serving http://127\.0\.0\.1:(\d+)/v1", log.read_text())
@@ -200,8 +215,7 @@ def test_same_turn_fails_over_to_another_server(three) -> None:
 
     d, servers = three
     rs = ReplicaSet(d)
-    policies = [OpenAIPolicy(None, replicas=rs, max_retries=3, backoff_base_s=0.05, backoff_max_s=0.1)
-                for _ in range(4)]
+    policies = [OpenAIPolicy(None, replicas=rs, max_retries=3, backoff_base_s=0.05, backoff_max_s=0.1) for _ in range(4)]
     other = policies[3]  # shares its server with one of the first three
     p = next(q for q in policies[:3] if q._replica is other._replica)
     by_port = {s.port: s for s in servers}
@@ -251,15 +265,15 @@ def test_a_restarted_server_takes_its_episode_back(tmp_path: Path) -> None:
     conv += [a.message, {"role": "tool", "tool_call_id": a.tool_call_id, "content": "x"}]
     only.kill()
     with ScriptedServer({"": [{"command": "ls"}, {"command": "pwd"}, "done"]}) as new:
-        later = threading.Timer(1.0, lambda: write_endpoint_file(
-            only.path, endpoint_record("127.0.0.1", new.port, "scripted", model_version="v2")))
+        later = threading.Timer(
+            1.0, lambda: write_endpoint_file(only.path, endpoint_record("127.0.0.1", new.port, "scripted", model_version="v2"))
+        )
         later.start()
         a = p.act(conv)
         later.join()
         assert a.command == "pwd" and new.chat_requests == 1
     assert len(p.events) == 1, p.events
-    assert p.events[0].startswith(f"failover: {only.name} ({only.base_url}) -> {only.name} ({new.base_url}): "
-                                  "connection failed"), p.events
+    assert p.events[0].startswith(f"failover: {only.name} ({only.base_url}) -> {only.name} ({new.base_url}): connection failed"), p.events
     assert p.turn_versions == [("v1", "v1"), ("v1", "v2")]  # the version from the file of the server that answered
 
 
@@ -273,9 +287,15 @@ def test_vllm_script_writes_into_an_endpoint_dir(tmp_path: Path) -> None:
         for job in ("101", "102"):
             env = dict(os.environ, VLLM=str(shim), HEALTH_EVERY_S="1", SLURM_JOB_ID=job)
             env.pop("VLLM_API_KEY", None)
-            procs.append(subprocess.Popen(["bash", str(REPO / "slurm" / "vllm.sbatch"), "--endpoint-dir", str(d),
-                                           "my-model"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                          text=True))
+            procs.append(
+                subprocess.Popen(
+                    ["bash", str(REPO / "slurm" / "vllm.sbatch"), "--endpoint-dir", str(d), "my-model"],
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+            )
         until("both endpoint files", lambda: (d / "101.json").exists() and (d / "102.json").exists(), 120, 0.1)
         assert d.stat().st_mode & 0o777 == 0o700
         recs = [json.loads((d / f"{j}.json").read_text()) for j in ("101", "102")]
@@ -295,9 +315,23 @@ def test_vllm_script_writes_into_an_endpoint_dir(tmp_path: Path) -> None:
 
 def test_config_combinations_are_one_line_errors(tmp_path: Path) -> None:
     for extra in (["--set", "policy.base_url=http://127.0.0.1:9/v1"], ["--set", f"policy.endpoint_file={tmp_path}/e.json"]):
-        r = subprocess.run(ET_HPC + ["run", str(DEMO), "--policy", "openai", "--set", f"policy.endpoint_dir={tmp_path}",
-                                     *extra, "--store", str(tmp_path / "store")],
-                           capture_output=True, text=True, timeout=120)
+        r = subprocess.run(
+            ET_HPC
+            + [
+                "run",
+                str(DEMO),
+                "--policy",
+                "openai",
+                "--set",
+                f"policy.endpoint_dir={tmp_path}",
+                *extra,
+                "--store",
+                str(tmp_path / "store"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert r.returncode == 2, r.stderr
         assert r.stderr.startswith("et-hpc: error:") and len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert "policy.endpoint_dir and policy." in r.stderr and "Value error" not in r.stderr
@@ -310,6 +344,7 @@ def test_config_combinations_are_one_line_errors(tmp_path: Path) -> None:
 
 # -- et-hpc run end to end ---------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def demo_images(base_sif: Path):
     from et_hpc.images.store import ImageStore
@@ -321,9 +356,26 @@ def demo_images(base_sif: Path):
 
 
 def _run_cmd(tmp: Path, d: Path, name: str, tasks: list[str], samples: int) -> list[str]:
-    return ET_HPC + ["run", str(DEMO), "--policy", "openai", "--set", f"policy.endpoint_dir={d}",
-                     "--set", f"tasks.ids=[{','.join(tasks)}]", "--samples", str(samples), "--concurrency", "3",
-                     "--run-name", name, "--store", str(tmp / "store"), "--json", *FAST]
+    return ET_HPC + [
+        "run",
+        str(DEMO),
+        "--policy",
+        "openai",
+        "--set",
+        f"policy.endpoint_dir={d}",
+        "--set",
+        f"tasks.ids=[{','.join(tasks)}]",
+        "--samples",
+        str(samples),
+        "--concurrency",
+        "3",
+        "--run-name",
+        name,
+        "--store",
+        str(tmp / "store"),
+        "--json",
+        *FAST,
+    ]
 
 
 def _records(tmp: Path, name: str) -> list:
@@ -351,8 +403,7 @@ def test_run_survives_a_server_killed_mid_run(demo_images, tmp_path: Path) -> No
     d, servers = _servers(tmp_path, {"": [{"command": "sleep 2"}, {"command": "true"}, "All done."]}, key=SECRET)
     victim = servers[0]
     try:
-        p = subprocess.Popen(_run_cmd(tmp_path, d, "kill", TASKS[:2], 3), stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+        p = subprocess.Popen(_run_cmd(tmp_path, d, "kill", TASKS[:2], 3), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         until("an episode on the victim", lambda: victim.served(0) >= 1 or p.poll() is not None, 300, 0.05)
         victim.kill()  # mid-episode: its agent is running `sleep 2`
         out, err = p.communicate(timeout=900)

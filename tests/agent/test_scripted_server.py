@@ -19,8 +19,7 @@ from et_hpc.testing.scripted_server import ScriptedServer, load_script
 
 
 def _post(url: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(url + "/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url + "/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=10) as r:
             return r.status, json.loads(r.read())
@@ -87,9 +86,9 @@ def test_faults_then_reply_and_logprobs_with_token_ids():
 
 
 def test_context_length_and_malformed_tool_json():
-    with ScriptedServer({"c": [{"fault": "context_length"}], "m": [{"fault": "malformed_tool_json"}],
-                         "long": ["fine"]},
-                        max_model_len=1000) as srv:
+    with ScriptedServer(
+        {"c": [{"fault": "context_length"}], "m": [{"fault": "malformed_tool_json"}], "long": ["fine"]}, max_model_len=1000
+    ) as srv:
         code, r = _post(srv.base_url, {"messages": _msgs("c")})
         assert code == 400 and "maximum context length is 1000" in r["error"]["message"]
         code, r = _post(srv.base_url, {"messages": _msgs("m")})
@@ -127,15 +126,40 @@ def test_cli_writes_endpoint_file(tmp_path):
     script.write_text(json.dumps({"": ["hello"]}))
     ep = tmp_path / "ep.json"
     env = dict(os.environ, SLURM_JOB_ID="4242")
-    proc = subprocess.Popen([sys.executable, "-m", "et_hpc.scripted_server", "--script", str(script),
-                             "--port", "0", "--endpoint-file", str(ep), "--model", "tiny"],
-                            stdout=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "et_hpc.scripted_server",
+            "--script",
+            str(script),
+            "--port",
+            "0",
+            "--endpoint-file",
+            str(ep),
+            "--model",
+            "tiny",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         line = proc.stdout.readline()
         assert line.startswith("serving http://127.0.0.1:")
         rec = json.loads(ep.read_text())
-        assert set(rec) == {"host", "port", "model", "job_id", "base_url", "api_key", "model_version",
-                            "served_model", "started_at", "written_at"}
+        assert set(rec) == {
+            "host",
+            "port",
+            "model",
+            "job_id",
+            "base_url",
+            "api_key",
+            "model_version",
+            "served_model",
+            "started_at",
+            "written_at",
+        }
         assert ep.stat().st_mode & 0o777 == 0o600
         assert rec["host"] == "127.0.0.1" and rec["model"] == "tiny" and rec["job_id"] == "4242"
         assert rec["base_url"] == f"http://127.0.0.1:{rec['port']}/v1"
@@ -148,7 +172,11 @@ def test_cli_writes_endpoint_file(tmp_path):
 
 
 def test_cli_bad_script_one_line(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "et_hpc.scripted_server", "--script", str(tmp_path / "none.json")],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "et_hpc.scripted_server", "--script", str(tmp_path / "none.json")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2
     assert "none.json" in r.stderr and "Traceback" not in r.stderr

@@ -53,7 +53,8 @@ def test_the_turn_that_raced_the_switch_names_the_new_weights(tmp_path: Path, ra
         # the raced request was refused (404: the alias is gone) and sent again at once, uncounted
         assert policy.retries == 0 and policy.requests == 4
         assert [e for e in policy.events if e.startswith("version switch: ")] == [
-            f"version switch: policy@{A} -> policy@{B} (HTTP 404: The model `policy@{A}` does not exist.)"]
+            f"version switch: policy@{A} -> policy@{B} (HTTP 404: The model `policy@{A}` does not exist.)"
+        ]
         fields = policy_version_fields(policy)
         assert fields["policy_version"] == want[0] and fields["version_source"] == "response"
         assert fields["crossed_version"] is (race_turn > 0)  # crossing is per episode, from its turns

@@ -13,15 +13,27 @@ from et_hpc.agent.token_in import parse_hermes
 from et_hpc.testing import scripted_tokenizer as tk
 from et_hpc.testing.scripted_server import ScriptedServer
 
-THINKS = {"task": [{"command": "echo one", "reasoning": "first I look"},
-                   {"command": "echo two", "reasoning": "then I check"},
-                   {"content": "finished", "reasoning": "all good"}]}
-COMPACT = {"task": [{"tool_calls": [{"name": "terminal", "arguments": '{"command":"echo one"}'}]},
-                    {"tool_calls": [{"name": "terminal", "arguments": '{"command":"echo two","timeout":5}'}]},
-                    "finished"]}
-TEXT_THINKS = {"task": [{"content": "<command>echo one</command>", "reasoning": "hmm"},
-                        {"content": "<command>echo two</command>", "reasoning": "hmm again"},
-                        {"content": "<action>done</action>", "reasoning": "done now"}]}
+THINKS = {
+    "task": [
+        {"command": "echo one", "reasoning": "first I look"},
+        {"command": "echo two", "reasoning": "then I check"},
+        {"content": "finished", "reasoning": "all good"},
+    ]
+}
+COMPACT = {
+    "task": [
+        {"tool_calls": [{"name": "terminal", "arguments": '{"command":"echo one"}'}]},
+        {"tool_calls": [{"name": "terminal", "arguments": '{"command":"echo two","timeout":5}'}]},
+        "finished",
+    ]
+}
+TEXT_THINKS = {
+    "task": [
+        {"content": "<command>echo one</command>", "reasoning": "hmm"},
+        {"content": "<command>echo two</command>", "reasoning": "hmm again"},
+        {"content": "<action>done</action>", "reasoning": "done now"},
+    ]
+}
 
 
 def _run(script, shell, *, token_in: bool, mode: str = "tools"):

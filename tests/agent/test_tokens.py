@@ -23,8 +23,15 @@ from et_hpc.record import EPISODE_SCHEMA, SCHEMA_VERSION, EpisodeRecord, check_t
 from et_hpc.testing import scripted_tokenizer as tk
 from et_hpc.testing.scripted_server import ScriptedServer
 
-TEXTS = ["hello world", "  two  spaces\tand a tab\n", "Ünïcödé ✓ 日本語", "ls -la /home/user && echo $?",
-         "<|im_start|>user\nhi<|im_end|>", "a <tool_call> b </think>", ""]
+TEXTS = [
+    "hello world",
+    "  two  spaces\tand a tab\n",
+    "Ünïcödé ✓ 日本語",
+    "ls -la /home/user && echo $?",
+    "<|im_start|>user\nhi<|im_end|>",
+    "a <tool_call> b </think>",
+    "",
+]
 
 
 def _post(url: str, body: dict) -> tuple[int, dict]:
@@ -44,12 +51,21 @@ def _conversation() -> list[dict]:
     return [
         {"role": "system", "content": "sys"},
         {"role": "user", "content": "do it"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "1", "type": "function", "function": {"name": "terminal", "arguments": {"command": "ls -la"}}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "1", "type": "function", "function": {"name": "terminal", "arguments": {"command": "ls -la"}}}],
+        },
         {"role": "tool", "tool_call_id": "1", "content": "out\n"},
-        {"role": "assistant", "content": "now two", "reasoning": "hmm", "tool_calls": [
-            {"id": "2", "type": "function", "function": {"name": "terminal", "arguments": {"command": "pwd"}}},
-            {"id": "3", "type": "function", "function": {"name": "terminal", "arguments": {"command": "id", "timeout": 5}}}]},
+        {
+            "role": "assistant",
+            "content": "now two",
+            "reasoning": "hmm",
+            "tool_calls": [
+                {"id": "2", "type": "function", "function": {"name": "terminal", "arguments": {"command": "pwd"}}},
+                {"id": "3", "type": "function", "function": {"name": "terminal", "arguments": {"command": "id", "timeout": 5}}},
+            ],
+        },
         {"role": "tool", "tool_call_id": "2", "content": "/home/user"},
         {"role": "tool", "tool_call_id": "3", "content": "uid=1000"},
         {"role": "assistant", "content": "done"},
@@ -71,8 +87,13 @@ def test_template_rerenders_history_like_real_templates():
     msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
     model_wrote = tk.generation_text(None, [("terminal", '{"command":"ls"}')])  # compact JSON
     canonical = tk.generation_text(None, [("terminal", '{"command": "ls"}')])
-    hist = msgs + [{"role": "assistant", "content": None, "tool_calls": [
-        {"id": "1", "type": "function", "function": {"name": "terminal", "arguments": '{"command":"ls"}'}}]}]
+    hist = msgs + [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "1", "type": "function", "function": {"name": "terminal", "arguments": '{"command":"ls"}'}}],
+        }
+    ]
     rendered = tk.render_chat(hist)
     prompt = tk.render_chat(msgs, add_generation_prompt=True)
     assert rendered == prompt + canonical + "<|im_end|>\n"  # the template re-serialises arguments
@@ -111,8 +132,14 @@ def test_hf_tokenizer_agrees(tmp_path):
 def test_server_token_fields_and_tokenize():
     with ScriptedServer({"u": [{"command": "ls"}]}) as srv:
         msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
-        body = {"model": "scripted", "messages": msgs, "tools": [TERMINAL_TOOL], "return_token_ids": True,
-                "logprobs": True, "top_logprobs": 2}
+        body = {
+            "model": "scripted",
+            "messages": msgs,
+            "tools": [TERMINAL_TOOL],
+            "return_token_ids": True,
+            "logprobs": True,
+            "top_logprobs": 2,
+        }
         code, r = _post(srv.base_url + "/chat/completions", body)
         assert code == 200
         prompt, ids = r["prompt_token_ids"], r["choices"][0]["token_ids"]
@@ -123,17 +150,19 @@ def test_server_token_fields_and_tokenize():
         assert [c["token"] for c in content] == [tk.token_text(t) for t in ids]
         assert all(len(c["top_logprobs"]) == 2 and c["top_logprobs"][0]["logprob"] == c["logprob"] for c in content)
         # /tokenize, chat form: the same ids as the request's prompt; then with the reply appended
-        code, t = _post(_root(srv) + "/tokenize", {"model": "scripted", "messages": msgs, "tools": [TERMINAL_TOOL],
-                                                   "add_generation_prompt": True})
+        code, t = _post(
+            _root(srv) + "/tokenize", {"model": "scripted", "messages": msgs, "tools": [TERMINAL_TOOL], "add_generation_prompt": True}
+        )
         assert code == 200 and t["tokens"] == prompt and t["count"] == len(prompt) and t["max_model_len"] == 32768
-        full = _post(_root(srv) + "/tokenize", {"messages": msgs + [r["choices"][0]["message"]], "tools": [TERMINAL_TOOL],
-                                                "add_generation_prompt": False})[1]["tokens"]
+        full = _post(
+            _root(srv) + "/tokenize",
+            {"messages": msgs + [r["choices"][0]["message"]], "tools": [TERMINAL_TOOL], "add_generation_prompt": False},
+        )[1]["tokens"]
         assert full == prompt + ids + tk.encode("\n")  # the template closes the turn with a newline
         code, t = _post(_root(srv) + "/tokenize", {"prompt": "hi", "return_token_strs": True})
         assert t["tokens"] == [104, 105] and t["token_strs"] == ["h", "i"]
         assert _post(_root(srv) + "/detokenize", {"tokens": ids})[1]["prompt"] == tk.decode(ids)
-        code, e = _post(_root(srv) + "/tokenize", {"messages": msgs, "add_generation_prompt": True,
-                                                   "continue_final_message": True})
+        code, e = _post(_root(srv) + "/tokenize", {"messages": msgs, "add_generation_prompt": True, "continue_final_message": True})
         assert code == 400 and "continue_final_message" in e["error"]["message"]
 
 
@@ -152,8 +181,7 @@ def test_check_tokens_exact_and_drift():
     completions = [[4, 5], [6], [8]]
     deltas, drift = check_tokens(prompts, completions, final=[1, 2, 3, 4, 5, 9, 9, 6, 7, 8, 0])
     assert deltas == [[1, 2, 3], [9, 9], [7]] and drift is None
-    rec = EpisodeRecord(run_name="r", task_id="t", sample=0, status="ok", reward=1.0,
-                        prompt_token_ids=deltas, token_ids=completions)
+    rec = EpisodeRecord(run_name="r", task_id="t", sample=0, status="ok", reward=1.0, prompt_token_ids=deltas, token_ids=completions)
     assert rec.token_sequence()[0] == [1, 2, 3, 4, 5, 9, 9, 6, 7, 8]
     # turn 1's prompt re-renders completion 0 differently
     _, drift = check_tokens([[1, 2, 3], [1, 2, 3, 4, 0, 9]], [[4, 5], [6]])
@@ -186,8 +214,15 @@ def _run(shell, script, mode="tools", server_kw=None, **policy_kw):
 
 
 def _sequence(r) -> list[int]:
-    rec = EpisodeRecord(run_name="r", task_id="t", sample=0, status="ok", reward=0.0,
-                        prompt_token_ids=r.tokens.prompt_token_ids, token_ids=r.tokens.token_ids)
+    rec = EpisodeRecord(
+        run_name="r",
+        task_id="t",
+        sample=0,
+        status="ok",
+        reward=0.0,
+        prompt_token_ids=r.tokens.prompt_token_ids,
+        token_ids=r.tokens.token_ids,
+    )
     return rec.token_sequence()[0]
 
 
@@ -222,17 +257,20 @@ def test_wrong_concatenation_is_detected(shell):
     _, drift = check_tokens(prompts, [t.token_ids for t in turns], final)
     assert drift and drift.startswith("end:")
     # the client-built prompts also disagree with what the server actually tokenized
-    _, drift = check_tokens([p if i == 0 else t.prompt_token_ids for i, (p, t) in enumerate(zip(prompts, turns))],
-                            [t.token_ids for t in turns])
+    _, drift = check_tokens(
+        [p if i == 0 else t.prompt_token_ids for i, (p, t) in enumerate(zip(prompts, turns))], [t.token_ids for t in turns]
+    )
     assert drift is None  # the server's own prompts are consistent ...
     assert prompts[1] != turns[1].prompt_token_ids  # ... and the client's are not them
 
 
-@pytest.mark.parametrize("mode,script", [
-    ("tools", {"task": [{"tool_calls": [{"name": "terminal", "arguments": '{"command":"echo hi"}'}]}, "done"]}),
-    ("text", {"task": [{"content": "<command>echo hi</command>", "reasoning": "I should look."},
-                       "<action>done</action>"]}),
-])
+@pytest.mark.parametrize(
+    "mode,script",
+    [
+        ("tools", {"task": [{"tool_calls": [{"name": "terminal", "arguments": '{"command":"echo hi"}'}]}, "done"]}),
+        ("text", {"task": [{"content": "<command>echo hi</command>", "reasoning": "I should look."}, "<action>done</action>"]}),
+    ],
+)
 def test_template_rerender_drift_is_recorded(shell, mode, script):
     """The model's own format (compact JSON, a think part) is re-rendered differently next turn."""
     r, _ = _run(shell, script, mode)
@@ -267,10 +305,24 @@ def test_v1_shard_still_reads(tmp_path):
 
     v1 = pa.schema([EPISODE_SCHEMA.field(c) for c in V1_COLUMNS], metadata={b"et_hpc.schema_version": b"1"})
     row = {c: None for c in V1_COLUMNS}
-    row.update(schema_version=1, episode_id="e1", run_name="old", task_id="t", sample=0, group_id="t",
-               status="ok", reward=1.0, messages="[]", sampling_params="{}", versions="{}",
-               prompt_token_ids=[[1, 2]], token_ids=[[3]], logprobs=[[-0.5]], tests=[],
-               created_at=datetime(2025, 1, 1, tzinfo=timezone.utc))
+    row.update(
+        schema_version=1,
+        episode_id="e1",
+        run_name="old",
+        task_id="t",
+        sample=0,
+        group_id="t",
+        status="ok",
+        reward=1.0,
+        messages="[]",
+        sampling_params="{}",
+        versions="{}",
+        prompt_token_ids=[[1, 2]],
+        token_ids=[[3]],
+        logprobs=[[-0.5]],
+        tests=[],
+        created_at=datetime(2025, 1, 1, tzinfo=timezone.utc),
+    )
     run = tmp_path / "old"
     run.mkdir()
     pq.write_table(pa.Table.from_pylist([row], schema=v1), run / "part-20250101T000000000000Z-h-1-0.parquet")
@@ -282,7 +334,19 @@ def test_v1_shard_still_reads(tmp_path):
     assert rec.schema_version == 1 and rec.tokens_source is None and rec.token_drift is None
     assert rec.token_sequence()[0] == [1, 2, 3]
     # a v2 shard beside it reads together
-    store.write([EpisodeRecord(run_name="old", task_id="t", sample=1, status="ok", reward=0.0,
-                               tokens_source="server-exact", prompt_token_ids=[[5]], token_ids=[[6]])])
+    store.write(
+        [
+            EpisodeRecord(
+                run_name="old",
+                task_id="t",
+                sample=1,
+                status="ok",
+                reward=0.0,
+                tokens_source="server-exact",
+                prompt_token_ids=[[5]],
+                token_ids=[[6]],
+            )
+        ]
+    )
     got = {r.sample: r for r in store.records()}
     assert got[0].schema_version == 1 and got[1].schema_version == SCHEMA_VERSION and got[1].tokens_source == "server-exact"

@@ -22,8 +22,7 @@ KUBECTL = "task_000000_2884808f"  # Harbor: curl https://dl.k8s.io/... fails off
 
 
 def et_hpc(*args: str, cwd: Path | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "et_hpc.cli", *args], capture_output=True, text=True,
-                          cwd=cwd, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "et_hpc.cli", *args], capture_output=True, text=True, cwd=cwd, timeout=timeout)
 
 
 def cache_with_base(tmp_path: Path, base_sif: Path) -> Path:
@@ -57,8 +56,8 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, fixtures_dir: Path) ->
     r = et_hpc("build", str(tasks), "--cache", str(empty_cache))
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
-        f"et-hpc: error: base image {empty_cache / 'base' / 'ubuntu_22.04.sif'} not found: "
-        "build it with 'et-hpc base build'"]
+        f"et-hpc: error: base image {empty_cache / 'base' / 'ubuntu_22.04.sif'} not found: build it with 'et-hpc base build'"
+    ]
 
 
 def test_build_fixtures_statuses_and_summary(tmp_path: Path, fixtures_dir: Path, base_sif: Path) -> None:
@@ -103,8 +102,22 @@ def test_build_as_slurm_array(tmp_path: Path, base_sif: Path) -> None:
         d.mkdir(parents=True)
         (d / "task.json").write_text(json.dumps({"description": f"task {name}", "truth": "x"}))
         (d / "container.def").write_text(f"Bootstrap: localimage\nFrom: ./ubuntu_22.04.sif\n\n%post\n    {body}\n")
-    r = et_hpc("build", str(tasks), "--cache", str(cache), "--slurm", "--per-task", "2", "--time", "20",
-               "--cpus", "1", "--deadline", "15", "--json")
+    r = et_hpc(
+        "build",
+        str(tasks),
+        "--cache",
+        str(cache),
+        "--slurm",
+        "--per-task",
+        "2",
+        "--time",
+        "20",
+        "--cpus",
+        "1",
+        "--deadline",
+        "15",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     assert "submitted Slurm array" in r.stderr
     res = by_task(r.stdout)
@@ -128,19 +141,38 @@ def test_slurm_killed_build_is_reported_not_waited_for(tmp_path: Path, base_sif:
     d.mkdir(parents=True)
     started = tmp_path / "started"
     (d / "task.json").write_text(json.dumps({"description": "slow", "truth": "x"}))
-    (d / "container.def").write_text("Bootstrap: localimage\nFrom: ./ubuntu_22.04.sif\n\n"
-                                     f"%setup\n    touch {started}\n    sleep 600\n")
-    proc = subprocess.Popen([sys.executable, "-m", "et_hpc.cli", "build", str(d.parent), "--cache", str(cache),
-                             "--slurm", "--time", "30", "--cpus", "1", "--deadline", "20", "--json"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    (d / "container.def").write_text(f"Bootstrap: localimage\nFrom: ./ubuntu_22.04.sif\n\n%setup\n    touch {started}\n    sleep 600\n")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "et_hpc.cli",
+            "build",
+            str(d.parent),
+            "--cache",
+            str(cache),
+            "--slurm",
+            "--time",
+            "30",
+            "--cpus",
+            "1",
+            "--deadline",
+            "20",
+            "--json",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 300
         while not started.exists():
             assert proc.poll() is None, proc.communicate()
             assert time.monotonic() < deadline, "the build never started in Slurm"
             time.sleep(1)
-        jobs = subprocess.run(["squeue", "-h", "-u", getpass.getuser(), "-n", "et-hpc-build", "-o", "%i"],
-                              capture_output=True, text=True).stdout.split()
+        jobs = subprocess.run(
+            ["squeue", "-h", "-u", getpass.getuser(), "-n", "et-hpc-build", "-o", "%i"], capture_output=True, text=True
+        ).stdout.split()
         assert jobs, "the build array is in the queue"
         subprocess.run(["scancel", *jobs], check=True)
         out, err = proc.communicate(timeout=300)

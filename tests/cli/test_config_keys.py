@@ -17,15 +17,16 @@ from et_hpc.sandbox.config import SandboxConfig
 
 
 def _help() -> str:
-    r = subprocess.run([sys.executable, "-m", "et_hpc.cli", "run", "--help"], capture_output=True, text=True,
-                       env=dict(os.environ, COLUMNS="100"))
+    r = subprocess.run(
+        [sys.executable, "-m", "et_hpc.cli", "run", "--help"], capture_output=True, text=True, env=dict(os.environ, COLUMNS="100")
+    )
     assert r.returncode == 0, r.stderr
     return r.stdout
 
 
 def test_help_lists_every_field_of_the_models() -> None:
     text = _help()
-    block = text[text.index("Run config keys:"):text.index("Exit status:")]
+    block = text[text.index("Run config keys:") : text.index("Exit status:")]
     flat = re.sub(r"\s+", "", block)
     for name in SandboxConfig.model_fields:
         assert name in flat

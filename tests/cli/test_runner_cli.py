@@ -36,8 +36,13 @@ def test_cli_local_run_resume_status(tmp_path: Path) -> None:
 def test_cli_ctrl_c_keeps_finished_and_resumes(tmp_path: Path) -> None:
     src = task_folders(tmp_path, 4)
     env = cli_env(tmp_path, sleep_s=60)
-    p = subprocess.Popen(ET_HPC + ["run", str(src), "--run-name", "int", "--concurrency", "2", *COMMON], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        ET_HPC + ["run", str(src), "--run-name", "int", "--concurrency", "2", *COMMON],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     log = tmp_path / "log" / "starts.log"
     for _ in range(600):
         if log.exists() and len(log.read_text().splitlines()) >= 2:
@@ -57,8 +62,18 @@ def test_cli_ctrl_c_keeps_finished_and_resumes(tmp_path: Path) -> None:
 def test_cli_slurm_run_and_detach(tmp_path: Path) -> None:
     src = task_folders(tmp_path, 3)
     env = cli_env(tmp_path)
-    sl = ["--executor", "slurm", "--set", "slurm.cpus_per_task=1", "--set", "slurm.time_min=10",
-          "--set", "slurm.units_per_task=2", "--set", "slurm.poll_s=1"]
+    sl = [
+        "--executor",
+        "slurm",
+        "--set",
+        "slurm.cpus_per_task=1",
+        "--set",
+        "slurm.time_min=10",
+        "--set",
+        "slurm.units_per_task=2",
+        "--set",
+        "slurm.poll_s=1",
+    ]
     r = et_hpc(["run", str(src), "--run-name", "sl", "--json", *COMMON, *sl], env)
     assert r.returncode == 0, r.stderr
     assert "submitted array job" in r.stderr

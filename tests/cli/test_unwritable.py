@@ -22,8 +22,12 @@ def test_unwritable_store_is_one_line_and_keeps_what_is_there(base_sif: Path, tm
     try:
         # the positive control: this user really cannot create anything there
         assert not os.access(locked, os.W_OK)
-        r = subprocess.run([*ET, "run", str(DEMO), "--policy", "oracle", "--samples", "1", "--run-name", "x",
-                            "--store", str(locked / "runs")], capture_output=True, text=True, timeout=600)
+        r = subprocess.run(
+            [*ET, "run", str(DEMO), "--policy", "oracle", "--samples", "1", "--run-name", "x", "--store", str(locked / "runs")],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
     finally:
         locked.chmod(0o755)
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])

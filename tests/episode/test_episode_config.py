@@ -10,8 +10,13 @@ from et_hpc.episode.config import EpisodeConfig
 from et_hpc.runner.config import RunConfig, load_config
 from et_hpc.runner.local import EPISODE_RUNNER, episode_runner, resolve_runner
 
-EPISODE_KEYS = {"name": "e1", "policy": {"kind": "null"}, "budgets": {"max_turns": 3},
-                "sandbox": {"overlay_mb": 64}, "scoring_timeout_s": 30}
+EPISODE_KEYS = {
+    "name": "e1",
+    "policy": {"kind": "null"},
+    "budgets": {"max_turns": 3},
+    "sandbox": {"overlay_mb": 64},
+    "scoring_timeout_s": 30,
+}
 
 
 def test_a_run_config_is_an_episode_config_with_the_same_keys() -> None:

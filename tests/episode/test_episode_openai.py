@@ -25,8 +25,20 @@ ET_HPC = [sys.executable, "-m", "et_hpc.cli"]
 
 def _run(tmp: Path, name: str, *args: str, env: dict | None = None, timeout: float = 600) -> dict:
     """``et-hpc run`` on the demo task into ``tmp/store``; returns the --json summary."""
-    cmd = ET_HPC + ["run", str(DEMO), "--set", f"tasks.ids=[{TASK}]", "--run-name", name,
-                    "--store", str(tmp / "store"), "--concurrency", "1", "--json", *args]
+    cmd = ET_HPC + [
+        "run",
+        str(DEMO),
+        "--set",
+        f"tasks.ids=[{TASK}]",
+        "--run-name",
+        name,
+        "--store",
+        str(tmp / "store"),
+        "--concurrency",
+        "1",
+        "--json",
+        *args,
+    ]
     r = subprocess.run(cmd, env=env or os.environ.copy(), capture_output=True, text=True, timeout=timeout, cwd=tmp)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout)
@@ -45,8 +57,7 @@ def _one(tmp: Path, name: str):
 
 
 def _openai(base_url: str, mode: str, *extra: str) -> list[str]:
-    return ["--set", "policy.kind=openai", "--set", f"policy.base_url={base_url}", "--set", f"policy.mode={mode}",
-            *extra]
+    return ["--set", "policy.kind=openai", "--set", f"policy.base_url={base_url}", "--set", f"policy.mode={mode}", *extra]
 
 
 def test_tool_call_mode_solves_demo(demo_image, tmp_path: Path) -> None:
@@ -79,9 +90,20 @@ def test_always_500_is_policy_error_not_zero(demo_image, tmp_path: Path) -> None
     from et_hpc.testing.scripted_server import ScriptedServer
 
     with ScriptedServer({KEY: [{"fault": 500}]}) as srv:
-        info = _run(tmp_path, "down", *_openai(srv.base_url, "tools", "--set", "policy.max_retries=2",
-                                                "--set", "policy.backoff_base_s=0.05",
-                                                "--set", "policy.backoff_max_s=0.1"))
+        info = _run(
+            tmp_path,
+            "down",
+            *_openai(
+                srv.base_url,
+                "tools",
+                "--set",
+                "policy.max_retries=2",
+                "--set",
+                "policy.backoff_base_s=0.05",
+                "--set",
+                "policy.backoff_max_s=0.1",
+            ),
+        )
         # the same 500 body twice is deterministic: no third try (a retry budget would only waste time)
         assert srv.chat_requests == 2
     rec = _one(tmp_path, "down")
@@ -98,17 +120,31 @@ def test_endpoint_file_from_server(demo_image, tmp_path: Path) -> None:
     script = tmp_path / "script.json"
     script.write_text(json.dumps({KEY: [{"command": SOLVE}, "done"]}))
     ep = tmp_path / "endpoint.json"
-    srv = subprocess.Popen([sys.executable, "-m", "et_hpc.scripted_server", "--script", str(script), "--port", "0",
-                            "--model", "served-by-file", "--endpoint-file", str(ep)],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    srv = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "et_hpc.scripted_server",
+            "--script",
+            str(script),
+            "--port",
+            "0",
+            "--model",
+            "served-by-file",
+            "--endpoint-file",
+            str(ep),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         for _ in range(300):
             if ep.exists() or srv.poll() is not None:
                 break
             time.sleep(0.05)
         assert ep.exists(), srv.stderr.read() if srv.poll() is not None else "no endpoint file"
-        _run(tmp_path, "epfile", "--set", "policy.kind=openai", "--set", f"policy.endpoint_file={ep}",
-             "--set", "policy.endpoint_wait_s=30")
+        _run(tmp_path, "epfile", "--set", "policy.kind=openai", "--set", f"policy.endpoint_file={ep}", "--set", "policy.endpoint_wait_s=30")
     finally:
         srv.terminate()
         srv.wait(timeout=30)
@@ -161,9 +197,14 @@ def test_missing_image_is_recorded_as_error(tmp_path: Path) -> None:
     assert "et-hpc build" in got[0].error
     assert "deleted.sif" in got[1].error or "image" in got[1].error.lower(), got[1].error
     # through the CLI the run refuses to start and names the fix, without a traceback
-    env = dict(os.environ, APPTAINER_CACHEDIR=str(tmp_path / "c"), XDG_CACHE_HOME=str(tmp_path / "xdg"),
-               ET_HPC_CACHE=str(tmp_path / "empty-cache"))
-    r = subprocess.run(ET_HPC + ["run", str(DEMO), "--set", f"tasks.ids=[{TASK}]", "--policy", "null",
-                                 "--store", str(tmp_path / "store")], env=env, capture_output=True, text=True,
-                       timeout=300)
+    env = dict(
+        os.environ, APPTAINER_CACHEDIR=str(tmp_path / "c"), XDG_CACHE_HOME=str(tmp_path / "xdg"), ET_HPC_CACHE=str(tmp_path / "empty-cache")
+    )
+    r = subprocess.run(
+        ET_HPC + ["run", str(DEMO), "--set", f"tasks.ids=[{TASK}]", "--policy", "null", "--store", str(tmp_path / "store")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 2 and r.stderr.startswith("et-hpc: error:") and "et-hpc build" in r.stderr, r.stderr

@@ -36,10 +36,30 @@ def test_replay_agrees_with_recorded_success(task_id: str, fixtures_dir: Path, b
     runs = recorded_runs(task.recorded_runs[0])
     assert len(runs) >= 2 and all(r.success is not None for r in runs)
 
-    r = subprocess.run([sys.executable, "-m", "et_hpc.cli", "run", str(src), "--policy", "replay",
-                        "--samples", str(len(runs)), "--run-name", "replay", "--store", str(tmp_path / "store"),
-                        "--concurrency", "2", "--json"], capture_output=True, text=True, timeout=3000,
-                       env=os.environ.copy())
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "et_hpc.cli",
+            "run",
+            str(src),
+            "--policy",
+            "replay",
+            "--samples",
+            str(len(runs)),
+            "--run-name",
+            "replay",
+            "--store",
+            str(tmp_path / "store"),
+            "--concurrency",
+            "2",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=3000,
+        env=os.environ.copy(),
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads(r.stdout)["units"] == len(runs)
 
@@ -53,8 +73,10 @@ def test_replay_agrees_with_recorded_success(task_id: str, fixtures_dir: Path, b
             agree += 1
         else:
             failed = [t.name for t in rec.tests if t.outcome != "passed"]
-            disagree.append(f"run {run.index}: recorded success={run.success}, ours status={rec.status} "
-                            f"reward={rec.reward} failed={failed} error={rec.error}")
+            disagree.append(
+                f"run {run.index}: recorded success={run.success}, ours status={rec.status} "
+                f"reward={rec.reward} failed={failed} error={rec.error}"
+            )
     # both outcomes occur, so agreement is not won by a constant reward
     assert any(r.success for r in runs) and not all(r.success for r in runs)
     assert agree / len(runs) >= MIN_AGREEMENT, "\n".join(disagree)

@@ -27,11 +27,19 @@ def test_version_fields_from_turns() -> None:
         turn_versions: list = []
 
     p = P()
-    assert policy_version_fields(p) == {"policy_version": "a", "policy_versions": ["a"], "crossed_version": False,
-                                        "version_source": "endpoint"}
+    assert policy_version_fields(p) == {
+        "policy_version": "a",
+        "policy_versions": ["a"],
+        "crossed_version": False,
+        "version_source": "endpoint",
+    }
     p.turn_versions = [("a", "a"), ("a", "b"), ("b", "b")]  # the second request straddled the switch
-    assert policy_version_fields(p) == {"policy_version": "a", "policy_versions": ["a", "b"], "crossed_version": True,
-                                        "version_source": "endpoint"}
+    assert policy_version_fields(p) == {
+        "policy_version": "a",
+        "policy_versions": ["a", "b"],
+        "crossed_version": True,
+        "version_source": "endpoint",
+    }
     p.turn_versions = [("b", "b")]  # switched between the policy's start and its first turn: not crossed
     assert policy_version_fields(p)["crossed_version"] is False
     p.start_version, p.turn_versions = None, []
@@ -51,9 +59,13 @@ def test_switch_mid_run_is_recorded(demo_image, tmp_path: Path) -> None:
     (ckpts / "latest").write_text("step-10 10\n")
     ep = tmp_path / "private" / "endpoint.json"
     env = dict(os.environ, VLLM=str(shim), POLL_S="1", HEALTH_EVERY_S="1")
-    server = subprocess.Popen(["bash", str(REPO / "slurm" / "vllm.sbatch"), "--checkpoint-dir", str(ckpts),
-                               "policy", str(ep)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True)
+    server = subprocess.Popen(
+        ["bash", str(REPO / "slurm" / "vllm.sbatch"), "--checkpoint-dir", str(ckpts), "policy", str(ep)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     out: list[str] = []
     switched = threading.Event()
 
@@ -72,11 +84,36 @@ def test_switch_mid_run_is_recorded(demo_image, tmp_path: Path) -> None:
     reader.start()
     try:
         wait_for(ep.exists, server, "the endpoint file")
-        cmd = [sys.executable, "-m", "et_hpc.cli", "run", str(DEMO), "--set", f"tasks.ids=[{TASK}]",
-               "--run-name", "switch", "--store", str(tmp_path / "store"), "--samples", "3", "--concurrency", "1",
-               "--json", "--set", "policy.kind=openai", "--set", f"policy.endpoint_file={ep}",
-               "--set", "policy.endpoint_wait_s=60", "--set", "policy.backoff_base_s=0.2",
-               "--set", "policy.backoff_max_s=1", "--set", "policy.max_retries=20"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "et_hpc.cli",
+            "run",
+            str(DEMO),
+            "--set",
+            f"tasks.ids=[{TASK}]",
+            "--run-name",
+            "switch",
+            "--store",
+            str(tmp_path / "store"),
+            "--samples",
+            "3",
+            "--concurrency",
+            "1",
+            "--json",
+            "--set",
+            "policy.kind=openai",
+            "--set",
+            f"policy.endpoint_file={ep}",
+            "--set",
+            "policy.endpoint_wait_s=60",
+            "--set",
+            "policy.backoff_base_s=0.2",
+            "--set",
+            "policy.backoff_max_s=1",
+            "--set",
+            "policy.max_retries=20",
+        ]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path)
         assert r.returncode == 0, r.stderr[-3000:]
     finally:
@@ -90,8 +127,7 @@ def test_switch_mid_run_is_recorded(demo_image, tmp_path: Path) -> None:
 
     recs = sorted(open_run(tmp_path / "store" / "switch").records(), key=lambda x: x.timings.start_s)
     a, b = f"{ckpts}/step-10@step-10", f"{ckpts}/step-20@step-20"
-    assert len(recs) == 3 and all(x.status == "ok" and x.reward == 1.0 for x in recs), [
-        (x.status, x.error) for x in recs]
+    assert len(recs) == 3 and all(x.status == "ok" and x.reward == 1.0 for x in recs), [(x.status, x.error) for x in recs]
     assert {x.policy_version for x in recs} == {a, b}  # two versions in the store
     first, second, third = recs
     assert first.policy_versions == [a] and first.crossed_version is False
@@ -128,9 +164,13 @@ def test_max_staleness_discards_by_checkpoint_step(tmp_path: Path) -> None:
         (ckpts / f"step-{step}").mkdir(parents=True)
     (ckpts / "latest").write_text("step-10 10\n")
     ep = tmp_path / "private" / "endpoint.json"
-    server = subprocess.Popen(["bash", str(REPO / "slurm" / "vllm.sbatch"), "--checkpoint-dir", str(ckpts), "policy",
-                               str(ep)], env=dict(os.environ, VLLM=str(shim), POLL_S="1", HEALTH_EVERY_S="1"),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server = subprocess.Popen(
+        ["bash", str(REPO / "slurm" / "vllm.sbatch"), "--checkpoint-dir", str(ckpts), "policy", str(ep)],
+        env=dict(os.environ, VLLM=str(shim), POLL_S="1", HEALTH_EVERY_S="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     run = tmp_path / "run"
     try:
         wait_for(ep.exists, server, "the endpoint file")
@@ -139,8 +179,18 @@ def test_max_staleness_discards_by_checkpoint_step(tmp_path: Path) -> None:
         label = {s: f"{ckpts}/step-{s}@step-{s}" for s in (8, 9, 10, 11)}
         for step in (8, 9, 10, 9):  # committed in this order; labels sort wrongly as text (9 > 10)
             lease = q.claim("w")
-            recs = [EpisodeRecord(run_name="run", task_id=lease.unit.task_id, sample=i, group_id=lease.unit.group_id,
-                                  status="ok", reward=float(i), policy_version=label[step]) for i in range(2)]
+            recs = [
+                EpisodeRecord(
+                    run_name="run",
+                    task_id=lease.unit.task_id,
+                    sample=i,
+                    group_id=lease.unit.group_id,
+                    status="ok",
+                    reward=float(i),
+                    policy_version=label[step],
+                )
+                for i in range(2)
+            ]
             q.commit(lease, records_to_table(recs))
         with RolloutStream(run, "tr", endpoint_file=ep) as s:
             assert s.current_version().version == 10 and s.current_version().label == label[10]
@@ -172,12 +222,10 @@ def test_trainer_versions_cross_per_episode_and_the_first_publish_counts() -> No
     lease = Lease(unit=unit, attempt="x", path=Path("/nonexistent"))
 
     def rec(sample: int, t0: float, t1: float) -> EpisodeRecord:
-        return EpisodeRecord(run_name="r", task_id="t", sample=sample, status="ok", reward=1.0,
-                             timings=Timings(start_s=t0, stop_s=t1))
+        return EpisodeRecord(run_name="r", task_id="t", sample=sample, status="ok", reward=1.0, timings=Timings(start_s=t0, stop_s=t1))
 
     # version 2 published at t=150: the first episode (100-140) did not see it, the second (140-200) did
-    fl = _InFlight(lease=lease, start_version=PolicyVersion(version=1, published_at=50.0),
-                   published=[(1, 100.0), (2, 150.0)])
+    fl = _InFlight(lease=lease, start_version=PolicyVersion(version=1, published_at=50.0), published=[(1, 100.0), (2, 150.0)])
     a, b = w._tag(rec(0, 100.0, 140.0), unit, fl), w._tag(rec(1, 140.0, 200.0), unit, fl)
     assert (a.policy_version, a.policy_versions, a.crossed_version) == ("1", ["1"], False)
     assert (b.policy_version, b.policy_versions, b.crossed_version) == ("1", ["1", "2"], True)

@@ -23,10 +23,26 @@ ET_HPC = [sys.executable, "-m", "et_hpc.cli"]
 
 
 def _run_one(tmp: Path, name: str, srv, mode: str, *extra: str):
-    cmd = ET_HPC + ["run", str(DEMO), "--set", f"tasks.ids=[{TASK}]", "--run-name", name,
-                    "--store", str(tmp / "store"), "--concurrency", "1", "--json",
-                    "--set", "policy.kind=openai", "--set", f"policy.base_url={srv.base_url}",
-                    "--set", f"policy.mode={mode}", *extra]
+    cmd = ET_HPC + [
+        "run",
+        str(DEMO),
+        "--set",
+        f"tasks.ids=[{TASK}]",
+        "--run-name",
+        name,
+        "--store",
+        str(tmp / "store"),
+        "--concurrency",
+        "1",
+        "--json",
+        "--set",
+        "policy.kind=openai",
+        "--set",
+        f"policy.base_url={srv.base_url}",
+        "--set",
+        f"policy.mode={mode}",
+        *extra,
+    ]
     r = subprocess.run(cmd, env=os.environ.copy(), capture_output=True, text=True, timeout=600, cwd=tmp)
     assert r.returncode == 0, r.stderr[-3000:]
     from et_hpc.runs.store import open_run
@@ -43,17 +59,23 @@ def _server_tokens(srv, rec) -> list[int]:
     body = {"messages": msgs[: last + 1], "add_generation_prompt": False}
     if rec.policy_kind == "openai-tools":
         body["tools"] = [TERMINAL_TOOL]
-    req = urllib.request.Request(srv.base_url[: -len("/v1")] + "/tokenize", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        srv.base_url[: -len("/v1")] + "/tokenize", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=10) as r:
         return json.loads(r.read())["tokens"]
 
 
-@pytest.mark.parametrize("mode,script", [
-    ("tools", {KEY: [{"command": SOLVE}, {"command": "cat /home/user/greeting.txt"}, "All done."]}),
-    ("text", {KEY: [f"Writing it.\n<command>{SOLVE}</command>", "<command>cat /home/user/greeting.txt</command>",
-                    "<action>done</action>"]}),
-])
+@pytest.mark.parametrize(
+    "mode,script",
+    [
+        ("tools", {KEY: [{"command": SOLVE}, {"command": "cat /home/user/greeting.txt"}, "All done."]}),
+        (
+            "text",
+            {KEY: [f"Writing it.\n<command>{SOLVE}</command>", "<command>cat /home/user/greeting.txt</command>", "<action>done</action>"]},
+        ),
+    ],
+)
 def test_run_records_server_exact_tokens(demo_image, tmp_path: Path, mode, script) -> None:
     from et_hpc.testing.scripted_server import ScriptedServer
 

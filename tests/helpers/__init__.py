@@ -97,8 +97,7 @@ def build_user_sif(base_sif: Path, d: Path, post: str = "") -> Path:
         "    chown -R user:user /home/user\n"
     )
     sif = d / "task.sif"
-    cp = subprocess.run(["apptainer", "-s", "build", "--fakeroot", str(sif), str(d / "task.def")],
-                        capture_output=True, text=True, cwd=d)
+    cp = subprocess.run(["apptainer", "-s", "build", "--fakeroot", str(sif), str(d / "task.def")], capture_output=True, text=True, cwd=d)
     assert cp.returncode == 0, cp.stderr[-2000:]
     return sif
 

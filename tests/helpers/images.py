@@ -18,8 +18,7 @@ def make_store(cache: Path, base_sif: Path, **kw) -> ImageStore:
 
 def task_at(d: Path) -> Task:
     d = Path(d)
-    return Task(id=d.name, prompt="", source=d,
-                recipe=Recipe(kind="def", path=d / "container.def", context_dir=d))
+    return Task(id=d.name, prompt="", source=d, recipe=Recipe(kind="def", path=d / "container.def", context_dir=d))
 
 
 def make_task(root: Path, name: str, body: str, files: dict[str, str] | None = None) -> Task:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-TEMPLATE = '''\
+TEMPLATE = """\
 ORIGINAL = {source!r}
 
 
@@ -20,7 +20,7 @@ def test_the_original_tests_fail():
         except Exception:
             failed += 1
     assert failed, "every original test passed"
-'''
+"""
 
 
 def invert(original: Path) -> str:

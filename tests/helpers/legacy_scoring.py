@@ -13,7 +13,7 @@ from et_hpc.sandbox import scoring
 from et_hpc.sandbox.sandbox import Sandbox
 
 # The old scoring driver (entered through apptainer exec): only the positive controls use it.
-LEGACY_DRIVER = r'''
+LEGACY_DRIVER = r"""
 import json, os, subprocess, sys, tempfile
 cfg = json.loads(sys.stdin.read())
 d = tempfile.mkdtemp(prefix="et-score-", dir="/tmp")
@@ -38,7 +38,7 @@ try:
 except OSError:
     pass
 sys.stdout.write("\n" + cfg["marker"] + json.dumps(res) + "\n")
-'''
+"""
 
 
 def legacy_score(sb: Sandbox, final: Path, timeout: float = 20) -> scoring.ScoreResult:
@@ -48,15 +48,14 @@ def legacy_score(sb: Sandbox, final: Path, timeout: float = 20) -> scoring.Score
     marker = "ET-SCORE-" + secrets.token_hex(12) + ":"
     cfg = {"source": final.read_text(), "marker": marker, "python": py, "timeout": timeout}
     try:
-        cp = sb.exec([*py, "-I", "-S", "-B", "-c", LEGACY_DRIVER], input=json.dumps(cfg).encode(),
-                     timeout=timeout + 30, pwd="/")
+        cp = sb.exec([*py, "-I", "-S", "-B", "-c", LEGACY_DRIVER], input=json.dumps(cfg).encode(), timeout=timeout + 30, pwd="/")
     except subprocess.TimeoutExpired:
         return scoring.ScoreResult(status="error", reward=None, error="timed out")
     out = cp.stdout.decode("utf-8", "replace")
     i = out.rfind(marker)
     if i < 0:
         return scoring.ScoreResult(status="error", reward=None, error=out[-500:])
-    res = json.loads(out[i + len(marker):].strip().splitlines()[0])
+    res = json.loads(out[i + len(marker) :].strip().splitlines()[0])
     if res.get("timed_out") or not res.get("junit"):
         return scoring.ScoreResult(status="error", reward=None, error=str(res)[-500:])  # the old blame
     return scoring._result(res, 0.0)

@@ -10,8 +10,9 @@ from pathlib import Path
 def array_workers(array_id: str | None = None) -> dict[str, int]:
     """Python worker pid of each array task of this user running here (of ``array_id`` only, when
     given), by ``<array>_<index>``."""
-    out = subprocess.run(["pgrep", "-u", str(os.getuid()), "-f", "submitit.core._submit"],
-                         capture_output=True, text=True, timeout=30).stdout
+    out = subprocess.run(
+        ["pgrep", "-u", str(os.getuid()), "-f", "submitit.core._submit"], capture_output=True, text=True, timeout=30
+    ).stdout
     found = {}
     for pid in map(int, out.split()):
         try:

@@ -58,8 +58,7 @@ def work_runner(task: Task, sample: int, cfg: RunConfig, image, stop: threading.
         if sample in meta.get("flaky_samples", []) and not once.exists():  # fails its first attempt only
             once.touch()
             return make_record(cfg, task, sample, "infra_error", error="stand-in passing failure")
-        return make_record(cfg, task, sample, "ok", reward=1.0 if sample % 2 == 0 else 0.0,
-                           image_path=str(getattr(image, "path", "")))
+        return make_record(cfg, task, sample, "ok", reward=1.0 if sample % 2 == 0 else 0.0, image_path=str(getattr(image, "path", "")))
     finally:
         with _lock:
             INFLIGHT["now"] -= 1
@@ -67,10 +66,16 @@ def work_runner(task: Task, sample: int, cfg: RunConfig, image, stop: threading.
 
 def make_record(cfg: RunConfig, task: Task, sample: int, status: str, **kw):
     """A real EpisodeRecord (a dict when the record module is absent)."""
-    extra = {"setup": os.environ.get("ET_HPC_TEST_SETUP") or "",
-             "restart": os.environ.get("SLURM_RESTART_COUNT") or "0"}
-    fields = dict(run_name=cfg.run_name(), task_id=task.id, sample=sample, status=status,
-                  slurm_job_id=os.environ.get("SLURM_ARRAY_JOB_ID"), versions=extra, **kw)
+    extra = {"setup": os.environ.get("ET_HPC_TEST_SETUP") or "", "restart": os.environ.get("SLURM_RESTART_COUNT") or "0"}
+    fields = dict(
+        run_name=cfg.run_name(),
+        task_id=task.id,
+        sample=sample,
+        status=status,
+        slurm_job_id=os.environ.get("SLURM_ARRAY_JOB_ID"),
+        versions=extra,
+        **kw,
+    )
     task_no = os.environ.get("SLURM_ARRAY_TASK_ID")
     if task_no:
         fields["slurm_array_task_id"] = int(task_no)
@@ -91,8 +96,7 @@ def make_tasks(root: Path, n: int, **meta) -> list[Task]:
         d = root / "tasks" / f"t{i:03d}"
         d.mkdir(parents=True, exist_ok=True)
         m = {"log_dir": str(root / "log"), **meta}
-        out.append(Task(id=f"t{i:03d}", prompt="do it", recipe=Recipe(kind="sif", path=sif, context_dir=d),
-                        source=d, metadata=m))
+        out.append(Task(id=f"t{i:03d}", prompt="do it", recipe=Recipe(kind="sif", path=sif, context_dir=d), source=d, metadata=m))
     return out
 
 
@@ -127,8 +131,13 @@ def task_folders(root: Path, n: int) -> Path:
 
 def cli_env(root: Path, sleep_s: float = 0.2, **extra: str) -> dict[str, str]:
     """The environment for ``et-hpc`` runs of ``work_runner`` on folders under ``root``."""
-    return dict(with_tests_on_path(os.environ), ET_RUNNER_TEST_LOG=str(root / "log"), ET_RUNNER_TEST_SLEEP=str(sleep_s),
-                ET_HPC_STORE=str(root / "store"), **extra)
+    return dict(
+        with_tests_on_path(os.environ),
+        ET_RUNNER_TEST_LOG=str(root / "log"),
+        ET_RUNNER_TEST_SLEEP=str(sleep_s),
+        ET_HPC_STORE=str(root / "store"),
+        **extra,
+    )
 
 
 def et_hpc(args: list[str], env: dict, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -68,11 +68,28 @@ BARE_FLAGS = {"contain": ("--cleanenv",), "containall": ("--cleanenv",), "workdi
 # How et-hpc's sandbox is started for the case: the network case on the host network (with its
 # default '--net --network none' no variable could isolate it more); the overlay case without an
 # overlay of its own (apptainer lets a flag on the command line win over its variable)
-SANDBOX_KW = {"network": {"network_none": False}, "overlay": {"overlay_mb": None},
-              "writable-tmpfs": {"overlay_mb": None}}
-CASES = [(t, s) for t in ("bind", "bindpath", "mount", "home", "overlay", "network", "writable", "writable-tmpfs",
-                          "no-mount", "contain", "containall", "workdir", "scratch", "env-file", "env-prefix")
-         for s in ("APPTAINER", "SINGULARITY")]
+SANDBOX_KW = {"network": {"network_none": False}, "overlay": {"overlay_mb": None}, "writable-tmpfs": {"overlay_mb": None}}
+CASES = [
+    (t, s)
+    for t in (
+        "bind",
+        "bindpath",
+        "mount",
+        "home",
+        "overlay",
+        "network",
+        "writable",
+        "writable-tmpfs",
+        "no-mount",
+        "contain",
+        "containall",
+        "workdir",
+        "scratch",
+        "env-file",
+        "env-prefix",
+    )
+    for s in ("APPTAINER", "SINGULARITY")
+]
 
 
 def _spelled(env: dict[str, str], spelling: str) -> dict[str, str]:
@@ -88,13 +105,13 @@ def _bare(sif: Path, flags: tuple[str, ...], extra: dict[str, str]) -> tuple[int
     env = {**apptainer.clean_env(), **extra}
     name = f"t-envctl-{os.getpid()}-{secrets.token_hex(4)}"
     app = apptainer.binary()
-    st = subprocess.run([app, "-s", "instance", "start", *flags, str(sif), name], env=env,
-                        capture_output=True, text=True, timeout=120)
+    st = subprocess.run([app, "-s", "instance", "start", *flags, str(sif), name], env=env, capture_output=True, text=True, timeout=120)
     if st.returncode != 0:
         return st.returncode, [st.stderr.strip()[-300:]]
     try:
-        cp = subprocess.run([app, "-s", "exec", "--cleanenv", f"instance://{name}", "sh", "-c", PROBE], env=env,
-                            capture_output=True, text=True, timeout=120)
+        cp = subprocess.run(
+            [app, "-s", "exec", "--cleanenv", f"instance://{name}", "sh", "-c", PROBE], env=env, capture_output=True, text=True, timeout=120
+        )
         return 0, _normal(cp.stdout)
     finally:
         subprocess.run([app, "-s", "instance", "stop", "-t", "0", name], env=env, capture_output=True, timeout=60)
@@ -136,7 +153,12 @@ def overlay_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize(("tag", "spelling"), CASES, ids=[f"{s}-{t}" for t, s in CASES])
 def test_apptainer_variables_do_not_reshape_the_sandbox(
-    tag: str, spelling: str, base_sif: Path, tmp_path: Path, baselines, overlay_dir: Path,
+    tag: str,
+    spelling: str,
+    base_sif: Path,
+    tmp_path: Path,
+    baselines,
+    overlay_dir: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     get, scratch = baselines
@@ -169,9 +191,18 @@ def test_apptainer_variables_do_not_reshape_the_sandbox(
 
 
 def test_clean_env_keeps_only_the_allowlist() -> None:
-    env = {"PATH": "/usr/bin", "APPTAINER_BINDPATH": "/x", "SINGULARITY_BIND": "/y", "APPTAINERENV_A": "1",
-           "SINGULARITYENV_B": "1", "APPTAINER_TMPDIR": "/t", "APPTAINER_CACHEDIR": "/c",
-           "APPTAINER_CONFIGDIR": "/g", "SINGULARITY_CACHEDIR": "/c2", "apptainer_bind": "/z"}
+    env = {
+        "PATH": "/usr/bin",
+        "APPTAINER_BINDPATH": "/x",
+        "SINGULARITY_BIND": "/y",
+        "APPTAINERENV_A": "1",
+        "SINGULARITYENV_B": "1",
+        "APPTAINER_TMPDIR": "/t",
+        "APPTAINER_CACHEDIR": "/c",
+        "APPTAINER_CONFIGDIR": "/g",
+        "SINGULARITY_CACHEDIR": "/c2",
+        "apptainer_bind": "/z",
+    }
     out = apptainer.clean_env(env)
     assert out == {"PATH": "/usr/bin", "APPTAINER_TMPDIR": "/t", "APPTAINER_CACHEDIR": "/c", "APPTAINER_CONFIGDIR": "/g"}
     assert apptainer.ignored_vars(env) == sorted(set(env) - set(out))
@@ -185,18 +216,17 @@ def test_doctor_names_the_variables_it_ignores(tmp_path: Path) -> None:
     import sys
 
     env = {**apptainer.clean_env(), "APPTAINER_BINDPATH": str(tmp_path), "SINGULARITYENV_X": "1"}
-    r = subprocess.run([sys.executable, "-m", "et_hpc.cli", "doctor", "--json"], env=env, capture_output=True,
-                       text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-m", "et_hpc.cli", "doctor", "--json"], env=env, capture_output=True, text=True, timeout=300)
     check = {c["name"]: c for c in json.loads(r.stdout)}["apptainer environment"]
     assert check["status"] == "WARN" and "APPTAINER_BINDPATH, SINGULARITYENV_X" in check["detail"]
     assert "ignored" in check["detail"] and "sandbox.binds" in check["fix"]
-    r = subprocess.run([sys.executable, "-m", "et_hpc.cli", "doctor", "--json"], env=apptainer.clean_env(),
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "et_hpc.cli", "doctor", "--json"], env=apptainer.clean_env(), capture_output=True, text=True, timeout=300
+    )
     assert {c["name"]: c for c in json.loads(r.stdout)}["apptainer environment"]["status"] == "OK"
 
 
-def test_every_apptainer_call_gets_the_clean_environment(base_sif: Path, tmp_path: Path,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_apptainer_call_gets_the_clean_environment(base_sif: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An apptainer wrapper logs the APPTAINER*/SINGULARITY* variables of every call it gets (then
     runs the real one; builds it fails at once): sandbox start, shells, exec, stop, an image build,
     doctor's probe."""
@@ -208,14 +238,15 @@ def test_every_apptainer_call_gets_the_clean_environment(base_sif: Path, tmp_pat
 
     log = tmp_path / "env.log"
     w = tmp_path / "apptainer"
-    w.write_text("#!/bin/sh\n"
-                 f"{{ echo \"CALL $*\" | cut -c1-60; env | grep -E '^(APPTAINER|SINGULARITY)' | sort; }} >> {log}\n"
-                 "case \" $* \" in *' build '*) exit 1 ;; esac\n"
-                 f"exec {shutil.which('apptainer')} \"$@\"\n")
+    w.write_text(
+        "#!/bin/sh\n"
+        f"{{ echo \"CALL $*\" | cut -c1-60; env | grep -E '^(APPTAINER|SINGULARITY)' | sort; }} >> {log}\n"
+        "case \" $* \" in *' build '*) exit 1 ;; esac\n"
+        f'exec {shutil.which("apptainer")} "$@"\n'
+    )
     w.chmod(0o755)
     monkeypatch.setenv("ET_HPC_APPTAINER", str(w))
-    leaked = {"APPTAINER_BINDPATH": str(tmp_path), "SINGULARITY_HOME": "/x", "APPTAINERENV_K": "1",
-              "APPTAINER_NO_MOUNT": "tmp"}
+    leaked = {"APPTAINER_BINDPATH": str(tmp_path), "SINGULARITY_HOME": "/x", "APPTAINERENV_K": "1", "APPTAINER_NO_MOUNT": "tmp"}
     for k, v in leaked.items():
         monkeypatch.setenv(k, v)
     with Sandbox(base_sif, run_prefix="t-envlog", scratch=tmp_path / "scratch", warm_scoring=False) as sb:

@@ -16,7 +16,7 @@ def _wrapper(tmp_path: Path) -> tuple[Path, Path]:
     """An apptainer that logs each call, then runs the real one."""
     log = tmp_path / "calls.log"
     w = tmp_path / "my-apptainer"
-    w.write_text(f"#!/bin/sh\necho \"$@\" >> {log}\nexec {shutil.which('apptainer')} \"$@\"\n")
+    w.write_text(f'#!/bin/sh\necho "$@" >> {log}\nexec {shutil.which("apptainer")} "$@"\n')
     w.chmod(0o755)
     return w, log
 

@@ -28,8 +28,18 @@ def test_doctor_all_ok_after_provisioning(base_sif):
     assert not_ok == [], not_ok
     assert r.returncode == 0
     names = {c["name"] for c in checks}
-    assert {"apptainer", "subuid/subgid", "/dev/fuse", "fuse helpers", "sessiondir max size",
-            "slurm MaxArraySize", "slurm accounting", "node-local scratch", "image cache", "unsquashfs"} <= names
+    assert {
+        "apptainer",
+        "subuid/subgid",
+        "/dev/fuse",
+        "fuse helpers",
+        "sessiondir max size",
+        "slurm MaxArraySize",
+        "slurm accounting",
+        "node-local scratch",
+        "image cache",
+        "unsquashfs",
+    } <= names
 
 
 def test_doctor_without_apptainer_fails_with_fix(tmp_path):
@@ -87,8 +97,9 @@ def test_scratch_of_others_or_open_to_them_is_refused(tmp_path):
     rc, checks = _doctor_checks(env)
     c = checks["node-local scratch"]
     assert rc == 2 and c["status"] == "FAIL" and "writable by others" in c["detail"] and "chmod 700" in c["fix"]
-    r = et("run", "defs/demo", "--policy", "null", "--store", str(tmp_path / "store"), "--run-name", "x",
-           env=env)  # run refuses it too, in one line, before any episode
+    r = et(
+        "run", "defs/demo", "--policy", "null", "--store", str(tmp_path / "store"), "--run-name", "x", env=env
+    )  # run refuses it too, in one line, before any episode
     err = [ln for ln in r.stderr.splitlines() if ln.startswith("et-hpc: error:")]
     assert r.returncode == 2 and len(err) == 1 and "writable by others" in err[0], r.stderr
     assert "Traceback" not in r.stderr and not list((tmp_path / "store").rglob("part-*.parquet"))
@@ -123,8 +134,12 @@ def test_fakeroot_build_of_localimage_def(base_sif, tmp_path):
         "    pip3 --version >/dev/null\n"
     )
     sif = tmp_path / "t.sif"
-    r = subprocess.run(["apptainer", "build", "--fakeroot", str(sif), str(d)], capture_output=True, text=True,
-                       env=dict(os.environ, APPTAINER_TMPDIR=str(tmp_path)))
+    r = subprocess.run(
+        ["apptainer", "build", "--fakeroot", str(sif), str(d)],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, APPTAINER_TMPDIR=str(tmp_path)),
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     out = subprocess.run(["apptainer", "exec", str(sif), "cat", "/home/user/data/x.txt"], capture_output=True, text=True)
     assert out.stdout.strip() == "built-42"
@@ -138,17 +153,17 @@ def _instances() -> list[str]:
 @pytest.mark.apptainer
 def test_instance_with_overlay_roundtrip(base_sif, tmp_path):
     ov = tmp_path / "ov.img"
-    subprocess.run(["apptainer", "overlay", "create", "--sparse", "--size", "64", str(ov)], check=True,
-                   capture_output=True)
+    subprocess.run(["apptainer", "overlay", "create", "--sparse", "--size", "64", str(ov)], check=True, capture_output=True)
     name = f"ettest-{uuid.uuid4().hex[:8]}"
-    subprocess.run(["apptainer", "instance", "start", "--containall", "--cleanenv", "--overlay", str(ov),
-                    str(base_sif), name], check=True, capture_output=True)
+    subprocess.run(
+        ["apptainer", "instance", "start", "--containall", "--cleanenv", "--overlay", str(ov), str(base_sif), name],
+        check=True,
+        capture_output=True,
+    )
     try:
         assert name in _instances()
-        subprocess.run(["apptainer", "exec", f"instance://{name}", "sh", "-c", "echo persisted > /home/user/w.txt"],
-                       check=True)
-        r = subprocess.run(["apptainer", "exec", f"instance://{name}", "cat", "/home/user/w.txt"],
-                           capture_output=True, text=True)
+        subprocess.run(["apptainer", "exec", f"instance://{name}", "sh", "-c", "echo persisted > /home/user/w.txt"], check=True)
+        r = subprocess.run(["apptainer", "exec", f"instance://{name}", "cat", "/home/user/w.txt"], capture_output=True, text=True)
         assert r.stdout.strip() == "persisted"
     finally:
         subprocess.run(["apptainer", "instance", "stop", name], capture_output=True)
@@ -170,8 +185,7 @@ def test_submitit_array_on_real_slurm(tmp_path):
     array_id = jobs[0].job_id.split("_")[0]
     deadline = time.monotonic() + 120
     while True:
-        r = subprocess.run(["sacct", "-n", "-X", "-j", array_id, "-o", "State"],
-                           capture_output=True, text=True)
+        r = subprocess.run(["sacct", "-n", "-X", "-j", array_id, "-o", "State"], capture_output=True, text=True)
         states = r.stdout.split()
         if r.returncode == 0 and len(states) == 6 and set(states) == {"COMPLETED"}:
             break

@@ -32,8 +32,10 @@ def test_ca_bundle_setting(tmp_path: Path, monkeypatch) -> None:
 
 @pytest.mark.apptainer
 def test_post_reaches_pypi_over_tls_and_key_ignores_the_bundle(tmp_path: Path, base_sif: Path) -> None:
-    body = ('%post -c /bin/bash\n    python3 -c "import urllib.request as u; '
-            "print(u.urlopen('https://pypi.org/simple/pip/', timeout=60).status)\" > /opt/status\n")
+    body = (
+        '%post -c /bin/bash\n    python3 -c "import urllib.request as u; '
+        "print(u.urlopen('https://pypi.org/simple/pip/', timeout=60).status)\" > /opt/status\n"
+    )
     task = make_task(tmp_path / "tasks", "tls_task", body)
     store = make_store(tmp_path / "cache", base_sif)
     r = store.ensure(task)

@@ -28,8 +28,12 @@ def test_failure_reason_picks_the_telling_line() -> None:
         "FATAL:   While performing build: while running engine: exit status 6",
     ]
     assert failure_reason(log) == "curl: (6) Could not resolve host: dl.k8s.io"
-    assert failure_reason(["Reading package lists...", "E: Unable to locate package nosuch",
-                           "FATAL:   While performing build: exit status 100"]) == "E: Unable to locate package nosuch"
+    assert (
+        failure_reason(
+            ["Reading package lists...", "E: Unable to locate package nosuch", "FATAL:   While performing build: exit status 100"]
+        )
+        == "E: Unable to locate package nosuch"
+    )
     assert failure_reason(["INFO: x", "FATAL:   oops"]) == "FATAL: oops"
 
 
@@ -48,8 +52,12 @@ def test_retarget_files_points_at_staged_copies(tmp_path: Path) -> None:
 
 def test_built_then_cached_and_key_follows_files(tmp_path: Path, base_sif: Path) -> None:
     cache, counter = tmp_path / "cache", tmp_path / "counter"
-    task = make_task(tmp_path, "t_hello", counting(counter) + "\n%files\n    data.txt /opt/data.txt\n\n"
-                     "%post\n    echo hello > /hello.txt\n", files={"data.txt": "one\n"})
+    task = make_task(
+        tmp_path,
+        "t_hello",
+        counting(counter) + "\n%files\n    data.txt /opt/data.txt\n\n%post\n    echo hello > /hello.txt\n",
+        files={"data.txt": "one\n"},
+    )
     store = make_store(cache, base_sif)
     assert store.lookup(task).status == "missing"
     first = store.ensure(task)
@@ -65,8 +73,7 @@ def test_built_then_cached_and_key_follows_files(tmp_path: Path, base_sif: Path)
     assert (second.status, second.path, second.digest) == ("cached", first.path, first.digest)
     assert builds(counter) == 1
 
-    out = subprocess.run(["apptainer", "exec", str(first.path), "cat", "/opt/data.txt", "/hello.txt"],
-                         capture_output=True, text=True)
+    out = subprocess.run(["apptainer", "exec", str(first.path), "cat", "/opt/data.txt", "/hello.txt"], capture_output=True, text=True)
     assert out.stdout.split() == ["one", "hello"], out.stderr
 
     (task.source / "data.txt").write_text("two\n")
@@ -78,8 +85,7 @@ def test_built_then_cached_and_key_follows_files(tmp_path: Path, base_sif: Path)
 def test_sixteen_processes_one_build(tmp_path: Path, base_sif: Path) -> None:
     cache, counter = tmp_path / "cache", tmp_path / "counter"
     task = make_task(tmp_path, "t_many", counting(counter) + "\n%post\n    echo many > /many.txt\n")
-    procs = [subprocess.Popen(child_cmd(cache, base_sif, task), stdout=subprocess.PIPE, text=True)
-             for _ in range(16)]
+    procs = [subprocess.Popen(child_cmd(cache, base_sif, task), stdout=subprocess.PIPE, text=True) for _ in range(16)]
     results = []
     for p in procs:
         out, _ = p.communicate(timeout=600)
@@ -98,8 +104,7 @@ def test_killed_build_leaves_no_partial_image_or_blocking_lock(tmp_path: Path, b
     slow.touch()
     hold = f"    if [ -e {slow} ]; then touch {started}; sleep 300; fi\n"
     task = make_task(tmp_path, "t_killed", counting(counter, hold) + "\n%post\n    echo ok > /ok.txt\n")
-    child = subprocess.Popen(child_cmd(cache, base_sif, task), stdout=subprocess.PIPE, text=True,
-                             start_new_session=False)
+    child = subprocess.Popen(child_cmd(cache, base_sif, task), stdout=subprocess.PIPE, text=True, start_new_session=False)
     deadline = time.monotonic() + 300
     while not started.exists():
         assert child.poll() is None, "the build ended before it could be killed"
@@ -129,8 +134,9 @@ def test_killed_build_leaves_no_partial_image_or_blocking_lock(tmp_path: Path, b
 
 def test_failed_build_is_recorded_and_not_retried(tmp_path: Path, base_sif: Path) -> None:
     cache, counter = tmp_path / "cache", tmp_path / "counter"
-    task = make_task(tmp_path, "t_fail", counting(counter) + "\n%post\n"
-                     "    echo 'E: Unable to locate package nosuchpkg' >&2\n    exit 100\n")
+    task = make_task(
+        tmp_path, "t_fail", counting(counter) + "\n%post\n    echo 'E: Unable to locate package nosuchpkg' >&2\n    exit 100\n"
+    )
     store = make_store(cache, base_sif)
     r1 = store.ensure(task)
     assert r1.status == "failed" and r1.path is None

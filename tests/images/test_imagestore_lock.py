@@ -51,10 +51,18 @@ def test_processes_take_turns(tmp_path: Path) -> None:
 
 def test_dead_holder_is_taken_over_at_once(tmp_path: Path) -> None:
     lock = tmp_path / "k.lock"
-    child = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from pathlib import Path; from et_hpc.images.lock import BuildLock\n"
-        f"l = BuildLock(Path({str(lock)!r}), stale_after=3600); l.acquire(); print('held', flush=True); time.sleep(600)"
-    )], stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys, time; from pathlib import Path; from et_hpc.images.lock import BuildLock\n"
+                f"l = BuildLock(Path({str(lock)!r}), stale_after=3600); l.acquire(); print('held', flush=True); time.sleep(600)"
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert child.stdout.readline().strip() == "held"
     child.kill()
     child.wait()
@@ -69,8 +77,7 @@ def test_dead_holder_is_taken_over_at_once(tmp_path: Path) -> None:
 
 def test_silent_holder_on_another_host_goes_stale(tmp_path: Path) -> None:
     lock = tmp_path / "k.lock"
-    lock.write_text(json.dumps({"host": "some-other-node", "pid": 1, "pid_start": None,
-                                "token": "t0", "taken_at": time.time()}))
+    lock.write_text(json.dumps({"host": "some-other-node", "pid": 1, "pid_start": None, "token": "t0", "taken_at": time.time()}))
     waits: list[float] = []
     with BuildLock(lock, stale_after=1.5, poll=0.1, timeout=60, on_wait=lambda i, w: waits.append(w)) as mine:
         assert mine.still_held()
@@ -97,6 +104,7 @@ def test_live_holder_with_heartbeat_is_not_taken_over(tmp_path: Path) -> None:
 
 def test_takeover_race_has_one_winner(tmp_path: Path) -> None:
     lock = tmp_path / "k.lock"
-    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": 2**22 + 12345, "pid_start": None,
-                                "token": "dead", "taken_at": time.time()}))
+    lock.write_text(
+        json.dumps({"host": socket.gethostname(), "pid": 2**22 + 12345, "pid_start": None, "token": "dead", "taken_at": time.time()})
+    )
     _holders_take_turns(lock, tmp_path / "log", n=5, hold_s=0.3)

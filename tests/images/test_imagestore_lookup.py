@@ -21,8 +21,9 @@ def make_task(root: Path, name: str, data: str = "1,2\n") -> Task:
     d = root / name
     d.mkdir(parents=True)
     (d / "data.csv").write_text(data)
-    (d / "container.def").write_text("Bootstrap: localimage\nFrom: ./ubuntu_22.04.sif\n\n"
-                                     "%files\n    data.csv /home/user/data.csv\n\n%post\n    echo hi\n")
+    (d / "container.def").write_text(
+        "Bootstrap: localimage\nFrom: ./ubuntu_22.04.sif\n\n%files\n    data.csv /home/user/data.csv\n\n%post\n    echo hi\n"
+    )
     for p in (d / "data.csv", d / "container.def", d):
         os.utime(p, (OLD, OLD))
     return Task(id=name, prompt="", source=d, recipe=Recipe(kind="def", path=d / "container.def", context_dir=d))
@@ -66,8 +67,7 @@ def test_index_spares_normalising_and_follows_changes(tmp_path: Path) -> None:
     norm = CountingNormalise()
     third = ImageStore(cache, base_map=bm, normalise=norm).lookup_many(tasks)
     assert norm.calls == 1
-    assert third[2].key != first[2].key and [r.key for i, r in enumerate(third) if i != 2] == \
-        [r.key for i, r in enumerate(first) if i != 2]
+    assert third[2].key != first[2].key and [r.key for i, r in enumerate(third) if i != 2] == [r.key for i, r in enumerate(first) if i != 2]
 
     # The base image changes: every key changes.
     base = Path(bm["./ubuntu_22.04.sif"])
@@ -88,7 +88,10 @@ def test_status_comes_from_the_cache(tmp_path: Path) -> None:
     store.failed_path(k1).write_text(json.dumps({"reason": "E: Unable to locate package x"}))
     got = ImageStore(cache, base_map=bm).lookup_many(tasks)
     assert [(r.status, r.digest, r.reason) for r in got] == [
-        ("cached", EMPTY_SHA, None), ("failed", None, "E: Unable to locate package x"), ("missing", None, None)]
+        ("cached", EMPTY_SHA, None),
+        ("failed", None, "E: Unable to locate package x"),
+        ("missing", None, None),
+    ]
     assert got[0].path == store.sif_path(k0)
     # ensure(build=False) never builds: a missing image stays missing.
     assert ImageStore(cache, base_map=bm).ensure(tasks[2], build=False).status == "missing"

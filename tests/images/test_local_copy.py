@@ -305,10 +305,30 @@ def test_episode_runs_from_a_forced_local_copy(fixtures_dir: Path, base_sif: Pat
     assert img.path is not None and img.digest
     scratch = tmp_path / "scratch"
     env = dict(os.environ, ET_HPC_SCRATCH=str(scratch))
-    r = subprocess.run([sys.executable, "-m", "et_hpc.cli", "run", str(src), "--policy", "replay",
-                        "--samples", "1", "--run-name", "lc", "--store", str(tmp_path / "store"),
-                        "--set", f"sandbox.local_copy={mode}", "--json"],
-                       capture_output=True, text=True, timeout=1200, env=env)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "et_hpc.cli",
+            "run",
+            str(src),
+            "--policy",
+            "replay",
+            "--samples",
+            "1",
+            "--run-name",
+            "lc",
+            "--store",
+            str(tmp_path / "store"),
+            "--set",
+            f"sandbox.local_copy={mode}",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        env=env,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     (rec,) = list(open_run(tmp_path / "store" / "lc").records())
     assert rec.status == "ok" and rec.reward in (0.0, 1.0), rec.error
@@ -327,8 +347,12 @@ def test_reap_images_frees_unused_copies_and_keeps_held_ones(tmp_path: Path) -> 
     unused = scratch / "images" / f"{db}.sif"
 
     def reap(*extra: str) -> dict:
-        r = subprocess.run([sys.executable, "-m", "et_hpc.cli", "reap", "--images", "--json",
-                            "--scratch", str(scratch), *extra], capture_output=True, text=True, timeout=120)
+        r = subprocess.run(
+            [sys.executable, "-m", "et_hpc.cli", "reap", "--images", "--json", "--scratch", str(scratch), *extra],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert r.returncode == 0, r.stderr[-2000:]
         return json.loads(r.stdout)
 

@@ -31,8 +31,7 @@ WRONG = "demo_csv_sum"  # a wrong total: 1 of its 2 final tests passes (reward 0
 SOLVE = "printf 'Hello, et-hpc!\\n' > /home/user/greeting.txt"
 SCRIPT = {
     "greeting.txt": [{"command": SOLVE}, {"command": "cat /home/user/greeting.txt"}, "Done."],
-    "sales.csv": [{"command": "head -n 2 /home/user/data/sales.csv"},
-                  {"command": "echo 41 > /home/user/data/total.txt"}, "Done."],
+    "sales.csv": [{"command": "head -n 2 /home/user/data/sales.csv"}, {"command": "echo 41 > /home/user/data/total.txt"}, "Done."],
 }
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "disabled"}
 ENV_MODULE = [sys.executable, "-m", "et_hpc.integrations.atropos"]
@@ -85,8 +84,9 @@ def api_server(tmp_path):
     run_api = Path(sys.executable).with_name("run-api")
     assert run_api.exists(), "atroposlib's run-api script is not installed next to this python"
     log = open(tmp_path / "run-api.log", "w")
-    p = subprocess.Popen([str(run_api), "--host", "127.0.0.1", "--port", str(port)], stdout=log,
-                         stderr=subprocess.STDOUT, env={**os.environ, **OFFLINE})
+    p = subprocess.Popen(
+        [str(run_api), "--host", "127.0.0.1", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **OFFLINE}
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while True:
@@ -105,11 +105,22 @@ def api_server(tmp_path):
 
 def _env_flags(tokenizer_dir: Path, srv, store: Path, run_name: str, ids: list[str], **extra: object) -> list[str]:
     flags = {
-        "env.dataset_name": str(DEMO), "env.task_ids": ",".join(ids), "env.tokenizer_name": str(tokenizer_dir),
-        "env.group_size": 2, "env.use_wandb": "false", "env.max_agent_turns": 4, "env.mode": "tools",
-        "env.agent_temperature": 0.0, "env.store": str(store), "env.run_name": run_name,
-        "env.max_concurrent_episodes": 2, "env.test_timeout_s": 60, "env.max_token_length": 65536,
-        "openai.base_url": srv.base_url, "openai.model_name": "scripted", "openai.api_key": "EMPTY",
+        "env.dataset_name": str(DEMO),
+        "env.task_ids": ",".join(ids),
+        "env.tokenizer_name": str(tokenizer_dir),
+        "env.group_size": 2,
+        "env.use_wandb": "false",
+        "env.max_agent_turns": 4,
+        "env.mode": "tools",
+        "env.agent_temperature": 0.0,
+        "env.store": str(store),
+        "env.run_name": run_name,
+        "env.max_concurrent_episodes": 2,
+        "env.test_timeout_s": 60,
+        "env.max_token_length": 65536,
+        "openai.base_url": srv.base_url,
+        "openai.model_name": "scripted",
+        "openai.api_key": "EMPTY",
         "openai.health_check": "false",
     }
     flags.update({k.replace("__", "."): v for k, v in extra.items()})
@@ -142,9 +153,9 @@ def _check_group_against_episodes(group: dict, records: list, tokenizer) -> None
         # prompt (system, task, tool output, template) positions are -100; completions are trained on
         pos = 0
         for prompt, completion in zip(rec.prompt_token_ids, rec.token_ids):
-            assert masks[pos:pos + len(prompt)] == [-100] * len(prompt)
+            assert masks[pos : pos + len(prompt)] == [-100] * len(prompt)
             pos += len(prompt)
-            assert masks[pos:pos + len(completion)] == completion
+            assert masks[pos : pos + len(completion)] == completion
             pos += len(completion)
         assert pos == len(toks)
         # what the trainer's tokenizer reads: the task prompt and tool output in the masked part,
@@ -166,23 +177,46 @@ def test_serve_to_atropos_api_server_batch(demo_images, tokenizer_dir, model_ser
     from transformers import AutoTokenizer
 
     # the trainer side: register, then pull /batch (the first pull also lets environments register)
-    reg = requests.post(api_server + "/register", json={
-        "wandb_group": "et-hpc-test", "wandb_project": "et-hpc-test", "batch_size": 4, "max_token_len": 65536,
-        "checkpoint_dir": str(tmp_path / "ckpt"), "save_checkpoint_interval": -1, "starting_step": 0,
-        "num_steps": 10}, timeout=10)
+    reg = requests.post(
+        api_server + "/register",
+        json={
+            "wandb_group": "et-hpc-test",
+            "wandb_project": "et-hpc-test",
+            "batch_size": 4,
+            "max_token_len": 65536,
+            "checkpoint_dir": str(tmp_path / "ckpt"),
+            "save_checkpoint_interval": -1,
+            "starting_step": 0,
+            "num_steps": 10,
+        },
+        timeout=10,
+    )
     reg.raise_for_status()
     assert "uuid" in reg.json()
     assert _get(api_server + "/batch")["batch"] is None
 
     store = tmp_path / "store"
     log_path = tmp_path / "serve.log"
-    cmd = ENV_MODULE + ["serve"] + _env_flags(
-        tokenizer_dir, model_server, store, "e2e-serve", [SOLVED, WRONG],
-        env__rollout_server_url=api_server, env__ensure_scores_are_not_same="false",
-        env__max_num_workers=2, env__max_batches_offpolicy=1, env__total_steps=10)
+    cmd = (
+        ENV_MODULE
+        + ["serve"]
+        + _env_flags(
+            tokenizer_dir,
+            model_server,
+            store,
+            "e2e-serve",
+            [SOLVED, WRONG],
+            env__rollout_server_url=api_server,
+            env__ensure_scores_are_not_same="false",
+            env__max_num_workers=2,
+            env__max_batches_offpolicy=1,
+            env__total_steps=10,
+        )
+    )
     with open(log_path, "w") as log:
-        env_proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
-                                    env={**os.environ, **OFFLINE}, start_new_session=True)
+        env_proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, env={**os.environ, **OFFLINE}, start_new_session=True
+        )
         batch = None
         try:
             deadline = time.monotonic() + 600
@@ -233,8 +267,9 @@ def assert_export_is_what_was_sent(sent: list[dict], run_dir: Path) -> None:
     assert res.groups == len(exported) == len(sent)
     assert members(exported) == members(sent)
     assert sorted(len(g["tokens"]) for g in exported) == sorted(len(g["tokens"]) for g in sent)
-    assert [g["tokens"] for g in sorted(exported, key=lambda g: g["et_hpc"]["group_id"])] == \
-        [g["tokens"] for g in sorted(sent, key=lambda g: g["et_hpc"]["group_id"])]
+    assert [g["tokens"] for g in sorted(exported, key=lambda g: g["et_hpc"]["group_id"])] == [
+        g["tokens"] for g in sorted(sent, key=lambda g: g["et_hpc"]["group_id"])
+    ]
 
 
 @pytest.mark.apptainer
@@ -250,10 +285,22 @@ def test_process_writes_jsonl_groups(demo_images, tokenizer_dir, model_server, t
     ep_dir.mkdir(mode=0o700)
     version = "/ckpts/step-3@step-3"
     model_server.write_endpoint_file(ep_dir / "endpoint.json", model_version=version)
-    cmd = ENV_MODULE + ["process"] + _env_flags(
-        tokenizer_dir, model_server, store, "e2e-process", [SOLVED],
-        env__data_path_to_save_groups=str(out), env__total_steps=3, env__ensure_scores_are_not_same="false",
-        env__endpoint_file=str(ep_dir / "endpoint.json"), openai__base_url="http://127.0.0.1:9/v1")
+    cmd = (
+        ENV_MODULE
+        + ["process"]
+        + _env_flags(
+            tokenizer_dir,
+            model_server,
+            store,
+            "e2e-process",
+            [SOLVED],
+            env__data_path_to_save_groups=str(out),
+            env__total_steps=3,
+            env__ensure_scores_are_not_same="false",
+            env__endpoint_file=str(ep_dir / "endpoint.json"),
+            openai__base_url="http://127.0.0.1:9/v1",
+        )
+    )
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env={**os.environ, **OFFLINE}, timeout=900)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     lines = out.read_text().splitlines()
@@ -299,10 +346,20 @@ class _CountingServer:
 def _register_trainer(api_server: str, tmp_path: Path) -> None:
     import httpx as requests  # declared (the policy's /tokenize client); same calls as requests
 
-    reg = requests.post(api_server + "/register", json={
-        "wandb_group": "et-hpc-test", "wandb_project": "et-hpc-test", "batch_size": 4, "max_token_len": 65536,
-        "checkpoint_dir": str(tmp_path / "ckpt"), "save_checkpoint_interval": -1, "starting_step": 0,
-        "num_steps": 10}, timeout=10)
+    reg = requests.post(
+        api_server + "/register",
+        json={
+            "wandb_group": "et-hpc-test",
+            "wandb_project": "et-hpc-test",
+            "batch_size": 4,
+            "max_token_len": 65536,
+            "checkpoint_dir": str(tmp_path / "ckpt"),
+            "save_checkpoint_interval": -1,
+            "starting_step": 0,
+            "num_steps": 10,
+        },
+        timeout=10,
+    )
     reg.raise_for_status()
     assert _get(api_server + "/batch")["batch"] is None
 
@@ -319,12 +376,26 @@ def test_worker_timeout_cancels_lose_no_episode(demo_images, tokenizer_dir, api_
         _register_trainer(api_server, tmp_path)
         store = tmp_path / "store"
         log_path = tmp_path / "serve.log"
-        cmd = ENV_MODULE + ["serve"] + _env_flags(
-            tokenizer_dir, srv, store, "cancelled", [SOLVED], env__rollout_server_url=api_server,
-            env__worker_timeout=2, env__max_num_workers=2, env__max_batches_offpolicy=1, env__total_steps=10)
+        cmd = (
+            ENV_MODULE
+            + ["serve"]
+            + _env_flags(
+                tokenizer_dir,
+                srv,
+                store,
+                "cancelled",
+                [SOLVED],
+                env__rollout_server_url=api_server,
+                env__worker_timeout=2,
+                env__max_num_workers=2,
+                env__max_batches_offpolicy=1,
+                env__total_steps=10,
+            )
+        )
         with open(log_path, "w") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
-                                    env={**os.environ, **OFFLINE}, start_new_session=True)
+            proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, env={**os.environ, **OFFLINE}, start_new_session=True
+            )
             try:
                 deadline = time.monotonic() + 300
                 # run until atropos has timed out workers and at least two groups have been stored
@@ -351,8 +422,10 @@ def test_worker_timeout_cancels_lose_no_episode(demo_images, tokenizer_dir, api_
     m = re.search(r"episodes started (\d+), stored (\d+) \((\d+) interrupted\), groups cancelled (\d+)", text)
     assert m, text[-4000:]
     n_started, n_stored, n_interrupted, n_cancelled = map(int, m.groups())
-    print(f"model server saw {srv.first_turns} episodes; env started {n_started}, stored {n_stored} "
-          f"({n_interrupted} interrupted), {n_cancelled} groups cancelled; store holds {len(records)} records")
+    print(
+        f"model server saw {srv.first_turns} episodes; env started {n_started}, stored {n_stored} "
+        f"({n_interrupted} interrupted), {n_cancelled} groups cancelled; store holds {len(records)} records"
+    )
     assert n_stored == len(records) and n_started == len(started)
     assert srv.first_turns >= 4 and srv.first_turns <= len(started)  # every episode the server saw is stored
     cancelled = [r for r in records if "collect cancelled: not sent" in r.events]
@@ -362,8 +435,7 @@ def test_worker_timeout_cancels_lose_no_episode(demo_images, tokenizer_dir, api_
     from collections import Counter
 
     assert set(Counter(r.group_id for r in records).values()) == {2}
-    assert not [r for r in records if r.turns == 0 and r.error != "interrupted by the run before it started"
-                and r.status == "ok"]
+    assert not [r for r in records if r.turns == 0 and r.error != "interrupted by the run before it started" and r.status == "ok"]
     interrupted = [r for r in records if r.status != "ok"]
     assert all(r.status == "infra_error" and r.reward is None for r in interrupted)
     assert text.count("interrupted: ") == len(interrupted) == n_interrupted
@@ -380,21 +452,37 @@ def _offline_env(tokenizer_dir: Path, tmp_path: Path, **cfg):
 
     from et_hpc.integrations.atropos import EndlessTerminalsEnv, EndlessTerminalsEnvConfig
 
-    config = EndlessTerminalsEnvConfig(tokenizer_name=str(tokenizer_dir), group_size=3, use_wandb=False,
-                                       store=str(tmp_path / "store"), include_messages=True, **cfg)
-    server = APIServerConfig(model_name="scripted", base_url="http://127.0.0.1:9/v1", api_key="EMPTY",
-                             server_type="openai", health_check=False)
+    config = EndlessTerminalsEnvConfig(
+        tokenizer_name=str(tokenizer_dir), group_size=3, use_wandb=False, store=str(tmp_path / "store"), include_messages=True, **cfg
+    )
+    server = APIServerConfig(
+        model_name="scripted", base_url="http://127.0.0.1:9/v1", api_key="EMPTY", server_type="openai", health_check=False
+    )
     return EndlessTerminalsEnv(config, [server])
 
 
 def _rec(sample: int, reward: float | None, status: str = "ok", tokens: bool = True):
     from et_hpc.record import EpisodeRecord
 
-    kw = dict(prompt_token_ids=[[1, 2, 3], [4]], token_ids=[[5 + sample, 6], [7]], logprobs=[[-0.1, -0.2], [-0.3]],
-              tokens_source="server-exact") if tokens else {}
-    return EpisodeRecord(run_name="x", task_id="t", sample=sample, status=status,
-                         reward=reward if status == "ok" else None,
-                         messages=[{"role": "user", "content": "do it"}], **kw)
+    kw = (
+        dict(
+            prompt_token_ids=[[1, 2, 3], [4]],
+            token_ids=[[5 + sample, 6], [7]],
+            logprobs=[[-0.1, -0.2], [-0.3]],
+            tokens_source="server-exact",
+        )
+        if tokens
+        else {}
+    )
+    return EpisodeRecord(
+        run_name="x",
+        task_id="t",
+        sample=sample,
+        status=status,
+        reward=reward if status == "ok" else None,
+        messages=[{"role": "user", "content": "do it"}],
+        **kw,
+    )
 
 
 def test_group_with_one_infra_error_is_not_sent(tokenizer_dir, tmp_path, monkeypatch):

@@ -9,8 +9,7 @@ from et_hpc.agent.chat_tokens import count_drift, logprob_token_ids, with_sample
 
 
 def turn(prompt, ids, finish="stop", counted=None):
-    return NS(prompt_token_ids=prompt, token_ids=ids, finish_reason=finish,
-              usage=None if counted is None else {"prompt_tokens": counted})
+    return NS(prompt_token_ids=prompt, token_ids=ids, finish_reason=finish, usage=None if counted is None else {"prompt_tokens": counted})
 
 
 def test_logprob_ids_from_either_form():

@@ -65,25 +65,45 @@ def llama_py_endpoint(tmp_path_factory):
     port, key = free_port("127.0.0.1"), secrets.token_urlsafe(24)
     log = open(d / "server.log", "wb")
     launch = ["-c", NO_REPACK] if cpu_has_amx() else ["-m", "llama_cpp.server"]
-    p = subprocess.Popen([sys.executable, *launch, "--model", str(gguf), "--host", "127.0.0.1",
-                          "--port", str(port), "--chat_format", "chatml-function-calling", "--n_ctx", "4096",
-                          "--model_alias", model_name(gguf)],
-                         env={**os.environ, "API_KEY": key}, stdout=log, stderr=subprocess.STDOUT)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            *launch,
+            "--model",
+            str(gguf),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--chat_format",
+            "chatml-function-calling",
+            "--n_ctx",
+            "4096",
+            "--model_alias",
+            model_name(gguf),
+        ],
+        env={**os.environ, "API_KEY": key},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.monotonic() + 300
         while True:
             assert p.poll() is None, (d / "server.log").read_text()[-3000:]
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": f"Bearer {key}"},
-                             timeout=5).status_code == 200:
+                if (
+                    httpx.get(f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=5).status_code
+                    == 200
+                ):
                     break
             except httpx.HTTPError:
                 pass
             assert time.monotonic() < deadline, "llama_cpp.server did not start"
             time.sleep(0.5)
         ep = d / "ep" / "endpoint.json"
-        write_endpoint_file(ep, endpoint_record("127.0.0.1", port, model_name(gguf), None, api_key=key,
-                                                model_version=model_name(gguf), started_at=None))
+        write_endpoint_file(
+            ep, endpoint_record("127.0.0.1", port, model_name(gguf), None, api_key=key, model_version=model_name(gguf), started_at=None)
+        )
         yield ep
     finally:
         p.terminate()
@@ -100,10 +120,32 @@ def test_episodes_against_llama_cpp_python(llama_py_endpoint, base_sif, tmp_path
     for t in load_tasks(str(DEMO)).tasks:
         if t.id in TASKS:
             ImageStore().ensure(t)
-    cmd = [*ET_HPC, "run", str(DEMO), "--set", f"tasks.ids=[{','.join(TASKS)}]", "--run-name", mode,
-           "--store", str(tmp_path / "store"), "--concurrency", "2", "--json", "--policy", "openai",
-           "--set", f"policy.endpoint_file={llama_py_endpoint}", "--set", f"policy.mode={mode}",
-           "--set", "policy.max_retries=2", "--set", "budgets.max_turns=3", "--set", "budgets.max_tokens_per_turn=96"]
+    cmd = [
+        *ET_HPC,
+        "run",
+        str(DEMO),
+        "--set",
+        f"tasks.ids=[{','.join(TASKS)}]",
+        "--run-name",
+        mode,
+        "--store",
+        str(tmp_path / "store"),
+        "--concurrency",
+        "2",
+        "--json",
+        "--policy",
+        "openai",
+        "--set",
+        f"policy.endpoint_file={llama_py_endpoint}",
+        "--set",
+        f"policy.mode={mode}",
+        "--set",
+        "policy.max_retries=2",
+        "--set",
+        "budgets.max_turns=3",
+        "--set",
+        "budgets.max_tokens_per_turn=96",
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=tmp_path)
     assert r.returncode in (0, 1), r.stderr[-3000:]
     json.loads(r.stdout)
@@ -113,4 +155,3 @@ def test_episodes_against_llama_cpp_python(llama_py_endpoint, base_sif, tmp_path
         assert rec.status == "ok", (rec.status, rec.error)  # the server took every history we sent
         assert rec.turns >= 1 and rec.reward is not None and rec.timings.model_s > 0
         assert rec.tokens_source == "absent" and rec.token_drift  # no ids from this server, and why
-

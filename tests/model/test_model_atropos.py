@@ -50,8 +50,9 @@ def test_atropos_env_with_the_embedded_model(base_sif, tmp_path):
     api = f"http://127.0.0.1:{port}"
     run_api = Path(sys.executable).with_name("run-api")
     api_log = open(tmp_path / "run-api.log", "w")
-    api_proc = subprocess.Popen([str(run_api), "--host", "127.0.0.1", "--port", str(port)], stdout=api_log,
-                                stderr=subprocess.STDOUT, env={**os.environ, **OFFLINE})
+    api_proc = subprocess.Popen(
+        [str(run_api), "--host", "127.0.0.1", "--port", str(port)], stdout=api_log, stderr=subprocess.STDOUT, env={**os.environ, **OFFLINE}
+    )
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -61,30 +62,58 @@ def test_atropos_env_with_the_embedded_model(base_sif, tmp_path):
             except httpx.HTTPError:
                 assert api_proc.poll() is None and time.monotonic() < deadline, (tmp_path / "run-api.log").read_text()
                 time.sleep(0.3)
-        reg = httpx.post(api + "/register", json={
-            "wandb_group": "t", "wandb_project": "t", "batch_size": 2, "max_token_len": 8192,
-            "checkpoint_dir": str(tmp_path / "ckpt"), "save_checkpoint_interval": -1, "starting_step": 0,
-            "num_steps": 10}, timeout=10)
+        reg = httpx.post(
+            api + "/register",
+            json={
+                "wandb_group": "t",
+                "wandb_project": "t",
+                "batch_size": 2,
+                "max_token_len": 8192,
+                "checkpoint_dir": str(tmp_path / "ckpt"),
+                "save_checkpoint_interval": -1,
+                "starting_step": 0,
+                "num_steps": 10,
+            },
+            timeout=10,
+        )
         reg.raise_for_status()
         assert httpx.get(api + "/batch", timeout=10).json()["batch"] is None
         store = tmp_path / "store"
         with serving(ServerConfig(endpoint_file=tmp_path / "ep" / "endpoint.json", log_file=tmp_path / "srv.log")) as srv:
-            flags = {"env.dataset_name": str(DEMO), "env.task_ids": ",".join(TASKS), "env.tokenizer_name": str(tok_dir),
-                     "env.group_size": 2, "env.use_wandb": "false", "env.max_agent_turns": 2, "env.mode": "text",
-                     "env.token_in": "true", "env.agent_temperature": 1.0, "env.store": str(store),
-                     "env.run_name": "model-atropos", "env.max_concurrent_episodes": 2, "env.test_timeout_s": 60,
-                     "env.max_token_length": 8192, "env.max_tokens_per_turn": 64, "env.rollout_server_url": api,
-                     "env.ensure_scores_are_not_same": "false", "env.max_num_workers": 2,
-                     "env.max_batches_offpolicy": 1, "env.total_steps": 10,
-                     "openai.base_url": srv.base_url, "openai.model_name": srv.alias, "openai.api_key": srv.api_key,
-                     "openai.health_check": "false"}
+            flags = {
+                "env.dataset_name": str(DEMO),
+                "env.task_ids": ",".join(TASKS),
+                "env.tokenizer_name": str(tok_dir),
+                "env.group_size": 2,
+                "env.use_wandb": "false",
+                "env.max_agent_turns": 2,
+                "env.mode": "text",
+                "env.token_in": "true",
+                "env.agent_temperature": 1.0,
+                "env.store": str(store),
+                "env.run_name": "model-atropos",
+                "env.max_concurrent_episodes": 2,
+                "env.test_timeout_s": 60,
+                "env.max_token_length": 8192,
+                "env.max_tokens_per_turn": 64,
+                "env.rollout_server_url": api,
+                "env.ensure_scores_are_not_same": "false",
+                "env.max_num_workers": 2,
+                "env.max_batches_offpolicy": 1,
+                "env.total_steps": 10,
+                "openai.base_url": srv.base_url,
+                "openai.model_name": srv.alias,
+                "openai.api_key": srv.api_key,
+                "openai.health_check": "false",
+            }
             cmd = [sys.executable, "-m", "et_hpc.integrations.atropos", "serve"]
             for k, v in flags.items():
                 cmd += [f"--{k}", str(v)]
             log_path = tmp_path / "serve.log"
             with open(log_path, "w") as log:
-                env_proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
-                                            env={**os.environ, **OFFLINE}, start_new_session=True)
+                env_proc = subprocess.Popen(
+                    cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, env={**os.environ, **OFFLINE}, start_new_session=True
+                )
                 batch = None
                 try:
                     deadline = time.monotonic() + 600

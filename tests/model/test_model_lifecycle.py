@@ -52,8 +52,12 @@ def _answers(url: str) -> bool:
 def _serve(tmp: Path) -> tuple[subprocess.Popen, int, str]:
     """Start the command; return it, its server's pid and the server's /health URL (after the control)."""
     ep = tmp / "ep" / "endpoint.json"
-    p = subprocess.Popen([*ET_HPC, "model", "serve", "--endpoint-file", str(ep), "--parallel", "1", "--ctx-size", "1024"],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p = subprocess.Popen(
+        [*ET_HPC, "model", "serve", "--endpoint-file", str(ep), "--parallel", "1", "--ctx-size", "1024"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.monotonic() + 180
     while not ep.exists():
         assert p.poll() is None, p.stdout.read()

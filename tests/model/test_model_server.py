@@ -50,8 +50,12 @@ def test_serve_command_publishes_an_endpoint_file(tmp_path):
     from et_hpc.model.server import default_model, model_digest
 
     ep = tmp_path / "private" / "endpoint.json"
-    p = subprocess.Popen([*ET_HPC, "model", "serve", "--endpoint-file", str(ep), "--parallel", "1",
-                          "--ctx-size", "2048"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p = subprocess.Popen(
+        [*ET_HPC, "model", "serve", "--endpoint-file", str(ep), "--parallel", "1", "--ctx-size", "2048"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while not ep.exists():
@@ -65,8 +69,11 @@ def test_serve_command_publishes_an_endpoint_file(tmp_path):
         key = rec["api_key"]
         assert key and len(key) >= 24
         # the key is not on any command line
-        assert not any(key.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
-                       for pid in os.listdir("/proc") if pid.isdigit() and Path(f"/proc/{pid}/cmdline").exists())
+        assert not any(
+            key.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+            for pid in os.listdir("/proc")
+            if pid.isdigit() and Path(f"/proc/{pid}/cmdline").exists()
+        )
         assert httpx.get(rec["base_url"] + "/models", timeout=10).status_code == 401
         ok = httpx.get(rec["base_url"] + "/models", headers={"Authorization": f"Bearer {key}"}, timeout=10)
         # its one alias is the version: every answer names the weights that gave it
@@ -80,8 +87,7 @@ def test_serve_command_publishes_an_endpoint_file(tmp_path):
 
 
 def test_serve_bad_model_path_is_one_line(tmp_path):
-    r = subprocess.run([*ET_HPC, "model", "serve", "--model", str(tmp_path / "nope.gguf")],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run([*ET_HPC, "model", "serve", "--model", str(tmp_path / "nope.gguf")], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "Traceback" not in r.stderr and "nope.gguf" in r.stderr
 
 
@@ -91,11 +97,18 @@ def test_history_forms_every_server_takes(served):
 
     ep = json.loads(served.cfg.endpoint_file.read_text())
     p = OpenAIPolicy(ep["base_url"], ep["model"], api_key=ep["api_key"], mode="tools", max_tokens=48, max_retries=1)
-    msgs = [{"role": "system", "content": "You run shell commands with the terminal tool."},
-            {"role": "user", "content": "List the files in /tmp."}]
+    msgs = [
+        {"role": "system", "content": "You run shell commands with the terminal tool."},
+        {"role": "user", "content": "List the files in /tmp."},
+    ]
     a = p.act(msgs)
-    msgs.append({"role": "assistant", "content": "", "tool_calls": [
-        {"id": "call_0", "type": "function", "function": {"name": "terminal", "arguments": '{"command": "ls /tmp"}'}}]})
+    msgs.append(
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "call_0", "type": "function", "function": {"name": "terminal", "arguments": '{"command": "ls /tmp"}'}}],
+        }
+    )
     msgs.append({"role": "tool", "tool_call_id": "call_0", "content": "Command executed successfully. Output: a b\n\n(exit_code=0)"})
     b = p.act(msgs)  # the history with a tool call and its result is accepted
     assert a.message["role"] == b.message["role"] == "assistant"
@@ -103,10 +116,31 @@ def test_history_forms_every_server_takes(served):
 
 
 def _run(tmp: Path, name: str, ep: Path, *args: str, timeout: float = 900) -> dict:
-    cmd = [*ET_HPC, "run", str(DEMO), "--set", f"tasks.ids=[{','.join(TASKS)}]", "--run-name", name,
-           "--store", str(tmp / "store"), "--concurrency", "2", "--json", "--policy", "openai",
-           "--set", f"policy.endpoint_file={ep}", "--set", "policy.max_retries=2",
-           "--set", "budgets.max_turns=3", "--set", "budgets.max_tokens_per_turn=96", *args]
+    cmd = [
+        *ET_HPC,
+        "run",
+        str(DEMO),
+        "--set",
+        f"tasks.ids=[{','.join(TASKS)}]",
+        "--run-name",
+        name,
+        "--store",
+        str(tmp / "store"),
+        "--concurrency",
+        "2",
+        "--json",
+        "--policy",
+        "openai",
+        "--set",
+        f"policy.endpoint_file={ep}",
+        "--set",
+        "policy.max_retries=2",
+        "--set",
+        "budgets.max_turns=3",
+        "--set",
+        "budgets.max_tokens_per_turn=96",
+        *args,
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=tmp)
     assert r.returncode in (0, 1), r.stderr[-3000:]
     return json.loads(r.stdout)
@@ -142,8 +176,10 @@ def _check_exports(run, tmp: Path) -> None:
     export_skyrl(run, sk)
     go = generator_output(sk)
     _skyrl_checker()(go)  # SkyRL 0.4.0's GeneratorOutput, field by field
-    rows = {(t.instance_id.split("@")[0], t.repetition_id): (p, r) for t, p, r in
-            zip(go["trajectory_ids"], go["prompt_token_ids"], go["response_ids"])}
+    rows = {
+        (t.instance_id.split("@")[0], t.repetition_id): (p, r)
+        for t, p, r in zip(go["trajectory_ids"], go["prompt_token_ids"], go["response_ids"])
+    }
     assert set(rows) == set(exact)
     for key, (prompt, response) in rows.items():
         assert list(prompt) + list(response) == list(exact[key][0])
@@ -185,13 +221,38 @@ def test_server_killed_mid_run_loses_nothing(demo_images, tmp_path):
     from et_hpc.runs.store import open_run
 
     d = tmp_path / "replicas"
-    with serving(ServerConfig(endpoint_file=d / "a.json", parallel=1, ctx_size=4096, log_file=tmp_path / "a.log")) as a, \
-            serving(ServerConfig(endpoint_file=d / "b.json", parallel=1, ctx_size=4096, log_file=tmp_path / "b.log")):
-        cmd = [*ET_HPC, "run", str(DEMO), "--set", f"tasks.ids=[{','.join(TASKS)}]", "--samples", "1",
-               "--run-name", "killed", "--store", str(tmp_path / "store"), "--concurrency", "2", "--json",
-               "--policy", "openai", "--set", f"policy.endpoint_dir={d}", "--set", "policy.mode=text",
-               "--set", "policy.retry_budget_s=60", "--set", "budgets.max_turns=3",
-               "--set", "budgets.max_tokens_per_turn=64"]
+    with (
+        serving(ServerConfig(endpoint_file=d / "a.json", parallel=1, ctx_size=4096, log_file=tmp_path / "a.log")) as a,
+        serving(ServerConfig(endpoint_file=d / "b.json", parallel=1, ctx_size=4096, log_file=tmp_path / "b.log")),
+    ):
+        cmd = [
+            *ET_HPC,
+            "run",
+            str(DEMO),
+            "--set",
+            f"tasks.ids=[{','.join(TASKS)}]",
+            "--samples",
+            "1",
+            "--run-name",
+            "killed",
+            "--store",
+            str(tmp_path / "store"),
+            "--concurrency",
+            "2",
+            "--json",
+            "--policy",
+            "openai",
+            "--set",
+            f"policy.endpoint_dir={d}",
+            "--set",
+            "policy.mode=text",
+            "--set",
+            "policy.retry_budget_s=60",
+            "--set",
+            "budgets.max_turns=3",
+            "--set",
+            "budgets.max_tokens_per_turn=64",
+        ]
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
         deadline = time.monotonic() + 300
         while "launch_slot_" not in (tmp_path / "a.log").read_text():  # a request is being processed

@@ -33,8 +33,7 @@ def _image(tmp: Path, files: dict[str, str | None], links: dict[str, str] | None
         p.parent.mkdir(parents=True, exist_ok=True)
         p.symlink_to(target)
     img = tmp / "ov.img"
-    subprocess.run([MKE2FS, "-q", "-F", "-t", "ext3", "-d", str(src), str(img), f"{mb}M"], check=True,
-                   capture_output=True)
+    subprocess.run([MKE2FS, "-q", "-F", "-t", "ext3", "-d", str(src), str(img), f"{mb}M"], check=True, capture_output=True)
     return img
 
 
@@ -78,8 +77,12 @@ CASES = {
     "usr_bin_link": ({"usr": None}, {"usr/bin": "/home/user/bin"}, ["/usr/bin (no longer a directory)"], []),
     "libc": ({"usr/lib/x86_64-linux-gnu/libc.so.6": "x"}, {}, ["/usr/lib/x86_64-linux-gnu/libc.so.6"], []),
     "opaque_usr_bin": ({"usr/bin/.wh..wh..opq": ""}, {}, ["/usr/bin/.wh..opq"], []),
-    "preload_and_cache": ({"etc/ld.so.preload": "/home/user/e.so\n", "etc/ld.so.cache": "x"}, {}, [],
-                          ["/etc/ld.so.preload", "/etc/ld.so.cache"]),
+    "preload_and_cache": (
+        {"etc/ld.so.preload": "/home/user/e.so\n", "etc/ld.so.cache": "x"},
+        {},
+        [],
+        ["/etc/ld.so.preload", "/etc/ld.so.cache"],
+    ),
     "foreign_nss": ({"etc/nsswitch.conf": "passwd: evil files\n"}, {}, [], ["/etc/nsswitch.conf"]),
     "plain_nss": ({"etc/nsswitch.conf": "passwd: files systemd\ngroup: files [NOTFOUND=return] db\n"}, {}, [], []),
 }

@@ -91,7 +91,14 @@ def test_kept_states_flip_under_inverted_tests_and_the_source_is_untouched(kept_
         assert n.rescored_from == f"src/{o.episode_id}" and n.episode_id != o.episode_id
         assert n.tests_digest == "sha256:" + _sha(inv / key[0] / "test_final_state.py")
         assert (n.messages, n.turns, n.policy_kind, n.policy_version, n.versions, n.prompt_tokens, n.token_ids) == (
-            o.messages, o.turns, o.policy_kind, o.policy_version, o.versions, o.prompt_tokens, o.token_ids)
+            o.messages,
+            o.turns,
+            o.policy_kind,
+            o.policy_version,
+            o.versions,
+            o.prompt_tokens,
+            o.token_ids,
+        )
         assert n.final_state == o.final_state and fs.archive_path(new_dir, n.final_state).is_file()
     assert _snapshot(src_dir) == before, "the source run changed"
 
@@ -130,8 +137,22 @@ def test_a_damaged_state_is_an_error_not_a_zero(kept_run, tmp_path: Path) -> Non
 
 def test_size_bound_and_bad_input(kept_run, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     src_dir, env = kept_run
-    r = et_hpc(["run", str(DEMO), "--policy", "oracle", "--run-name", "tiny", *KEEP,
-                "--set", "sandbox.final_state_mb=0.001", "--set", "tasks.ids=[demo_hello_file]"], env)
+    r = et_hpc(
+        [
+            "run",
+            str(DEMO),
+            "--policy",
+            "oracle",
+            "--run-name",
+            "tiny",
+            *KEEP,
+            "--set",
+            "sandbox.final_state_mb=0.001",
+            "--set",
+            "tasks.ids=[demo_hello_file]",
+        ],
+        env,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     rec = _records(src_dir.parent / "tiny")[("demo_hello_file", 0)]
     assert rec.status == "ok" and rec.reward == 1.0  # never fails the episode
@@ -154,8 +175,9 @@ def test_size_bound_and_bad_input(kept_run, tmp_path: Path, capsys: pytest.Captu
     }
     guard = src_dir.parent / "guard"  # a run rescored earlier with other tests of demo_hello_file
     guard.mkdir()
-    (guard / "rescore.json").write_text(json.dumps({"source_dir": str(src_dir.resolve()),
-                                                     "tests": {"demo_hello_file": {"digest": "sha256:" + "0" * 64}}}))
+    (guard / "rescore.json").write_text(
+        json.dumps({"source_dir": str(src_dir.resolve()), "tests": {"demo_hello_file": {"digest": "sha256:" + "0" * 64}}})
+    )
     capsys.readouterr()
     for what, args in cases.items():
         rc = main([*args, "--store", str(src_dir.parent)])

@@ -38,39 +38,55 @@ NSS = "/usr/lib/x86_64-linux-gnu/libnss_evil.so.2"
 CASES: dict[str, tuple[list[str], str | None, str | None]] = {
     "conftest_home": (ATTACKS["conftest_home"], None, 'os.path.isfile("/home/user/conftest.py")'),
     "conftest_root_and_tmp": (ATTACKS["conftest_root_and_tmp"], None, 'os.path.isfile("/conftest.py")'),
-    "sitecustomize_everywhere": (ATTACKS["sitecustomize_everywhere"], None,
-                                 'glob.glob("/usr/local/lib/python3*/dist-packages/sitecustomize.py")'),
+    "sitecustomize_everywhere": (
+        ATTACKS["sitecustomize_everywhere"],
+        None,
+        'glob.glob("/usr/local/lib/python3*/dist-packages/sitecustomize.py")',
+    ),
     "env_exports": (ATTACKS["env_exports"], None, None),
     "background_writer_after_done": (ATTACKS["background_writer_after_done"], None, None),
-    "fake_python_and_pytest_in_path": (ATTACKS["fake_python_and_pytest_in_path"], None,
-                                       'os.path.isfile("/home/user/bin/python3")'),
+    "fake_python_and_pytest_in_path": (ATTACKS["fake_python_and_pytest_in_path"], None, 'os.path.isfile("/home/user/bin/python3")'),
     "overwrite_system_python_and_pytest": (
-        ATTACKS["overwrite_system_python_and_pytest"], None,
-        'any(open(p, "rb").read(9) == b"#!/bin/sh" for p in glob.glob("/usr/bin/python3*") if not os.path.islink(p))'),
+        ATTACKS["overwrite_system_python_and_pytest"],
+        None,
+        'any(open(p, "rb").read(9) == b"#!/bin/sh" for p in glob.glob("/usr/bin/python3*") if not os.path.islink(p))',
+    ),
     "env_script": (FORGERIES["env_script"], None, 'os.path.isfile("/.singularity.d/env/99-zz-forge.sh")'),
     "actions_exec": (FORGERIES["actions_exec"], None, '"ET-SCORE" in open("/.singularity.d/actions/exec").read()'),
     "bin_sh": (FORGERIES["bin_sh"], None, 'os.readlink("/bin/sh") == "/tmp/.sh"'),
     "ld_so_preload": ([f"echo {EVIL_HOME} > /etc/ld.so.preload"], EVIL_HOME, f'os.path.isfile("{EVIL_HOME}")'),
-    "ld_preload_env": (["echo 'export LD_PRELOAD=/home/user/.evil.so' >> /.singularity.d/env/90-environment.sh; "
-                        "echo 'LD_PRELOAD=/home/user/.evil.so' >> /etc/environment"], EVIL_HOME,
-                       '"LD_PRELOAD" in open("/etc/environment").read()'),
+    "ld_preload_env": (
+        [
+            "echo 'export LD_PRELOAD=/home/user/.evil.so' >> /.singularity.d/env/90-environment.sh; "
+            "echo 'LD_PRELOAD=/home/user/.evil.so' >> /etc/environment"
+        ],
+        EVIL_HOME,
+        '"LD_PRELOAD" in open("/etc/environment").read()',
+    ),
     # the tests' root shows the image's library directories and nsswitch.conf, so the plant is not
     # visible to test_planted: the rescore's "left out" event names the kept nsswitch.conf instead
     "nss_module": (["sed -i 's/^passwd:.*/passwd: evil files/' /etc/nsswitch.conf"], NSS, None),
     "python_pth_and_shadow_modules": (
-        [f"printf 'import os; {PY_PAYLOAD}\\n' > /usr/lib/python3/dist-packages/zz-evil.pth",
-         f"printf 'import sys\\n{PY_PAYLOAD}\\n' > /home/user/pathlib.py; printf 'raise SystemExit(0)\\n' > /home/user/pytest.py"],
-        None, 'os.path.isfile("/home/user/pytest.py")'),  # the .pth under /usr/lib: the tests' root shows the image's
+        [
+            f"printf 'import os; {PY_PAYLOAD}\\n' > /usr/lib/python3/dist-packages/zz-evil.pth",
+            f"printf 'import sys\\n{PY_PAYLOAD}\\n' > /home/user/pathlib.py; printf 'raise SystemExit(0)\\n' > /home/user/pytest.py",
+        ],
+        None,
+        'os.path.isfile("/home/user/pytest.py")',
+    ),  # the .pth under /usr/lib: the tests' root shows the image's
     "fifo_notes": (["rm /home/user/notes.txt && mkfifo /home/user/notes.txt"], None, None),
     "home_chmod_000": (["echo 41 > answer.txt; chmod 000 /home/user"], None, None),
 }
 # what scoring reports about a plant it neutralised or a dodge the state holds (its note, its notes,
 # the rescore's events)
-NOTES = {"ld_so_preload": "/etc/ld.so.preload was left out", "nss_module": "nsswitch",
-         "fifo_notes": "verifier timeout", "home_chmod_000": "/home/user"}
+NOTES = {
+    "ld_so_preload": "/etc/ld.so.preload was left out",
+    "nss_module": "nsswitch",
+    "fifo_notes": "verifier timeout",
+    "home_chmod_000": "/home/user",
+}
 # states that change what starting a sandbox runs: not started again (the agent's 0); the note names the plant
-REFUSED = {"env_script": "/.singularity.d", "actions_exec": "/.singularity.d", "bin_sh": "/usr/bin/sh",
-           "ld_preload_env": "/.singularity.d"}
+REFUSED = {"env_script": "/.singularity.d", "actions_exec": "/.singularity.d", "bin_sh": "/usr/bin/sh", "ld_preload_env": "/.singularity.d"}
 
 
 def _final(tmp: Path, planted: str | None) -> Path:
@@ -118,8 +134,7 @@ def test_planted_state_rescores_zero(attack: str, task_sif: Path, tmp_path: Path
     commands, dst, planted = CASES[attack]
     put = (request.getfixturevalue("evil_so"), dst) if dst else None
     run_dir, value = _kept(task_sif, tmp_path, commands, put)
-    sc, events = _rescore(task_sif, run_dir, value, _final(tmp_path, planted),
-                          timeout_s=5 if attack == "fifo_notes" else 30)
+    sc, events = _rescore(task_sif, run_dir, value, _final(tmp_path, planted), timeout_s=5 if attack == "fifo_notes" else 30)
     assert sc.status == "ok", (attack, sc.error)
     assert sc.reward == 0.0, (attack, sc.tests, sc.output_tail[-800:])
     if attack in REFUSED:
@@ -135,8 +150,7 @@ def test_planted_state_rescores_zero(attack: str, task_sif: Path, tmp_path: Path
         assert outcomes.get("test_planted") == "passed", (attack, outcomes, sc.output_tail[-1200:])
 
 
-def test_restarting_a_planted_state_unchecked_would_run_the_plant(task_sif: Path, tmp_path: Path,
-                                                                   request: pytest.FixtureRequest) -> None:
+def test_restarting_a_planted_state_unchecked_would_run_the_plant(task_sif: Path, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     """The positive control of the start check: the same kept ld.so.preload state, started as a
     plain sandbox (no check, nothing left out), runs the agent's library at the first exec."""
     so = request.getfixturevalue("evil_so")

@@ -20,8 +20,22 @@ from helpers.inverted import inverted_dir
 from helpers.units import ET_HPC, et_hpc
 
 DEMO = REPO / "defs" / "demo"
-SLURM = ["--executor", "slurm", "--concurrency", "1", "--set", "slurm.units_per_task=8", "--set", "slurm.cpus_per_task=1",
-         "--set", "slurm.time_min=10", "--set", "slurm.poll_s=1", "--set", "slurm.wait_timeout_min=8"]
+SLURM = [
+    "--executor",
+    "slurm",
+    "--concurrency",
+    "1",
+    "--set",
+    "slurm.units_per_task=8",
+    "--set",
+    "slurm.cpus_per_task=1",
+    "--set",
+    "slurm.time_min=10",
+    "--set",
+    "slurm.poll_s=1",
+    "--set",
+    "slurm.wait_timeout_min=8",
+]
 
 
 @pytest.mark.slurm
@@ -29,8 +43,23 @@ SLURM = ["--executor", "slurm", "--concurrency", "1", "--set", "slurm.units_per_
 def test_rescore_on_slurm_resumes_after_scancel(base_sif: Path, tmp_path: Path) -> None:
     env = dict(with_tests_on_path(os.environ), ET_HPC_STORE=str(tmp_path / "store"))
     assert et_hpc(["build", str(DEMO)], env, timeout=900).returncode == 0
-    r = et_hpc(["run", str(DEMO), "--policy", "oracle", "--samples", "2", "--run-name", "src", "--concurrency", "2",
-                "--set", "sandbox.keep_final_state=true"], env)
+    r = et_hpc(
+        [
+            "run",
+            str(DEMO),
+            "--policy",
+            "oracle",
+            "--samples",
+            "2",
+            "--run-name",
+            "src",
+            "--concurrency",
+            "2",
+            "--set",
+            "sandbox.keep_final_state=true",
+        ],
+        env,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     inv = inverted_dir(DEMO, tmp_path / "inverted")
     args = ["rescore", "src", "--tests", str(inv), "--run-name", "rs", *SLURM]
@@ -46,8 +75,7 @@ def test_rescore_on_slurm_resumes_after_scancel(base_sif: Path, tmp_path: Path) 
     finally:
         if p.poll() is None:
             p.kill()
-    until("the array to end", lambda: all(watch.category(s) not in ("queued", "running")
-                                          for s in watch.task_states(ids).values()), 120)
+    until("the array to end", lambda: all(watch.category(s) not in ("queued", "running") for s in watch.task_states(ids).values()), 120)
     first = len(store.units())
     assert 1 <= first < 8, f"the cancel came too late to test resuming ({first} of 8 done): {err[-500:]}"
     t0 = time.monotonic()

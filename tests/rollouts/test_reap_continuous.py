@@ -40,11 +40,38 @@ def test_sigkilled_worker_leaves_no_sandbox(base_sif: Path, tmp_path: Path) -> N
     run = "reap-kill"
     run_dir = tmp_path / "store" / run
     q = WorkQueue(run_dir)
-    args = ["run", str(DEMO), "--policy", "oracle", "--samples", "2", "--run-name", run, "--continuous",
-            "--executor", "slurm", "--workers", "2", "--concurrency", "1", "--json",
-            "--set", "sandbox.warm=0", "--set", "slurm.cpus_per_task=1", "--set", "slurm.time_min=10",
-            "--set", f"continuous.lease_s={LEASE_S}", "--set", "continuous.heartbeat_s=1",
-            "--set", "continuous.poll_s=1", "--set", "continuous.stop_grace_s=60"]
+    args = [
+        "run",
+        str(DEMO),
+        "--policy",
+        "oracle",
+        "--samples",
+        "2",
+        "--run-name",
+        run,
+        "--continuous",
+        "--executor",
+        "slurm",
+        "--workers",
+        "2",
+        "--concurrency",
+        "1",
+        "--json",
+        "--set",
+        "sandbox.warm=0",
+        "--set",
+        "slurm.cpus_per_task=1",
+        "--set",
+        "slurm.time_min=10",
+        "--set",
+        f"continuous.lease_s={LEASE_S}",
+        "--set",
+        "continuous.heartbeat_s=1",
+        "--set",
+        "continuous.poll_s=1",
+        "--set",
+        "continuous.stop_grace_s=60",
+    ]
     ctl_err = open(tmp_path / "ctl.err", "w+")
     ctl = subprocess.Popen(ET_HPC + args, env=env, stdout=subprocess.DEVNULL, stderr=ctl_err)
     live = scratch / f"et-hpc-{getpass.getuser()}" / "live"
@@ -78,8 +105,11 @@ def test_sigkilled_worker_leaves_no_sandbox(base_sif: Path, tmp_path: Path) -> N
         until("the dead worker's sandbox to be reaped", gone, LEASE_S, every_s=0.5)
         reaped_s = time.monotonic() - killed_at
         assert not (live / f"{rec['name']}.json").exists()
-        until("the killed worker's unit to be done again", lambda: all(
-            any(n.startswith(f"{u}~") for n in os.listdir(q.done)) for u in held), 240)
+        until(
+            "the killed worker's unit to be done again",
+            lambda: all(any(n.startswith(f"{u}~") for n in os.listdir(q.done)) for u in held),
+            240,
+        )
         subprocess.run(ET_HPC + ["rollouts", "stop", run], env=env, check=True, timeout=60)
         rc = ctl.wait(timeout=180)
     finally:
@@ -99,5 +129,7 @@ def test_sigkilled_worker_leaves_no_sandbox(base_sif: Path, tmp_path: Path) -> N
         attempts = [n for n in os.listdir(q.done) if n.startswith(f"{u}~")]
         assert f"-{rec['pid']}-" not in attempts[0]  # done by another attempt than the killed one
     assert not [i.name for i in apptainer.instance_list() if i.name.startswith(f"et-{run}")]
-    print(f"\nSIGKILLed worker {rec['pid']}: its sandbox {rec['name']} reaped {reaped_s:.1f} s later "
-          f"(lease {LEASE_S} s); unit(s) {held} done again once")
+    print(
+        f"\nSIGKILLed worker {rec['pid']}: its sandbox {rec['name']} reaped {reaped_s:.1f} s later "
+        f"(lease {LEASE_S} s); unit(s) {held} done again once"
+    )

@@ -50,9 +50,25 @@ budgets: {{max_turns: 4}}
 concurrency: 2
 continuous: {{heartbeat_s: 1, poll_s: 0.5, lease_s: 30}}
 """)
-        p = subprocess.run([sys.executable, "-m", "et_hpc.cli", "run", "--config", str(cfg), "--continuous", "--target-groups", "3",
-                            "--store", str(store)], capture_output=True, text=True, timeout=600,
-                           env={**os.environ, "ET_HPC_STORE": str(store)})
+        p = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "et_hpc.cli",
+                "run",
+                "--config",
+                str(cfg),
+                "--continuous",
+                "--target-groups",
+                "3",
+                "--store",
+                str(store),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**os.environ, "ET_HPC_STORE": str(store)},
+        )
         assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     run_dir = store / "cont"
     with RolloutStream(run_dir, "audit") as s:
@@ -75,8 +91,7 @@ continuous: {{heartbeat_s: 1, poll_s: 0.5, lease_s: 30}}
     by_instance: dict[str, list[int]] = {}
     for t in go["trajectory_ids"]:
         by_instance.setdefault(t.instance_id, []).append(t.repetition_id)
-    assert {k: sorted(v) for k, v in by_instance.items()} == \
-        {g.group_id: sorted(r.sample for r in g.records) for g in streamed}
+    assert {k: sorted(v) for k, v in by_instance.items()} == {g.group_id: sorted(r.sample for r in g.records) for g in streamed}
     # RolloutGroup.scored_data(): every member has exact tokens, nothing dropped
     for g in streamed:
         d = g.scored_data()

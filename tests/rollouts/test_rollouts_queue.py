@@ -23,9 +23,18 @@ from et_hpc.rollouts.versions import VersionReader
 
 
 def _table(task: str, epoch: int, version: str | None = None, statuses=("ok", "ok")):
-    recs = [EpisodeRecord(run_name="r", task_id=task, sample=epoch * len(statuses) + i, group_id=f"{task}@e{epoch}",
-                          status=s, reward=1.0 if s == "ok" else None, policy_version=version)
-            for i, s in enumerate(statuses)]
+    recs = [
+        EpisodeRecord(
+            run_name="r",
+            task_id=task,
+            sample=epoch * len(statuses) + i,
+            group_id=f"{task}@e{epoch}",
+            status=s,
+            reward=1.0 if s == "ok" else None,
+            policy_version=version,
+        )
+        for i, s in enumerate(statuses)
+    ]
     return records_to_table(recs)
 
 
@@ -47,8 +56,7 @@ def test_racing_claimers_take_each_unit_once(tmp_path: Path) -> None:
     assert q.count()["pending"] == 200
     ctx = mp.get_context("spawn")
     start = ctx.Barrier(6)
-    procs = [ctx.Process(target=_claimer, args=(str(tmp_path), str(tmp_path / f"got{i}.json"), start))
-             for i in range(6)]
+    procs = [ctx.Process(target=_claimer, args=(str(tmp_path), str(tmp_path / f"got{i}.json"), start)) for i in range(6)]
     for p in procs:
         p.start()
     for p in procs:
@@ -81,7 +89,8 @@ def test_controller_crash_mid_epoch_is_repaired_without_duplicates(tmp_path: Pat
     q.write_state({"next_epoch": 1, "enqueuing": 1, "samples": 2})
     for n in q.pending_names()[:3]:
         (q.pending / n.replace("e000000", "e000001")).write_text(
-            (q.pending / n).read_text().replace('"epoch":0', '"epoch":1').replace("e000000", "e000001"))
+            (q.pending / n).read_text().replace('"epoch":0', '"epoch":1').replace("e000000", "e000001")
+        )
     lease = q.claim("w")
     assert lease is not None
     before = q.count()["pending"] + q.count()["leased"]
@@ -147,8 +156,12 @@ def test_publication_survives_a_crash_at_every_step(tmp_path: Path) -> None:
     for p in procs:
         p.join(60)
     assert q.published() == 3
-    groups = [json.dumps(sorted(set(__import__("pyarrow.parquet", fromlist=["x"]).read_table(
-        tmp_path / slot_name(s)).column("group_id").to_pylist()))) for s in range(3)]
+    groups = [
+        json.dumps(
+            sorted(set(__import__("pyarrow.parquet", fromlist=["x"]).read_table(tmp_path / slot_name(s)).column("group_id").to_pylist()))
+        )
+        for s in range(3)
+    ]
     assert len(set(groups)) == 3
     assert not (tmp_path / slot_name(3)).exists()
     assert not os.listdir(q.results)
@@ -218,18 +231,18 @@ def test_scored_data_never_holds_absent_or_drifted_tokens(tmp_path: Path) -> Non
     from et_hpc.rollouts.stream import RolloutGroup
 
     def rec(sample: int, drift: str | None = None, tokens: bool = True) -> EpisodeRecord:
-        kw = dict(prompt_token_ids=[[1, 2], [3]], token_ids=[[4 + sample], [5]], tokens_source="server-exact",
-                  token_drift=drift) if tokens else {}
-        return EpisodeRecord(run_name="r", task_id="t", sample=sample, group_id="t@e0", status="ok",
-                             reward=float(sample), **kw)
+        kw = (
+            dict(prompt_token_ids=[[1, 2], [3]], token_ids=[[4 + sample], [5]], tokens_source="server-exact", token_drift=drift)
+            if tokens
+            else {}
+        )
+        return EpisodeRecord(run_name="r", task_id="t", sample=sample, group_id="t@e0", status="ok", reward=float(sample), **kw)
 
-    good = RolloutGroup(seq=0, group_id="t@e0", task_id="t", policy_version=None, records=[rec(0), rec(1)],
-                        committed_at=0.0)
+    good = RolloutGroup(seq=0, group_id="t@e0", task_id="t", policy_version=None, records=[rec(0), rec(1)], committed_at=0.0)
     d = good.scored_data()  # positive control: a group with exact tokens is all there
     assert d["tokens"] == [[1, 2, 4, 3, 5], [1, 2, 5, 3, 5]] and d["dropped_no_tokens"] == 0 and d["group_id"] == "t@e0"
     for bad in ([rec(0), rec(1, drift="turn 1 position 0")], [rec(0), rec(1, tokens=False)]):
-        d = RolloutGroup(seq=1, group_id="t@e1", task_id="t", policy_version=None, records=bad,
-                         committed_at=0.0).scored_data()
+        d = RolloutGroup(seq=1, group_id="t@e1", task_id="t", policy_version=None, records=bad, committed_at=0.0).scored_data()
         assert d["tokens"] == [] and d["scores"] == [] and d["dropped_no_tokens"] == 1
 
 
@@ -255,10 +268,14 @@ def test_abandon_follows_the_servers_checkpoint_step(tmp_path: Path) -> None:
         write_endpoint_file(ep, endpoint_record("127.0.0.1", 9, "policy", model_version=f"/ck/step-{step}@step-{step}"))
 
     serve(10)
-    cfg = RunConfig(name="ab", store=tmp_path / "store", samples=1, unit_runner="helpers.units:work_runner",
-                    policy=PolicyConfig(kind="openai", endpoint_file=ep),
-                    continuous=ContinuousConfig(on_version_change="abandon", max_staleness=1, heartbeat_s=0.2,
-                                                poll_s=0.2, lease_s=30))
+    cfg = RunConfig(
+        name="ab",
+        store=tmp_path / "store",
+        samples=1,
+        unit_runner="helpers.units:work_runner",
+        policy=PolicyConfig(kind="openai", endpoint_file=ep),
+        continuous=ContinuousConfig(on_version_change="abandon", max_staleness=1, heartbeat_s=0.2, poll_s=0.2, lease_s=30),
+    )
     run_dir = cfg.run_dir()
     q = WorkQueue(run_dir).init()
     q.enqueue_epoch([tasks[0].id], 1)

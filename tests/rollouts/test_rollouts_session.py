@@ -39,8 +39,12 @@ def test_training_session_from_the_slurm_readme(base_sif: Path, tmp_path: Path) 
     script = tmp_path / "script.json"
     script.write_text(json.dumps({"greeting.txt": [{"command": SOLVE}, "All done."]}))
     ep = tmp_path / "endpoint.json"
-    srv = subprocess.Popen([sys.executable, "-m", "et_hpc.scripted_server", "--script", str(script), "--port", "0",
-                            "--endpoint-file", str(ep)], env=env, stdout=subprocess.PIPE, text=True)
+    srv = subprocess.Popen(
+        [sys.executable, "-m", "et_hpc.scripted_server", "--script", str(script), "--port", "0", "--endpoint-file", str(ep)],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     ctl_job = None
     try:
         until("the endpoint file", ep.exists, 60)
@@ -56,8 +60,14 @@ slurm: {{cpus_per_task: 1, time_min: 30}}
 continuous: {{workers: 2, lease_s: 30, heartbeat_s: 2, poll_s: 1, on_version_change: finish}}
 """)
         # the controller as a batch job
-        sb = subprocess.run(["sbatch", "--parsable", str(REPO / "slurm" / "run.sbatch"), str(cfg), "--continuous"],
-                            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        sb = subprocess.run(
+            ["sbatch", "--parsable", str(REPO / "slurm" / "run.sbatch"), str(cfg), "--continuous"],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert sb.returncode == 0, sb.stderr
         ctl_job = sb.stdout.strip().split(";")[0]
         run_dir = store / "grpo-live"
@@ -66,18 +76,38 @@ continuous: {{workers: 2, lease_s: 30, heartbeat_s: 2, poll_s: 1, on_version_cha
 
         st = subprocess.run(ET_HPC + ["status", "grpo-live"], env=env, capture_output=True, text=True, timeout=60)
         assert st.returncode == 0 and "queue.pending" in st.stdout and "queue.workers_live" in st.stdout, st.stdout
-        tail = subprocess.run(ET_HPC + ["rollouts", "tail", "grpo-live", "--from-start", "--count", "1"],
-                              env=env, capture_output=True, text=True, timeout=120)
+        tail = subprocess.run(
+            ET_HPC + ["rollouts", "tail", "grpo-live", "--from-start", "--count", "1"], env=env, capture_output=True, text=True, timeout=120
+        )
         assert tail.returncode == 0 and "demo_hello_file@e" in tail.stdout and "rewards [1 1]" in tail.stdout, tail
 
         # the trainer: 4 steps of 1 group, a new checkpoint after each step (served as ckpt-<step>)
-        tr = subprocess.run([sys.executable, str(REPO / "slurm" / "train_loop.py"), str(run_dir), "--batches", "4",
-                             "--groups", "1", "--max-staleness", "1", "--publish-every", "1", "--model-prefix", "ckpt-"],
-                            env=env, capture_output=True, text=True, timeout=480)
+        tr = subprocess.run(
+            [
+                sys.executable,
+                str(REPO / "slurm" / "train_loop.py"),
+                str(run_dir),
+                "--batches",
+                "4",
+                "--groups",
+                "1",
+                "--max-staleness",
+                "1",
+                "--publish-every",
+                "1",
+                "--model-prefix",
+                "ckpt-",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=480,
+        )
         assert tr.returncode == 0, tr.stdout[-2000:] + tr.stderr[-2000:]
         assert "published version 4" in tr.stdout
-        pub = subprocess.run(ET_HPC + ["rollouts", "publish", "grpo-live", "--model", "ckpt-final"],
-                             env=env, capture_output=True, text=True, timeout=60)
+        pub = subprocess.run(
+            ET_HPC + ["rollouts", "publish", "grpo-live", "--model", "ckpt-final"], env=env, capture_output=True, text=True, timeout=60
+        )
         assert pub.returncode == 0 and "published version 5" in pub.stdout, pub
         from et_hpc.rollouts import RolloutStream
 
@@ -91,8 +121,7 @@ continuous: {{workers: 2, lease_s: 30, heartbeat_s: 2, poll_s: 1, on_version_cha
             assert len(data["tokens"]) == 2 and all(len(t) == len(m) for t, m in zip(data["tokens"], data["masks"]))
             assert all(any(x != -100 for x in m) for m in data["masks"])
             assert {r.tokens_source for r in late[0].records} == {"server-exact"}
-        stop = subprocess.run(ET_HPC + ["rollouts", "stop", "grpo-live"], env=env, capture_output=True, text=True,
-                              timeout=60)
+        stop = subprocess.run(ET_HPC + ["rollouts", "stop", "grpo-live"], env=env, capture_output=True, text=True, timeout=60)
         assert stop.returncode == 0, stop.stderr
         states, ended = watch.wait_tasks([ctl_job], poll_s=2, timeout_s=240)
         assert ended and states[ctl_job] == "COMPLETED", states

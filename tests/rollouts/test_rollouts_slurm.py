@@ -44,9 +44,13 @@ def _restarts(tid: str) -> int:
 
 
 def _start_trainer(run_dir: Path, env: dict, log: Path) -> subprocess.Popen:
-    return subprocess.Popen(TRAIN + [str(run_dir), "--batches", str(BATCHES), "--groups", "1", "--record-seen",
-                                     "--step-s", "1", "--timeout", "300", "--stop-at-end"],
-                            env=env, stdout=open(log, "a"), stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        TRAIN
+        + [str(run_dir), "--batches", str(BATCHES), "--groups", "1", "--record-seen", "--step-s", "1", "--timeout", "300", "--stop-at-end"],
+        env=env,
+        stdout=open(log, "a"),
+        stderr=subprocess.STDOUT,
+    )
 
 
 @pytest.mark.slurm
@@ -61,11 +65,36 @@ def test_continuous_run_survives_worker_faults(base_sif: Path, tmp_path: Path, k
     run = "live-" + ("k" if kill_trainer else "s")
     run_dir = tmp_path / "store" / run
     q = WorkQueue(run_dir)
-    args = ["run", str(DEMO), "--policy", "oracle", "--samples", "2", "--run-name", run, "--continuous",
-            "--executor", "slurm", "--workers", "4", "--concurrency", "1", "--json",
-            "--set", "slurm.cpus_per_task=1", "--set", "slurm.time_min=20",
-            "--set", "continuous.lease_s=20", "--set", "continuous.heartbeat_s=2",
-            "--set", "continuous.poll_s=1", "--set", "continuous.stop_grace_s=90"]
+    args = [
+        "run",
+        str(DEMO),
+        "--policy",
+        "oracle",
+        "--samples",
+        "2",
+        "--run-name",
+        run,
+        "--continuous",
+        "--executor",
+        "slurm",
+        "--workers",
+        "4",
+        "--concurrency",
+        "1",
+        "--json",
+        "--set",
+        "slurm.cpus_per_task=1",
+        "--set",
+        "slurm.time_min=20",
+        "--set",
+        "continuous.lease_s=20",
+        "--set",
+        "continuous.heartbeat_s=2",
+        "--set",
+        "continuous.poll_s=1",
+        "--set",
+        "continuous.stop_grace_s=90",
+    ]
     ctl_out, ctl_err = open(tmp_path / "ctl.out", "w+"), open(tmp_path / "ctl.err", "w+")
     ctl = subprocess.Popen(ET_HPC + args, env=env, stdout=ctl_out, stderr=ctl_err)
     tlog = tmp_path / "trainer.log"
@@ -87,8 +116,11 @@ def test_continuous_run_survives_worker_faults(base_sif: Path, tmp_path: Path, k
         killed, pid = until("a busy worker to SIGKILL", victim, 180, every_s=0.2)
         held = {n.split("~")[0] for n in os.listdir(q.leased) if f"-{pid}-" in n}
         os.kill(pid, signal.SIGKILL)
-        live = until("two more running workers", lambda: (r := [t for t, s in watch.task_states(tids).items()
-                                                                  if s == "RUNNING" and t != killed]) and len(r) >= 2 and r, 120)
+        live = until(
+            "two more running workers",
+            lambda: (r := [t for t, s in watch.task_states(tids).items() if s == "RUNNING" and t != killed]) and len(r) >= 2 and r,
+            120,
+        )
         cancelled, requeued = live[0], live[1]
         subprocess.run(["scancel", cancelled], check=True, timeout=30)
         subprocess.run(["scontrol", "requeue", requeued], check=True, timeout=30)
@@ -99,6 +131,7 @@ def test_continuous_run_survives_worker_faults(base_sif: Path, tmp_path: Path, k
                 lines = tlog.read_text().splitlines() if tlog.exists() else []
                 got = [ln for ln in lines if ln.startswith("step ")]
                 return got if len(got) >= 5 else None
+
             got = until("the trainer at step 5", mid_step, 300, every_s=0.05)
             trainer.kill()
             trainer.wait(30)
@@ -145,8 +178,10 @@ def test_continuous_run_survives_worker_faults(base_sif: Path, tmp_path: Path, k
         resumed = lines.index(next(ln for ln in lines if ln.startswith("resuming at step") and not ln.endswith("(cursor 0)")))
         first_after = next(ln for ln in lines[resumed:] if ln.startswith("step "))
         # the batch it got but never committed is handed out again, to the same step
-        assert first_after.split(" got ")[1] == last_got.split(" got ")[1] or \
-            int(first_after.split()[1]) == int(last_got.split()[1]) + 1, (last_got, first_after)
+        assert first_after.split(" got ")[1] == last_got.split(" got ")[1] or int(first_after.split()[1]) == int(last_got.split()[1]) + 1, (
+            last_got,
+            first_after,
+        )
 
     # every committed unit is in the stream once; nothing stays leased; no unit ran twice to completion
     assert q.count()["leased"] == 0, os.listdir(q.leased)
@@ -169,5 +204,7 @@ def test_continuous_run_survives_worker_faults(base_sif: Path, tmp_path: Path, k
     assert sorted(slot_groups) == sorted(done_groups) and len(set(slot_groups)) == n_slots
     assert [g for _, g in seen] == slot_groups[:BATCHES]
     assert not [n for n in os.listdir(q.results) if not n.startswith(".tmp-")]
-    print(f"\ncontinuous fault run ({'trainer killed' if kill_trainer else 'trainer steady'}): {n_slots} groups, "
-          f"killed {killed} (held {sorted(held)}), cancelled {cancelled}, requeued {requeued}")
+    print(
+        f"\ncontinuous fault run ({'trainer killed' if kill_trainer else 'trainer steady'}): {n_slots} groups, "
+        f"killed {killed} (held {sorted(held)}), cancelled {cancelled}, requeued {requeued}"
+    )

@@ -53,8 +53,10 @@ def test_check_fits_names_a_units_per_task_that_fits() -> None:
 
 
 def test_parse_scontrol_config_lines() -> None:
-    text = ("Configuration data as of 2026-01-01T00:00:00\nAccountingStorageEnforce = none\n"
-            "MaxArraySize            = 10001\nMaxJobCount             = 10000\nSlurmctldParameters     = (null)\n")
+    text = (
+        "Configuration data as of 2026-01-01T00:00:00\nAccountingStorageEnforce = none\n"
+        "MaxArraySize            = 10001\nMaxJobCount             = 10000\nSlurmctldParameters     = (null)\n"
+    )
     conf = parse_scontrol_config(text)
     assert conf["MaxArraySize"] == "10001" and conf["MaxJobCount"] == "10000" and "Configuration" not in conf
 
@@ -73,8 +75,9 @@ def test_real_limits_query(tmp_path: Path) -> None:
     assert submit_limits(RunConfig(slurm=SlurmConfig(max_array_size=3))).max_array_size == 3
     capped = submit_limits(RunConfig(slurm=SlurmConfig(max_submit_jobs=2)))
     assert capped.free == 2 and capped.why == "slurm.max_submit_jobs=2"
-    qos = subprocess.run(["sacctmgr", "-n", "-P", "show", "qos", "format=Name,MaxSubmitPU,MaxSubmitPA,GrpSubmit"],
-                         capture_output=True, text=True)
+    qos = subprocess.run(
+        ["sacctmgr", "-n", "-P", "show", "qos", "format=Name,MaxSubmitPU,MaxSubmitPA,GrpSubmit"], capture_output=True, text=True
+    )
     if qos.returncode == 0 and qos.stdout.strip():  # accounting: the real rows parse
         rows = parse_sacctmgr(qos.stdout, ["name", "max_submit_pu", "max_submit_pa", "grp_submit"])
         assert rows and all(r["name"] for r in rows)
@@ -87,10 +90,28 @@ def test_cli_refuses_before_sbatch_then_the_named_value_runs(tmp_path: Path) -> 
     src = task_folders(tmp_path, 3)
     env = cli_env(tmp_path, sleep_s=0)
     name = f"limits-{os.getpid()}"
-    args = ["run", str(src), "--run-name", name, "--samples", "2", "--executor", "slurm",
-            "--set", "unit_runner=helpers.units:work_runner", "--set", "slurm.cpus_per_task=1",
-            "--set", "slurm.time_min=10", "--set", "slurm.poll_s=1", "--set", "slurm.max_submit_jobs=2",
-            "--set", "slurm.units_per_task=1"]
+    args = [
+        "run",
+        str(src),
+        "--run-name",
+        name,
+        "--samples",
+        "2",
+        "--executor",
+        "slurm",
+        "--set",
+        "unit_runner=helpers.units:work_runner",
+        "--set",
+        "slurm.cpus_per_task=1",
+        "--set",
+        "slurm.time_min=10",
+        "--set",
+        "slurm.poll_s=1",
+        "--set",
+        "slurm.max_submit_jobs=2",
+        "--set",
+        "slurm.units_per_task=1",
+    ]
     r = subprocess.run(ET_HPC + args, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stderr
     err = [ln for ln in r.stderr.splitlines() if ln.startswith("et-hpc: error:")]
@@ -101,8 +122,7 @@ def test_cli_refuses_before_sbatch_then_the_named_value_runs(tmp_path: Path) -> 
     q = subprocess.run(["squeue", "-h", "--me", "-n", f"et-hpc-{name}", "-o", "%i"], capture_output=True, text=True)
     assert q.stdout.strip() == ""
 
-    ok = subprocess.run(ET_HPC + args + ["--set", "slurm.units_per_task=3", "--json"], env=env,
-                        capture_output=True, text=True, timeout=600)
+    ok = subprocess.run(ET_HPC + args + ["--set", "slurm.units_per_task=3", "--json"], env=env, capture_output=True, text=True, timeout=600)
     assert ok.returncode == 0, ok.stderr
     assert json.loads(ok.stdout)["ok"] == 6
     subs = json.loads((run_dir / "jobs.json").read_text())["submissions"]

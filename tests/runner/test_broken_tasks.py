@@ -148,13 +148,12 @@ def test_unbuildable_task_beside_demo_tasks_real_episodes(tmp_path: Path, base_s
         shutil.copytree(REPO / "defs" / "demo" / name, src / name)
     broken = shutil.copytree(REPO / "defs" / "demo" / "demo_hello_file", src / "broken_build")
     (broken / "container.def").write_text(
-        "Bootstrap: localimage\nFrom: ./ubuntu_22.04.sif\n\n%post\n"
-        "    echo 'et-hpc test: this recipe cannot be built' >&2\n    exit 7\n")
+        "Bootstrap: localimage\nFrom: ./ubuntu_22.04.sif\n\n%post\n    echo 'et-hpc test: this recipe cannot be built' >&2\n    exit 7\n"
+    )
     env = dict(os.environ, ET_HPC_STORE=str(tmp_path / "store"))
     b = U.et_hpc(["build", str(src)], env, timeout=900)
     assert "broken_build" in b.stdout + b.stderr
-    r = U.et_hpc(["run", str(src), "--policy", "oracle", "--run-name", "demo-broken", "--concurrency", "2", "--json"],
-             env, timeout=900)
+    r = U.et_hpc(["run", str(src), "--policy", "oracle", "--run-name", "demo-broken", "--concurrency", "2", "--json"], env, timeout=900)
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout)
     assert info["ok"] == 2 and info["passed"] == 2 and info["no_image"] == 1

@@ -50,11 +50,9 @@ def test_groups_get_unpack_and_warm_one_episode_per_image_does_not_unpack(images
 
 
 def test_explicit_settings_win(images: dict, tmp_path: Path) -> None:
-    c = choose(_cfg(concurrency=1, **{"sandbox.warm": 0, "sandbox.local_copy": "never"}), _units(4), images,
-               scratch=tmp_path)
+    c = choose(_cfg(concurrency=1, **{"sandbox.warm": 0, "sandbox.local_copy": "never"}), _units(4), images, scratch=tmp_path)
     assert (c["warm"], c["local_copy"]) == (0, "never")
-    c = choose(_cfg(concurrency=1, **{"sandbox.warm": 5, "sandbox.local_copy": "unpack"}), _units(1), images,
-               scratch=tmp_path)
+    c = choose(_cfg(concurrency=1, **{"sandbox.warm": 5, "sandbox.local_copy": "unpack"}), _units(1), images, scratch=tmp_path)
     assert (c["warm"], c["local_copy"]) == (5, "unpack")
 
 
@@ -65,11 +63,11 @@ def test_what_the_plan_knows_turns_the_fast_path_off(images: dict, tmp_path: Pat
     single = choose(_cfg(concurrency=1), [("t0", 0)], images, scratch=tmp_path)
     assert single["warm"] == 0 and single["local_copy"] == "auto"
     # a Slurm array task of one unit each: one episode per image on a node
-    spread = choose(_cfg(executor="slurm", **{"slurm.units_per_task": 1, "slurm.cpus_per_task": 2}), _units(4),
-                    images, scratch=tmp_path)
+    spread = choose(_cfg(executor="slurm", **{"slurm.units_per_task": 1, "slurm.cpus_per_task": 2}), _units(4), images, scratch=tmp_path)
     assert spread["local_copy"] == "auto" and spread["warm"] == 0
-    chunked = choose(_cfg(executor="slurm", concurrency=1, **{"slurm.units_per_task": 16, "slurm.cpus_per_task": 2}),
-                     _units(4), images, scratch=tmp_path)
+    chunked = choose(
+        _cfg(executor="slurm", concurrency=1, **{"slurm.units_per_task": 16, "slurm.cpus_per_task": 2}), _units(4), images, scratch=tmp_path
+    )
     assert (chunked["warm"], chunked["local_copy"]) == (2, "unpack")
     small = choose(_cfg(concurrency=1, **{"sandbox.local_copy_budget_gb": 0.5}), _units(4), images, scratch=tmp_path)
     assert small["local_copy"] == "auto" and "budget" in small["why"]["local_copy"]
@@ -83,27 +81,45 @@ def test_plan_records_the_choice_and_binds_and_status_shows_them(images: dict, t
     tasks = make_tasks(tmp_path / "u", 4)
     data = tmp_path / "data"
     data.mkdir()
-    cfg = _cfg(concurrency=1, samples=4, store=str(tmp_path / "store"), name="fp",
-               **{"sandbox.binds": f"[{data}:/data, {data}:/out:rw]"})
+    cfg = _cfg(concurrency=1, samples=4, store=str(tmp_path / "store"), name="fp", **{"sandbox.binds": f"[{data}:/data, {data}:/out:rw]"})
     plan = make_plan(cfg, tasks=tasks, image_lookup=lambda t: images[TASKS[int(t.id[1:])]])
     assert plan.cfg.sandbox.warm == 2 and plan.cfg.sandbox.local_copy == "unpack"
     meta = json.loads((plan.run_dir / "run.json").read_text())
     assert meta["plan"]["sandbox"]["binds"] == [f"{data}:/data", f"{data}:/out:rw"]
     assert meta["plan"]["sandbox"]["local_copy"] == "unpack" and meta["plan"]["sandbox"]["why"]["warm"]
-    r = subprocess.run([sys.executable, "-m", "et_hpc.cli", "status", "fp", "--store", str(tmp_path / "store")],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "et_hpc.cli", "status", "fp", "--store", str(tmp_path / "store")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert f"{data}:/data, {data}:/out:rw" in r.stdout and "warm 2, local_copy unpack" in r.stdout
 
     with pytest.raises(UserError, match="does not exist"):
-        make_plan(_cfg(**{"sandbox.binds": f"[{tmp_path}/nope:/data]"}), tasks=tasks,
-                  image_lookup=lambda t: images["t0"], write=False)
+        make_plan(_cfg(**{"sandbox.binds": f"[{tmp_path}/nope:/data]"}), tasks=tasks, image_lookup=lambda t: images["t0"], write=False)
 
 
 @pytest.mark.parametrize("bad", ["relative:/data", "/a:/.et-pristine", "/a:/b:rw:x", "/a,/b:/c", "/a:/proc/x"])
 def test_a_bad_bind_is_one_line(bad: str, tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "et_hpc.cli", "run", "defs/demo", "--policy", "oracle",
-                        "--store", str(tmp_path), "--set", f"sandbox.binds=['{bad}']"],
-                       capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "et_hpc.cli",
+            "run",
+            "defs/demo",
+            "--policy",
+            "oracle",
+            "--store",
+            str(tmp_path),
+            "--set",
+            f"sandbox.binds=['{bad}']",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     assert r.returncode == 2 and "sandbox.binds" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1

@@ -33,11 +33,33 @@ UNITS = TASKS * SAMPLES
 RUN = "fault"
 # 20 array tasks of 10 units, 4 running at once (the partition oversubscribes cores), 2 episodes
 # at once in each: 8 episodes in flight on 2 cores.
-ARGS = ["run", str(DEMO), "--policy", "oracle", "--samples", str(SAMPLES), "--run-name", RUN,
-        "--executor", "slurm", "--concurrency", "2", "--json",
-        "--set", "slurm.units_per_task=10", "--set", "slurm.array_parallelism=4",
-        "--set", "slurm.cpus_per_task=1", "--set", "slurm.time_min=15", "--set", "slurm.poll_s=1",
-        "--set", "slurm.wait_timeout_min=8"]
+ARGS = [
+    "run",
+    str(DEMO),
+    "--policy",
+    "oracle",
+    "--samples",
+    str(SAMPLES),
+    "--run-name",
+    RUN,
+    "--executor",
+    "slurm",
+    "--concurrency",
+    "2",
+    "--json",
+    "--set",
+    "slurm.units_per_task=10",
+    "--set",
+    "slurm.array_parallelism=4",
+    "--set",
+    "slurm.cpus_per_task=1",
+    "--set",
+    "slurm.time_min=15",
+    "--set",
+    "slurm.poll_s=1",
+    "--set",
+    "slurm.wait_timeout_min=8",
+]
 
 
 def _running(tids: list[str]) -> list[str]:
@@ -125,9 +147,11 @@ def test_200_episodes_survive_scancel_and_sigkill(base_sif: Path, tmp_path: Path
     tmp_left = sorted(p.name for p in run_dir.glob(".tmp-*"))
     assert not any(p.name.startswith(".") for p in store.shards())
     assert ds.dataset([str(p) for p in parts], format="parquet").count_rows() == UNITS
-    print(f"\nfault run: first run {first_s:.0f} s (rc {rc1}, {info1['ok']} ok, {info1['missing']} missing; "
-          f"cancelled {cancelled}, SIGKILLed worker of {killed}), rerun {second_s:.0f} s, "
-          f"{len(parts)} shard(s), {len(tmp_left)} .tmp file(s) left by the killed writer: {tmp_left}")
+    print(
+        f"\nfault run: first run {first_s:.0f} s (rc {rc1}, {info1['ok']} ok, {info1['missing']} missing; "
+        f"cancelled {cancelled}, SIGKILLed worker of {killed}), rerun {second_s:.0f} s, "
+        f"{len(parts)} shard(s), {len(tmp_left)} .tmp file(s) left by the killed writer: {tmp_left}"
+    )
 
 
 @pytest.mark.slurm
@@ -137,8 +161,21 @@ def test_rerun_while_arrays_live_is_refused(tmp_path: Path) -> None:
 
     src = task_folders(tmp_path, 2)
     env = cli_env(tmp_path, sleep_s=30)
-    sl = ["--executor", "slurm", "--set", "slurm.cpus_per_task=1", "--set", "slurm.time_min=5",
-          "--set", "slurm.units_per_task=2", "--run-name", "live", *RUNNER, "--samples", "2"]
+    sl = [
+        "--executor",
+        "slurm",
+        "--set",
+        "slurm.cpus_per_task=1",
+        "--set",
+        "slurm.time_min=5",
+        "--set",
+        "slurm.units_per_task=2",
+        "--run-name",
+        "live",
+        *RUNNER,
+        "--samples",
+        "2",
+    ]
     d = et_hpc(["run", str(src), "--detach", *sl], env, timeout=120)
     assert d.returncode == 0, d.stderr
     subs = load_jobs(tmp_path / "store" / "live")["submissions"]

@@ -19,8 +19,7 @@ from et_hpc.runner.plan import make_plan, open_store, read_run_json
 
 
 def _cfg(tmp_path: Path, **kw) -> RunConfig:
-    base = dict(name="loc", store=tmp_path / "store", samples=2, concurrency=4,
-                unit_runner="helpers.units:work_runner")
+    base = dict(name="loc", store=tmp_path / "store", samples=2, concurrency=4, unit_runner="helpers.units:work_runner")
     base.update(kw)
     return RunConfig(**base)
 
@@ -65,8 +64,7 @@ def test_an_error_is_retried_at_once_and_only_the_last_attempt_stored(tmp_path: 
         assert bad["status"] == "infra_error" and bad["events"] == ["retried after infra_error: stand-in failure"] * 2
 
     none = U.make_tasks(tmp_path / "n", 1, sleep_s=0, flaky_samples=[0])
-    res0 = run_local(make_plan(_cfg(tmp_path / "n", retries=0, samples=1), tasks=none, image_lookup=U.image_lookup),
-                     progress=False)
+    res0 = run_local(make_plan(_cfg(tmp_path / "n", retries=0, samples=1), tasks=none, image_lookup=U.image_lookup), progress=False)
     assert res0.errors == 1 and res0.ok == 0  # retries=0: the first attempt stands
 
 

@@ -27,11 +27,17 @@ def _worker_env(monkeypatch):
 
 
 def _cfg(tmp_path: Path, **slurm) -> RunConfig:
-    opts = dict(time_min=10, cpus_per_task=1, units_per_task=2, poll_s=1.0,
-                setup=["export ET_HPC_TEST_SETUP=from-setup"])
+    opts = dict(time_min=10, cpus_per_task=1, units_per_task=2, poll_s=1.0, setup=["export ET_HPC_TEST_SETUP=from-setup"])
     opts.update(slurm)
-    return RunConfig(name="sl", store=tmp_path / "store", samples=1, concurrency=2, executor="slurm",
-                     unit_runner="helpers.units:work_runner", slurm=SlurmConfig(**opts))
+    return RunConfig(
+        name="sl",
+        store=tmp_path / "store",
+        samples=1,
+        concurrency=2,
+        executor="slurm",
+        unit_runner="helpers.units:work_runner",
+        slurm=SlurmConfig(**opts),
+    )
 
 
 def _wait(ids: list[str], timeout_s: float = 240) -> dict[str, str]:
@@ -69,8 +75,7 @@ def test_array_runs_and_results_come_back(tmp_path: Path) -> None:
 
 def test_split_beyond_max_array_size(tmp_path: Path) -> None:
     tasks = U.make_tasks(tmp_path, 5)
-    plan = make_plan(_cfg(tmp_path, units_per_task=1, max_array_size=2), tasks=tasks,
-                     image_lookup=U.image_lookup)
+    plan = make_plan(_cfg(tmp_path, units_per_task=1, max_array_size=2), tasks=tasks, image_lookup=U.image_lookup)
     subs = submit(plan)
     assert [s["tasks"] for s in subs] == [2, 2, 1] and len({s["array_id"] for s in subs}) == 3
     assert len(load_jobs(plan.run_dir)["submissions"]) == 3
@@ -106,8 +111,7 @@ def test_scancel_is_seen_as_ended_and_rerun_completes_once(tmp_path: Path) -> No
     _wait(task_ids(subs2))
     counts = U.record_counts(store)
     assert len(counts) == 4 and set(counts.values()) == {1}
-    assert status_info(plan.run_dir)["array_tasks"] == {"queued": 0, "running": 0, "done": 1, "failed": 0,
-                                                        "unknown": 0}
+    assert status_info(plan.run_dir)["array_tasks"] == {"queued": 0, "running": 0, "done": 1, "failed": 0, "unknown": 0}
 
 
 def test_checkpoint_requeue_does_not_redo_finished_units(tmp_path: Path) -> None:

@@ -41,8 +41,20 @@ def _cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 
 
 def _run(store: Path, name: str, *args: str) -> list[EpisodeRecord]:
-    r = _cli("run", str(DEMO), "--set", f"tasks.ids=[{','.join(TASKS)}]", "--run-name", name,
-             "--store", str(store), "--concurrency", "1", "--json", *args)
+    r = _cli(
+        "run",
+        str(DEMO),
+        "--set",
+        f"tasks.ids=[{','.join(TASKS)}]",
+        "--run-name",
+        name,
+        "--store",
+        str(store),
+        "--concurrency",
+        "1",
+        "--json",
+        *args,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return sorted(RunStore(store / name).records(), key=lambda rec: rec.timings.start_s)
 
@@ -75,8 +87,7 @@ def test_oracle_run_fills_the_time_split_and_status_shows_capacity(demo_images, 
     st = _cli("status", "orc", "--store", str(store), "--capacity")
     assert st.returncode == 0, st.stderr
     assert "capacity: 2 episodes (2 ok)" in st.stdout and "projection: episodes/hour per node" in st.stdout
-    js = _cli("status", str(store / "orc"), "--capacity", "--json", "--cores", "8", "--nodes", "3",
-              "--per-node", "5", "--gpu-hours", "0.5")
+    js = _cli("status", str(store / "orc"), "--capacity", "--json", "--cores", "8", "--nodes", "3", "--per-node", "5", "--gpu-hours", "0.5")
     assert js.returncode == 0, js.stderr
     cap = json.loads(js.stdout)["capacity"]
     assert cap["episodes"] == 2 and cap["sandbox_mem_mb"]["max"] == max(r.peak_mem_mb for r in recs)
@@ -86,9 +97,11 @@ def test_oracle_run_fills_the_time_split_and_status_shows_capacity(demo_images, 
     assert cap["projection"]["cores_per_node"] == 8
     assert [h["key"] for h in cap["by_host"]] == [recs[0].host]
 
-    for bad in (["status", "no-such-run", "--store", str(store), "--capacity"],
-                ["status", "orc", "--store", str(store), "--capacity", "--nodes", "0"],
-                ["status", "orc", "--store", str(store), "--capacity", "--gpu-hours", "lots"]):
+    for bad in (
+        ["status", "no-such-run", "--store", str(store), "--capacity"],
+        ["status", "orc", "--store", str(store), "--capacity", "--nodes", "0"],
+        ["status", "orc", "--store", str(store), "--capacity", "--gpu-hours", "lots"],
+    ):
         r = _cli(*bad)
         assert r.returncode == 2 and r.stderr.startswith("et-hpc: error:") and len(r.stderr.splitlines()) == 1, r.stderr
 
@@ -97,11 +110,21 @@ def test_oracle_run_fills_the_time_split_and_status_shows_capacity(demo_images, 
 def test_served_model_time_is_recorded(demo_images, tmp_path: Path) -> None:
     from et_hpc.testing.scripted_server import ScriptedServer
 
-    script = {"greeting.txt": [{"command": "printf 'Hello, et-hpc!\\n' > /home/user/greeting.txt"}, "Done."],
-              "sales.csv": [{"command": "ls /home/user/data"}, "Done."]}
+    script = {
+        "greeting.txt": [{"command": "printf 'Hello, et-hpc!\\n' > /home/user/greeting.txt"}, "Done."],
+        "sales.csv": [{"command": "ls /home/user/data"}, "Done."],
+    }
     with ScriptedServer(script) as srv:
-        recs = _run(tmp_path / "store", "served", "--set", "policy.kind=openai", "--set",
-                    f"policy.base_url={srv.base_url}", "--set", "policy.mode=tools")
+        recs = _run(
+            tmp_path / "store",
+            "served",
+            "--set",
+            "policy.kind=openai",
+            "--set",
+            f"policy.base_url={srv.base_url}",
+            "--set",
+            "policy.mode=tools",
+        )
     assert {r.policy_kind for r in recs} == {"openai-tools"} and all(r.status == "ok" for r in recs)
     for rec in recs:
         _check_split(rec)
@@ -127,11 +150,34 @@ def _synthetic_store(root: Path) -> RunStore:
     for i, (host, worker, job, task, a, b, q, su, m, ex, sc, td, mem, pids) in enumerate(EPISODES):
         agent = (b - a) - su - sc - td - 0.25  # a little time outside the parts
         status = "infra_error" if i == 1 else "ok"  # masks the group of task t0 (with episode 0)
-        recs.append(EpisodeRecord(
-            run_name="syn", task_id=f"t{i // 2}", sample=i % 2, status=status, reward=1.0 if status == "ok" else None,
-            host=host, worker=worker, slurm_job_id=job, slurm_array_task_id=task, peak_mem_mb=mem, peak_pids=pids,
-            timings=Timings(start_s=BASE + a, stop_s=BASE + b, queue_s=q, setup_s=su, agent_s=agent, model_s=m,
-                            exec_s=ex, score_s=sc, teardown_s=td, total_s=b - a, warm_s=WARM.get(i))))
+        recs.append(
+            EpisodeRecord(
+                run_name="syn",
+                task_id=f"t{i // 2}",
+                sample=i % 2,
+                status=status,
+                reward=1.0 if status == "ok" else None,
+                host=host,
+                worker=worker,
+                slurm_job_id=job,
+                slurm_array_task_id=task,
+                peak_mem_mb=mem,
+                peak_pids=pids,
+                timings=Timings(
+                    start_s=BASE + a,
+                    stop_s=BASE + b,
+                    queue_s=q,
+                    setup_s=su,
+                    agent_s=agent,
+                    model_s=m,
+                    exec_s=ex,
+                    score_s=sc,
+                    teardown_s=td,
+                    total_s=b - a,
+                    warm_s=WARM.get(i),
+                ),
+            )
+        )
     rs.write(recs[:2])
     rs.write(recs[2:])
     return rs
@@ -165,8 +211,13 @@ def test_capacity_numbers_from_known_records(tmp_path: Path) -> None:
     assert cap["infra_overhead_s"]["p95"] == pytest.approx(_nearest_rank(infra, 95))
     assert cap["node_overhead_s"]["median"] == pytest.approx(_nearest_rank([e[7] + e[10] + e[11] for e in EPISODES], 50))
     mems = [e[12] for e in EPISODES]
-    assert cap["sandbox_mem_mb"] == {"n": 5, "median": _nearest_rank(mems, 50), "p95": _nearest_rank(mems, 95),
-                                     "mean": pytest.approx(sum(mems) / 5), "max": 300.0}
+    assert cap["sandbox_mem_mb"] == {
+        "n": 5,
+        "median": _nearest_rank(mems, 50),
+        "p95": _nearest_rank(mems, 95),
+        "mean": pytest.approx(sum(mems) / 5),
+        "max": 300.0,
+    }
     assert cap["sandbox_pids_max"] == 9
     assert cap["time_split"]["queue"]["median"] == _nearest_rank([e[6] for e in EPISODES], 50)
     # projection: T = mean wall, c = mean (setup + exec + score + teardown); rate = min(K/T, C/c) per node
@@ -176,8 +227,9 @@ def test_capacity_numbers_from_known_records(tmp_path: Path) -> None:
     assert proj["episode_s"] == pytest.approx(t_mean) and proj["cpu_s"] == pytest.approx(c_mean)
     assert proj["cpu_bound_at_k"] == pytest.approx(4 * t_mean / c_mean)
     expect = [(2, k, 2 * 3600 * min(k / t_mean, 4 / c_mean)) for k in (1, 3)]
-    assert [(r["nodes"], r["per_node"], pytest.approx(r["episodes_per_hour"])) for r in proj["rows"]] == \
-        [(n, k, pytest.approx(v)) for n, k, v in expect]
+    assert [(r["nodes"], r["per_node"], pytest.approx(r["episodes_per_hour"])) for r in proj["rows"]] == [
+        (n, k, pytest.approx(v)) for n, k, v in expect
+    ]
     assert [r["bound"] for r in proj["rows"]] == ["slots" if k / t_mean <= 4 / c_mean else "cpu" for k in (1, 3)]
     # accepted: t0's group has an error member (masked); t1 (2 ok) and t2 (1 ok) are kept
     assert cap["trainer"]["accepted_episodes"] == 3
@@ -210,8 +262,12 @@ def test_report_has_a_capacity_section(tmp_path: Path) -> None:
 
 # --- the stream's KPIs -----------------------------------------------------------------------
 def _group(task: str, version: str) -> object:
-    return records_to_table([EpisodeRecord(run_name="s", task_id=task, sample=i, group_id=f"{task}@e0", status="ok",
-                                           reward=1.0, policy_version=version) for i in range(2)])
+    return records_to_table(
+        [
+            EpisodeRecord(run_name="s", task_id=task, sample=i, group_id=f"{task}@e0", status="ok", reward=1.0, policy_version=version)
+            for i in range(2)
+        ]
+    )
 
 
 def test_stream_records_trainer_wait_and_staleness(tmp_path: Path) -> None:
@@ -245,8 +301,7 @@ def test_stream_records_trainer_wait_and_staleness(tmp_path: Path) -> None:
     assert s.telemetry["calls"] == 3
     s.close()
 
-    (run / "run.json").write_text(json.dumps({"name": "s", "config": {"executor": "local"},
-                                              "plan": {"units_total": 8}}))
+    (run / "run.json").write_text(json.dumps({"name": "s", "config": {"executor": "local"}, "plan": {"units_total": 8}}))
     js = _cli("status", str(run), "--capacity", "--json", timeout=120)
     assert js.returncode == 0, js.stderr
     (c,) = json.loads(js.stdout)["capacity"]["trainer"]["consumers"]

@@ -31,20 +31,50 @@ from et_hpc.runs.store import RunStore
 SYSTEM = {"role": "system", "content": "You are a terminal agent."}
 
 
-def ep(task: str, sample: int, reward: float | None, tokens: bool = False, status: str = "ok",
-       version: str | None = None, drift: str | None = None, group: str = "") -> EpisodeRecord:
-    msgs = [SYSTEM, {"role": "user", "content": f"solve {task}"},
-            {"role": "assistant", "content": "<command>ls</command>"},
-            {"role": "user", "content": "Command executed successfully. Output: a\n\n(exit_code=0)"},
-            {"role": "assistant", "content": "<action>done</action>"}]
+def ep(
+    task: str,
+    sample: int,
+    reward: float | None,
+    tokens: bool = False,
+    status: str = "ok",
+    version: str | None = None,
+    drift: str | None = None,
+    group: str = "",
+) -> EpisodeRecord:
+    msgs = [
+        SYSTEM,
+        {"role": "user", "content": f"solve {task}"},
+        {"role": "assistant", "content": "<command>ls</command>"},
+        {"role": "user", "content": "Command executed successfully. Output: a\n\n(exit_code=0)"},
+        {"role": "assistant", "content": "<action>done</action>"},
+    ]
     kw = {}
     if tokens:
-        kw = dict(prompt_token_ids=[[10, 11, sample], [20]], token_ids=[[30 + sample, 31], [40]],
-                  logprobs=[[-0.5, -0.25], [-1.0]], tokens_source="server-exact", token_drift=drift)
-    return EpisodeRecord(run_name="r", task_id=task, sample=sample, status=status, group_id=group,
-                         reward=reward if status == "ok" else None, messages=msgs, turns=2,
-                         stop_reason="done", passed=int(reward or 0), total=1, model="m", policy_kind="text",
-                         policy_version=version, sampling_params={"temperature": 0.6}, **kw)
+        kw = dict(
+            prompt_token_ids=[[10, 11, sample], [20]],
+            token_ids=[[30 + sample, 31], [40]],
+            logprobs=[[-0.5, -0.25], [-1.0]],
+            tokens_source="server-exact",
+            token_drift=drift,
+        )
+    return EpisodeRecord(
+        run_name="r",
+        task_id=task,
+        sample=sample,
+        status=status,
+        group_id=group,
+        reward=reward if status == "ok" else None,
+        messages=msgs,
+        turns=2,
+        stop_reason="done",
+        passed=int(reward or 0),
+        total=1,
+        model="m",
+        policy_kind="text",
+        policy_version=version,
+        sampling_params={"temperature": 0.6},
+        **kw,
+    )
 
 
 @pytest.fixture()
@@ -180,8 +210,14 @@ def test_skyrl_generator_output_columns(run, tmp_path):
 def test_skyrl_instance_id_is_the_sampled_group(tmp_path):
     # two groups of one task (two collect calls), one of them across a version switch
     rs = RunStore(tmp_path / "v")
-    rs.write([ep("t", 0, 1.0, True, version="step-1", group="t@s0"), ep("t", 1, 0.0, True, version="step-2", group="t@s0"),
-              ep("t", 2, 1.0, True, version="step-2", group="t@s2"), ep("t", 3, 0.0, True, version="step-2", group="t@s2")])
+    rs.write(
+        [
+            ep("t", 0, 1.0, True, version="step-1", group="t@s0"),
+            ep("t", 1, 0.0, True, version="step-2", group="t@s0"),
+            ep("t", 2, 1.0, True, version="step-2", group="t@s2"),
+            ep("t", 3, 0.0, True, version="step-2", group="t@s2"),
+        ]
+    )
     out = tmp_path / "v.parquet"
     res = export_skyrl(rs, out)
     assert res.groups == 2
@@ -189,9 +225,16 @@ def test_skyrl_instance_id_is_the_sampled_group(tmp_path):
     assert ids == {("t@s0", 0), ("t@s0", 1), ("t@s2", 2), ("t@s2", 3)}
     # legacy rows (schema < 4, group_id = task_id) keep task@version
     old = RunStore(tmp_path / "old")
-    old.write([x.model_copy(update={"schema_version": 3}) for x in
-               [ep("t", 0, 1.0, True, version="step-1"), ep("t", 1, 0.0, True, version="step-1"),
-                ep("t", 2, 1.0, True, version="step-2")]])
+    old.write(
+        [
+            x.model_copy(update={"schema_version": 3})
+            for x in [
+                ep("t", 0, 1.0, True, version="step-1"),
+                ep("t", 1, 0.0, True, version="step-1"),
+                ep("t", 2, 1.0, True, version="step-2"),
+            ]
+        ]
+    )
     export_skyrl(old, out)
     ids = {(t.instance_id, t.repetition_id) for t in generator_output(out)["trajectory_ids"]}
     assert ids == {("t@step-1", 0), ("t@step-1", 1), ("t@step-2", 2)}
@@ -215,8 +258,7 @@ def test_cli_exports_print_counts(run, tmp_path, capsys):
     assert line.startswith("wrote 2 groups") and "of 6 groups (4 complete, 2 with an error member" in line
     assert "dropped 2 masked (mask)" in line
     assert len(read_jsonl(out)) == 2
-    assert main(["export", "atropos", str(run.path), "-o", str(out), "--on-error", "keep-ok",
-                 "--keep-equal-scores"]) == 0
+    assert main(["export", "atropos", str(run.path), "-o", str(out), "--on-error", "keep-ok", "--keep-equal-scores"]) == 0
     assert capsys.readouterr().out.startswith("wrote 2 groups")  # msg's ok members have no token ids
     assert main(["export", "skyrl", str(tmp_path / "nope"), "-o", str(tmp_path / "x.parquet")]) == 2
     err = capsys.readouterr().err
@@ -225,16 +267,20 @@ def test_cli_exports_print_counts(run, tmp_path, capsys):
 
 def test_cli_entry_point_runs_export(run, tmp_path):
     out = tmp_path / "s.parquet"
-    p = subprocess.run([sys.executable, "-m", "et_hpc.cli", "export", "skyrl", str(run.path), "-o", str(out)],
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "et_hpc.cli", "export", "skyrl", str(run.path), "-o", str(out)], capture_output=True, text=True, timeout=120
+    )
     assert p.returncode == 0, p.stderr
     assert p.stdout.startswith("wrote 7 episodes")
     assert pq.read_metadata(out).num_rows == 7
-    h = subprocess.run([sys.executable, "-m", "et_hpc.cli", "export", "atropos", "--help"],
-                       capture_output=True, text=True, timeout=120)
+    h = subprocess.run([sys.executable, "-m", "et_hpc.cli", "export", "atropos", "--help"], capture_output=True, text=True, timeout=120)
     assert "--keep-equal-scores" in h.stdout and "--on-error" in h.stdout and "example" in h.stdout
-    bad = subprocess.run([sys.executable, "-m", "et_hpc.cli", "export", "atropos", str(run.path), "-o",
-                          str(tmp_path / "x.jsonl"), "--on-error", "ignore"], capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-m", "et_hpc.cli", "export", "atropos", str(run.path), "-o", str(tmp_path / "x.jsonl"), "--on-error", "ignore"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "--on-error" in bad.stderr and "Traceback" not in bad.stderr
 
 
@@ -243,14 +289,21 @@ def test_cli_entry_point_runs_export(run, tmp_path):
 # every key required) with these keys and types, and ``@dataclass TrajectoryID(instance_id: str,
 # repetition_id: int)``. Checked field by field below; nothing of SkyRL is copied into et-hpc.
 SKYRL_040_GENERATOR_OUTPUT = {
-    "prompt_token_ids": "List[List[int]]", "response_ids": "List[List[int]]",
-    "rewards": "Union[List[float], List[List[float]]]", "loss_masks": "List[List[int]]",
-    "stop_reasons": "Optional[List[str]]", "rollout_metrics": "Optional[Dict[str, Any]]",
-    "rollout_logprobs": "Optional[List[List[float]]]", "trajectory_ids": "Optional[List[TrajectoryID]]",
-    "trajectory_generation_times": "Optional[List[float]]", "trajectory_time_splits": "Optional[Dict[str, List[float]]]",
+    "prompt_token_ids": "List[List[int]]",
+    "response_ids": "List[List[int]]",
+    "rewards": "Union[List[float], List[List[float]]]",
+    "loss_masks": "List[List[int]]",
+    "stop_reasons": "Optional[List[str]]",
+    "rollout_metrics": "Optional[Dict[str, Any]]",
+    "rollout_logprobs": "Optional[List[List[float]]]",
+    "trajectory_ids": "Optional[List[TrajectoryID]]",
+    "trajectory_generation_times": "Optional[List[float]]",
+    "trajectory_time_splits": "Optional[Dict[str, List[float]]]",
     "rollout_expert_indices": "Optional[List[RoutedExpertIndices]]",
-    "rollout_sample_support": "Optional[List[SampleSupport]]", "is_last_step": "Optional[List[bool]]",
-    "env_metrics": "Optional[List[Dict[str, Any]]]", "pixel_values": "Optional[List[torch.Tensor]]",
+    "rollout_sample_support": "Optional[List[SampleSupport]]",
+    "is_last_step": "Optional[List[bool]]",
+    "env_metrics": "Optional[List[Dict[str, Any]]]",
+    "pixel_values": "Optional[List[torch.Tensor]]",
     "image_grid_thw": "Optional[List[torch.Tensor]]",
 }
 
@@ -273,16 +326,24 @@ def _check_skyrl_040(go: dict) -> None:
     assert len(go["rewards"]) == n and all(isinstance(x, float) for x in go["rewards"])
     assert go["stop_reasons"] is None or (len(go["stop_reasons"]) == n and all(isinstance(x, str) for x in go["stop_reasons"]))
     lps = go["rollout_logprobs"]
-    assert lps is None or (len(lps) == n and all(len(lp) == len(r) and all(isinstance(v, float) for v in lp)
-                                                  for lp, r in zip(lps, go["response_ids"])))
+    assert lps is None or (
+        len(lps) == n and all(len(lp) == len(r) and all(isinstance(v, float) for v in lp) for lp, r in zip(lps, go["response_ids"]))
+    )
     tids = go["trajectory_ids"]
     assert len(tids) == n
     for t in tids:
         assert dataclasses.is_dataclass(t) and [f.name for f in dataclasses.fields(t)] == ["instance_id", "repetition_id"]
         assert isinstance(t.instance_id, str) and isinstance(t.repetition_id, int)
         assert t.to_string() == f"{t.instance_id}_{t.repetition_id}"
-    for k in set(SKYRL_040_GENERATOR_OUTPUT) - {"prompt_token_ids", "response_ids", "rewards", "loss_masks",
-                                               "stop_reasons", "rollout_logprobs", "trajectory_ids"}:
+    for k in set(SKYRL_040_GENERATOR_OUTPUT) - {
+        "prompt_token_ids",
+        "response_ids",
+        "rewards",
+        "loss_masks",
+        "stop_reasons",
+        "rollout_logprobs",
+        "trajectory_ids",
+    }:
         assert go[k] is None, k
 
 
@@ -296,8 +357,10 @@ def test_skyrl_export_is_a_skyrl_040_generator_output(run, tmp_path):
     _check_skyrl_040(go)
     assert len(go["response_ids"]) == 7 and {t.instance_id for t in go["trajectory_ids"]} == {"tok", "same"}
     # positive controls: what the export used to give is refused
-    for bad in ({k: v for k, v in go.items() if k != "rollout_metrics"},
-                {**go, "trajectory_ids": [{"instance_id": "tok", "repetition_id": 0}] * 7},
-                {**go, "response_ids": [[]] * 7}):
+    for bad in (
+        {k: v for k, v in go.items() if k != "rollout_metrics"},
+        {**go, "trajectory_ids": [{"instance_id": "tok", "repetition_id": 0}] * 7},
+        {**go, "response_ids": [[]] * 7},
+    ):
         with pytest.raises(AssertionError):
             _check_skyrl_040(bad)

@@ -13,10 +13,18 @@ from et_hpc.record import EpisodeRecord
 from et_hpc.runs.store import RunStore, count_groups, group_key, groups_of, select_groups
 
 
-def rec(task: str, sample: int, reward: float | None, status: str = "ok", version: str | None = None,
-        run: str = "r", group: str = "") -> EpisodeRecord:
-    return EpisodeRecord(run_name=run, task_id=task, sample=sample, status=status, group_id=group,
-                         reward=reward if status == "ok" else None, policy_version=version)
+def rec(
+    task: str, sample: int, reward: float | None, status: str = "ok", version: str | None = None, run: str = "r", group: str = ""
+) -> EpisodeRecord:
+    return EpisodeRecord(
+        run_name=run,
+        task_id=task,
+        sample=sample,
+        status=status,
+        group_id=group,
+        reward=reward if status == "ok" else None,
+        policy_version=version,
+    )
 
 
 @pytest.fixture()
@@ -33,8 +41,7 @@ def test_legacy_rows_group_by_task_and_policy_version(tmp_path):
     # rows written before schema 4 with group_id == task_id keep the older rule
     assert group_key("r", "t", None) == group_key("r", "t", "") == ("r", "t", "t", None)
     r = RunStore(tmp_path / "v")
-    old = [rec("t", 0, 1.0, version="v1"), rec("t", 1, 0.0, version="v1"), rec("t", 2, 1.0, version="v2"),
-           rec("u", 0, 1.0)]
+    old = [rec("t", 0, 1.0, version="v1"), rec("t", 1, 0.0, version="v1"), rec("t", 2, 1.0, version="v2"), rec("u", 0, 1.0)]
     r.write([x.model_copy(update={"schema_version": 3}) for x in old])
     groups = groups_of(r.read())
     assert sorted(g.key for g in groups) == [("r", "t", "t", "v1"), ("r", "t", "t", "v2"), ("r", "t", "u", None)]
@@ -43,8 +50,7 @@ def test_legacy_rows_group_by_task_and_policy_version(tmp_path):
     # the same rows written now: one group per group_id, whatever versions its members saw
     r2 = RunStore(tmp_path / "v4")
     r2.write(old)
-    assert sorted((g.key, g.samples) for g in groups_of(r2.read())) == [
-        (("r", "g", "t"), [0, 1, 2]), (("r", "g", "u"), [0])]
+    assert sorted((g.key, g.samples) for g in groups_of(r2.read())) == [(("r", "g", "t"), [0, 1, 2]), (("r", "g", "u"), [0])]
 
 
 def test_groups_are_the_sampled_groups(tmp_path):
@@ -54,8 +60,7 @@ def test_groups_are_the_sampled_groups(tmp_path):
     r.write([rec("t", 2, 1.0, group="t@s2"), rec("t", 3, 1.0, group="t@s2", status="infra_error")])
     r.write([rec("u", s, float(s), group=f"u@e{s // 2}") for s in range(4)])
     groups = groups_of(r.read())
-    assert [(g.group_id, g.samples) for g in groups] == [("t@s0", [0, 1]), ("t@s2", [2, 3]), ("u@e0", [0, 1]),
-                                                         ("u@e1", [2, 3])]
+    assert [(g.group_id, g.samples) for g in groups] == [("t@s0", [0, 1]), ("t@s2", [2, 3]), ("u@e0", [0, 1]), ("u@e1", [2, 3])]
     c = count_groups(groups)
     assert (c.total, c.complete, c.masked, c.zero_variance) == (4, 3, 1, 0)
     _, kept, c = r.select()

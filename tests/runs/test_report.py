@@ -23,8 +23,16 @@ T0 = datetime(2025, 3, 1, 2, 0, tzinfo=timezone.utc)
 TASKS = [f"task_{i:02d}" for i in range(10)]
 
 
-def _write_run(root: Path, name: str, solved: set[str], day: int, planned: bool, errors: set[str] = frozenset(),
-               model: str = "ckpt", split: str = "validation") -> None:
+def _write_run(
+    root: Path,
+    name: str,
+    solved: set[str],
+    day: int,
+    planned: bool,
+    errors: set[str] = frozenset(),
+    model: str = "ckpt",
+    split: str = "validation",
+) -> None:
     """Two samples per task; a solved task passes sample 0 only; tasks in ``errors`` have sample 1 as an error."""
     rs = RunStore(root / name)
     when = T0 + timedelta(days=day)
@@ -32,21 +40,59 @@ def _write_run(root: Path, name: str, solved: set[str], day: int, planned: bool,
     for t in TASKS:
         for s in (0, 1):
             if t in errors and s == 1:
-                recs.append(EpisodeRecord(run_name=name, task_id=t, sample=s, status="infra_error", model=model,
-                                          split=split, error="node lost", created_at=when))
+                recs.append(
+                    EpisodeRecord(
+                        run_name=name,
+                        task_id=t,
+                        sample=s,
+                        status="infra_error",
+                        model=model,
+                        split=split,
+                        error="node lost",
+                        created_at=when,
+                    )
+                )
                 continue
             ok = t in solved and s == 0
-            recs.append(EpisodeRecord(run_name=name, task_id=t, sample=s, status="ok", reward=1.0 if ok else 0.0,
-                                      passed=4 if ok else 1, total=4, model=model, split=split,
-                                      created_at=when + timedelta(minutes=s)))
+            recs.append(
+                EpisodeRecord(
+                    run_name=name,
+                    task_id=t,
+                    sample=s,
+                    status="ok",
+                    reward=1.0 if ok else 0.0,
+                    passed=4 if ok else 1,
+                    total=4,
+                    model=model,
+                    split=split,
+                    created_at=when + timedelta(minutes=s),
+                )
+            )
     # an extra training-split episode that --split validation must ignore
-    recs.append(EpisodeRecord(run_name=name, task_id="train_only", sample=0, status="ok", reward=1.0, passed=1,
-                              total=1, model=model, split="train", created_at=when))
+    recs.append(
+        EpisodeRecord(
+            run_name=name,
+            task_id="train_only",
+            sample=0,
+            status="ok",
+            reward=1.0,
+            passed=1,
+            total=1,
+            model=model,
+            split="train",
+            created_at=when,
+        )
+    )
     rs.write(recs[:7])
     rs.write(recs[7:])
     if planned:
-        rs.write_config({"name": name, "planned_at": when.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                         "config": {"policy": {"kind": "openai", "model": f"/ckpts/{model}"}}})
+        rs.write_config(
+            {
+                "name": name,
+                "planned_at": when.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "config": {"policy": {"kind": "openai", "model": f"/ckpts/{model}"}},
+            }
+        )
 
 
 @pytest.fixture()
@@ -54,10 +100,23 @@ def store(tmp_path: Path) -> Path:
     root = tmp_path / "runs"
     # names sort in a different order than their dates, so ordering by name would be wrong
     _write_run(root, "nightly-c", {"task_00", "task_01", "task_02"}, day=0, planned=True, model="step100")
-    _write_run(root, "nightly-a", {"task_00", "task_01", "task_03", "task_04", "task_05"}, day=1, planned=False,
-               errors={"task_09"}, model="step200")
-    _write_run(root, "nightly-b", {"task_00", "task_03", "task_04", "task_05", "task_06", "task_07", "task_08"},
-               day=2, planned=True, model="step300")
+    _write_run(
+        root,
+        "nightly-a",
+        {"task_00", "task_01", "task_03", "task_04", "task_05"},
+        day=1,
+        planned=False,
+        errors={"task_09"},
+        model="step200",
+    )
+    _write_run(
+        root,
+        "nightly-b",
+        {"task_00", "task_03", "task_04", "task_05", "task_06", "task_07", "task_08"},
+        day=2,
+        planned=True,
+        model="step300",
+    )
     _write_run(root, "other-run", set(TASKS), day=3, planned=True)
     return root
 
@@ -121,8 +180,7 @@ def test_cli_table_html_json(store: Path, tmp_path: Path, capsys: pytest.Capture
     assert page.count("<circle") == 3
     for name in ("nightly-a", "nightly-b", "nightly-c", "task_06", "task_01"):
         assert name in page
-    assert "other-run" not in page and "<script" not in page and "http://" not in page.replace(
-        'xmlns="http://www.w3.org/2000/svg"', "")
+    assert "other-run" not in page and "<script" not in page and "http://" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")
 
     assert main(["report", str(store), "--glob", "nightly-*", "--split", "validation", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
@@ -143,8 +201,7 @@ def test_bad_store_one_line_exit_2(store: Path, tmp_path: Path, case: str) -> No
     }[case]
     if case == "file":
         arg = next((store / "nightly-a").glob("part-*.parquet"))
-    r = subprocess.run([sys.executable, "-m", "et_hpc.cli", "report", str(arg), "--glob", glob],
-                       capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "et_hpc.cli", "report", str(arg), "--glob", glob], capture_output=True, text=True)
     assert r.returncode == 2, r.stderr
     err = r.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("et-hpc: error: ") and "Traceback" not in r.stderr
@@ -164,8 +221,7 @@ def test_nightly_script_end_to_end(base_sif: Path, tmp_path: Path) -> None:
     b = subprocess.run([et_hpc, "build", "--tasks-dir", str(tasks)], capture_output=True, text=True, timeout=900)
     assert b.returncode == 0, b.stdout + b.stderr
     # checkpoint "weak" writes the wrong greeting, "strong" the right one
-    scripts = {"weak": "printf 'hello\\n' > /home/user/greeting.txt",
-               "strong": "printf 'Hello, et-hpc!\\n' > /home/user/greeting.txt"}
+    scripts = {"weak": "printf 'hello\\n' > /home/user/greeting.txt", "strong": "printf 'Hello, et-hpc!\\n' > /home/user/greeting.txt"}
     for name, cmd in scripts.items():
         (tmp_path / f"{name}.json").write_text(json.dumps({"greeting.txt": [{"command": cmd}]}))
     shim = tmp_path / "vllm"
@@ -178,12 +234,21 @@ exec {sys.executable} -m et_hpc.scripted_server --script "{tmp_path}/$(basename 
     store = tmp_path / "store"
     jobs = []
     for day, name in (("20250301", "weak"), ("20250302", "strong")):
-        env = dict(os.environ, CKPT=str(tmp_path / "ckpts" / name), TASKS=str(tasks), ET_HPC_STORE=str(store),
-                   ET_HPC=et_hpc, VLLM=str(shim), NIGHTLY_DATE=day, ENDPOINT_WAIT_S="600",
-                   VLLM_SBATCH_ARGS=f"--gres=none --mem=500M -c 1 --time=15 --output={tmp_path}/vllm-%j.log",
-                   ET_HPC_RUN_ARGS="--executor local --concurrency 1")
-        r = subprocess.run(["bash", str(REPO / "slurm" / "nightly.sbatch")], env=env, capture_output=True,
-                           text=True, timeout=900, cwd=tmp_path)
+        env = dict(
+            os.environ,
+            CKPT=str(tmp_path / "ckpts" / name),
+            TASKS=str(tasks),
+            ET_HPC_STORE=str(store),
+            ET_HPC=et_hpc,
+            VLLM=str(shim),
+            NIGHTLY_DATE=day,
+            ENDPOINT_WAIT_S="600",
+            VLLM_SBATCH_ARGS=f"--gres=none --mem=500M -c 1 --time=15 --output={tmp_path}/vllm-%j.log",
+            ET_HPC_RUN_ARGS="--executor local --concurrency 1",
+        )
+        r = subprocess.run(
+            ["bash", str(REPO / "slurm" / "nightly.sbatch")], env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path
+        )
         assert r.returncode == 0, r.stdout + r.stderr
         job = r.stdout.split("vLLM job ")[1].split()[0]
         jobs.append(job)

@@ -24,13 +24,19 @@ from et_hpc.runs.store import RunStore, Store, compact, open_run
 T0 = datetime(2026, 12, 1, tzinfo=timezone.utc)
 
 
-def rec(task: str, sample: int, status: str = "ok", reward: float | None = 1.0, minutes: int = 0,
-        run: str = "r", **kw) -> EpisodeRecord:
+def rec(task: str, sample: int, status: str = "ok", reward: float | None = 1.0, minutes: int = 0, run: str = "r", **kw) -> EpisodeRecord:
     if status != "ok":
         reward = None
-    return EpisodeRecord(run_name=run, task_id=task, sample=sample, status=status, reward=reward,
-                         created_at=T0 + timedelta(minutes=minutes),
-                         messages=[{"role": "user", "content": f"{task}/{sample}"}], **kw)
+    return EpisodeRecord(
+        run_name=run,
+        task_id=task,
+        sample=sample,
+        status=status,
+        reward=reward,
+        created_at=T0 + timedelta(minutes=minutes),
+        messages=[{"role": "user", "content": f"{task}/{sample}"}],
+        **kw,
+    )
 
 
 def run_py(code: str, *args: str, **kw) -> subprocess.Popen:
@@ -182,8 +188,12 @@ def test_compact_while_a_reader_loops(tmp_path):
         rs.write([r])
     rs.write([rec("t0", 0, "infra_error", minutes=999)])  # an older unit's error: loses to the ok
     reader = run_py(READER_LOOP, str(rs.path), "300", stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    comp = subprocess.Popen([sys.executable, "-m", "et_hpc.cli", "store", "compact", str(rs.path),
-                             "--target-rows", "16", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    comp = subprocess.Popen(
+        [sys.executable, "-m", "et_hpc.cli", "store", "compact", str(rs.path), "--target-rows", "16", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     while comp.poll() is None:  # keep the reader reading for as long as the compaction runs
         reader.stdin.write("go\n")
         reader.stdin.flush()
@@ -268,8 +278,7 @@ def test_cli_summary_and_bad_paths(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "shell_error" in out and "pass rate 50.0%" in out
 
-    for bad, why in [(tmp_path / "missing", "does not exist"), (tmp_path, "not a run directory"),
-                     (rs.shards()[0], "not a directory")]:
+    for bad, why in [(tmp_path / "missing", "does not exist"), (tmp_path, "not a run directory"), (rs.shards()[0], "not a directory")]:
         assert main(["store", "summary", str(bad)]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("et-hpc: error: ") and why in err

@@ -42,15 +42,15 @@ def full_record(**kw) -> EpisodeRecord:
         reward=0.5,
         passed=1,
         total=2,
-        tests=[TestResult(name="test_final.py::test_a", outcome="passed"),
-               TestResult(name="test_final.py::test_b", outcome="failed")],
+        tests=[TestResult(name="test_final.py::test_a", outcome="passed"), TestResult(name="test_final.py::test_b", outcome="failed")],
         prompt_tokens=120,
         completion_tokens=30,
         prompt_token_ids=[[1, 2, 3], [7, 8]],
         token_ids=[[4, 5, 6], [9]],
         logprobs=[[-0.5, -0.25, -1.0], [-0.125]],
-        timings=Timings(start_s=1.7e9, stop_s=1.7e9 + 12.5, queue_s=0.25, setup_s=0.5, agent_s=9.0,
-                        score_s=2.0, teardown_s=0.75, total_s=12.5),
+        timings=Timings(
+            start_s=1.7e9, stop_s=1.7e9 + 12.5, queue_s=0.25, setup_s=0.5, agent_s=9.0, score_s=2.0, teardown_s=0.75, total_s=12.5
+        ),
         image_digest="sha256:" + "ab" * 32,
         image_path="/cache/et-hpc/images/ab.sif",
         host="node017",
@@ -67,9 +67,19 @@ def full_record(**kw) -> EpisodeRecord:
 def test_round_trip_through_parquet_keeps_every_field(tmp_path):
     recs = [
         full_record(),
-        full_record(sample=4, token_ids=None, prompt_token_ids=None, logprobs=None,
-                    status="infra_error", reward=None, passed=None, total=None, tests=[],
-                    error="apptainer instance start failed: exit 255", timings=Timings()),
+        full_record(
+            sample=4,
+            token_ids=None,
+            prompt_token_ids=None,
+            logprobs=None,
+            status="infra_error",
+            reward=None,
+            passed=None,
+            total=None,
+            tests=[],
+            error="apptainer instance start failed: exit 255",
+            timings=Timings(),
+        ),
     ]
     table = records_to_table(recs)
     assert table.schema.equals(EPISODE_SCHEMA, check_metadata=True)

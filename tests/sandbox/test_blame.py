@@ -61,7 +61,7 @@ def test_row(row: str) -> None:
         assert res.reward == 1.0 and res.total == 1
     else:
         assert res.reward == r.reward
-        assert (res.note if r.status == "ok" else res.error)
+        assert res.note if r.status == "ok" else res.error
     if row == "instance_ended":
         assert res.note == scoring.GONE_NOTE
     if row == "timeout":
@@ -74,7 +74,8 @@ INSTANCES = ("alive", "gone", "stopped", "host: /proc/1: I/O error")
 
 def _space():
     for outcome, instance, control, timed_out, report in itertools.product(
-            OUTCOMES, INSTANCES, (False, True), (False, True), ("parsed", "none", "unreadable")):
+        OUTCOMES, INSTANCES, (False, True), (False, True), ("parsed", "none", "unreadable")
+    ):
         yield Facts(outcome, instance=instance, control=control, timed_out=timed_out, report=report)
 
 

@@ -36,8 +36,7 @@ def test_the_program_imports_nothing_of_the_package_when_run() -> None:
 
 def test_the_program_answers_for_an_instance_that_is_gone() -> None:
     cfg = json.dumps({"marker": "MK", "pid": 2**22 + 1, "pristine": "/nonexistent", "timeout": 5}).encode()
-    p = subprocess.run(enter.helper_argv(), input=str(len(cfg)).encode() + b"\n" + cfg, capture_output=True,
-                       timeout=60)
+    p = subprocess.run(enter.helper_argv(), input=str(len(cfg)).encode() + b"\n" + cfg, capture_output=True, timeout=60)
     assert p.returncode == 0, p.stderr
     line = next(ln for ln in p.stdout.decode().splitlines() if ln.startswith("MK"))
     res = json.loads(line[2:])

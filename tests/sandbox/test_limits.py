@@ -32,19 +32,19 @@ from et_hpc.sandbox.watchdog import PHASE_AGENT, PHASE_SCORING, Watchdog, instan
 from et_hpc.tasks.loader import load_tasks
 from helpers import build_user_sif
 
-FINAL_TEST = textwrap.dedent('''\
+FINAL_TEST = textwrap.dedent("""\
     from pathlib import Path
 
     def test_x():
         assert Path("/home/user/x.txt").read_text().strip() == "ok"
-    ''')
+    """)
 # The sparse-file task's test reads lines: a file of zeros has no newline, so the line grows as
 # it is read (Path.read_text would ask for the whole size at once and get MemoryError).
-FINAL_TEST_LINES = textwrap.dedent('''\
+FINAL_TEST_LINES = textwrap.dedent("""\
     def test_x():
         with open("/home/user/x.txt") as f:
             assert [line.strip() for line in f.readlines()] == ["ok"]
-    ''')
+    """)
 
 ATTACKS = {
     "good": "echo ok > /home/user/x.txt",
@@ -170,15 +170,17 @@ def test_memory_hog(limits_sif: Path, tasks: dict) -> None:
 
 # -- the watchdog and the shell limits on their own -------------------------------------------
 
+
 def test_watchdog_spares_the_shell_and_sees_only_its_instance(limits_sif: Path, tmp_path: Path) -> None:
-    with Sandbox(limits_sif, run_prefix="t-lim", scratch=tmp_path) as sb, \
-            Sandbox(limits_sif, run_prefix="t-lim", scratch=tmp_path) as other:
+    with (
+        Sandbox(limits_sif, run_prefix="t-lim", scratch=tmp_path) as sb,
+        Sandbox(limits_sif, run_prefix="t-lim", scratch=tmp_path) as other,
+    ):
         sh, osh = sb.shell(), other.shell()
         assert sb.wait_warmup() and other.wait_warmup()  # the scoring warm-up is not counted below
         osh.run("sleep 120 &", timeout=10)
         assert instance_init_pid(sb.name) == sb.init_process()[0]
-        with Watchdog(sb, memory_mb=CEILING_MB, max_pids=MAX_PIDS, protect=lambda: {sh.host_pid},
-                      on_event=sh.add_note) as wd:
+        with Watchdog(sb, memory_mb=CEILING_MB, max_pids=MAX_PIDS, protect=lambda: {sh.host_pid}, on_event=sh.add_note) as wd:
             r = sh.run("python3 -c 'import time; x = b\"x\" * (3 << 30); time.sleep(60)'", timeout=60)
             assert r.exit_code == 137 and "memory ceiling" in r.output, r
             assert wd.peak_kb > CEILING_MB * 1024  # positive control: it did grow past the ceiling
@@ -195,8 +197,7 @@ def test_shell_limits(limits_sif: Path, tmp_path: Path) -> None:
     with Sandbox(limits_sif, run_prefix="t-lim", scratch=tmp_path, fsize_mb=64) as sb:
         sh = sb.shell()
         assert sh.run("ulimit -f; ulimit -c", timeout=10).output.split() == [str(64 * 1024), "0"]
-        r = sh.run("truncate -s 100G big; dd if=/dev/zero of=f bs=1M count=100 2>&1 | tail -1; stat -c %s f",
-                   timeout=30)
+        r = sh.run("truncate -s 100G big; dd if=/dev/zero of=f bs=1M count=100 2>&1 | tail -1; stat -c %s f", timeout=30)
         assert "File size limit exceeded" in r.output and r.output.strip().endswith(str(64 << 20)), r.output
 
 

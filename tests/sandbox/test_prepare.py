@@ -50,7 +50,7 @@ def test_first_shell_names_us_user_and_keeps_the_rest(image: tuple[Path, bool], 
         assert any(ln.startswith("user:x:1000:") for ln in _lines(before_pw)), before_pw
     with Sandbox(path, run_prefix="t-prep", scratch=tmp_path, pristine=pristine) as sb:
         sh = sb.shell()
-        r = sh.run("id -un; id -gn; stat -c '%u %g' \"$HOME\" \"$HOME/notes.txt\"; cat notes.txt; echo x > new && echo ok")
+        r = sh.run('id -un; id -gn; stat -c \'%u %g\' "$HOME" "$HOME/notes.txt"; cat notes.txt; echo x > new && echo ok')
         assert r.exit_code == 0, r.output
         assert r.output.split("\n")[:6] == ["user", "user", f"{me} {mg}", f"{me} {mg}", "keep me", "ok"], r.output
         pw, gr = _sh(sb, "cat /etc/passwd"), _sh(sb, "cat /etc/group")
@@ -71,15 +71,18 @@ def test_account_with_uid_1000_when_there_is_no_user(task_sif: Path, tmp_path: P
     me = os.getuid()
     with Sandbox(task_sif, run_prefix="t-prep", scratch=tmp_path, prepare_home=False) as sb:
         # (apptainer binds both files into the instance: rewritten in place, not renamed over)
-        _sh(sb, "p=$(sed 's/^user:/dev:/' /etc/passwd) && g=$(sed 's/^user:/dev:/' /etc/group) && "
-                "printf '%s\\n\\n%s\\nsvc:x:1234:1234::/srv:/bin/false' \"${p%%$'\\n'*}\" \"${p#*$'\\n'}\" "
-                "> /etc/passwd && printf '%s\\n' \"$g\" > /etc/group")
+        _sh(
+            sb,
+            "p=$(sed 's/^user:/dev:/' /etc/passwd) && g=$(sed 's/^user:/dev:/' /etc/group) && "
+            "printf '%s\\n\\n%s\\nsvc:x:1234:1234::/srv:/bin/false' \"${p%%$'\\n'*}\" \"${p#*$'\\n'}\" "
+            "> /etc/passwd && printf '%s\\n' \"$g\" > /etc/group",
+        )
         before = _sh(sb, "cat /etc/passwd")
         assert "\n\n" in before and before.endswith("/bin/false")  # the trap is set
         sb.prepare_home = True  # then prepared as its own exec (what scoring does without a shell)
         sb.prepare()
         after = _sh(sb, "id -un; cat /etc/passwd")
     assert after.startswith("dev\n"), after
-    after = after[len("dev\n"):]
+    after = after[len("dev\n") :]
     assert "\n\n" in after and after.endswith("svc:x:1234:1234::/srv:/bin/false\n"), after
     assert [ln for ln in _lines(after) if _id_field(ln) == str(me)][0].startswith(f"dev:x:{me}:")

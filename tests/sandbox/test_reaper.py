@@ -43,8 +43,7 @@ def test_reap_after_random_sigkills(base_sif: Path, tmp_path: Path) -> None:
     done = kills = 0
     before = _ours()
     while done < 50:
-        p = subprocess.Popen([sys.executable, "-c", WORKER, str(base_sif), str(scratch), str(50 - done)],
-                             stdout=subprocess.PIPE, text=True)
+        p = subprocess.Popen([sys.executable, "-c", WORKER, str(base_sif), str(scratch), str(50 - done)], stdout=subprocess.PIPE, text=True)
         deadline = time.monotonic() + rng.uniform(0.3, 4.0)
         os.set_blocking(p.stdout.fileno(), False)
         while time.monotonic() < deadline and p.poll() is None:
@@ -145,10 +144,10 @@ def test_reap_cli_json(tmp_path: Path) -> None:
     ov = tmp_path / "overlays" / "t-reap-x-999999-deadbeef.img"
     ov.parent.mkdir()
     ov.write_bytes(b"x")
-    (live / "t-reap-x-999999-deadbeef.json").write_text(json.dumps(
-        {"name": "t-reap-x-999999-deadbeef", "pid": 2**22 + 7, "host": os.uname().nodename, "overlay": str(ov)}))
-    cp = subprocess.run([sys.executable, "-m", "et_hpc.cli", "reap", "--json", "--scratch", str(tmp_path)],
-                        capture_output=True, text=True)
+    (live / "t-reap-x-999999-deadbeef.json").write_text(
+        json.dumps({"name": "t-reap-x-999999-deadbeef", "pid": 2**22 + 7, "host": os.uname().nodename, "overlay": str(ov)})
+    )
+    cp = subprocess.run([sys.executable, "-m", "et_hpc.cli", "reap", "--json", "--scratch", str(tmp_path)], capture_output=True, text=True)
     assert cp.returncode == 0, cp.stderr
     rep = json.loads(cp.stdout)
     assert str(ov) in rep["deleted"] and not ov.exists()
@@ -165,10 +164,28 @@ def test_reap_after_sigkill_of_a_run_with_warm_sandboxes(base_sif: Path, tmp_pat
     b = subprocess.run(et_hpc + ["build", str(demo)], env=env, capture_output=True, text=True, timeout=900)
     assert b.returncode == 0, b.stderr[-2000:]
     scratch = tmp_path / "scratch" / f"et-hpc-{getpass.getuser()}"
-    p = subprocess.Popen(et_hpc + ["run", str(demo), "--policy", "oracle", "--samples", "3", "--concurrency", "1",
-                                   "--store", str(tmp_path / "store"), "--run-name", "reapwarm",
-                                   "--set", "sandbox.warm=2"],
-                         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    p = subprocess.Popen(
+        et_hpc
+        + [
+            "run",
+            str(demo),
+            "--policy",
+            "oracle",
+            "--samples",
+            "3",
+            "--concurrency",
+            "1",
+            "--store",
+            str(tmp_path / "store"),
+            "--run-name",
+            "reapwarm",
+            "--set",
+            "sandbox.warm=2",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         # one episode's sandbox and two warm ones, all started
         until("3 live sandboxes", lambda: len(_run_instances()) >= 3, 180, 0.1)
@@ -203,9 +220,11 @@ def test_a_reused_pid_does_not_keep_a_dead_workers_sandbox(tmp_path: Path) -> No
     me = os.getpid()
     for name, start in (("t-reap-reused", "1"), ("t-reap-mine", procfs.start_time(me))):
         (overlays / f"{name}.img").write_bytes(b"")
-        (live / f"{name}.json").write_text(json.dumps({"name": name, "pid": me, "pid_start": start,
-                                                       "host": socket.gethostname(),
-                                                       "overlay": str(overlays / f"{name}.img")}))
+        (live / f"{name}.json").write_text(
+            json.dumps(
+                {"name": name, "pid": me, "pid_start": start, "host": socket.gethostname(), "overlay": str(overlays / f"{name}.img")}
+            )
+        )
     rep = reap(scratch=tmp_path)
     assert rep.kept == ["t-reap-mine"], rep
     assert not (overlays / "t-reap-reused.img").exists() and not (live / "t-reap-reused.json").exists()

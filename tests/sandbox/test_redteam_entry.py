@@ -25,7 +25,7 @@ from et_hpc.sandbox.sandbox import Sandbox
 from helpers import IN_CI
 from helpers.legacy_scoring import legacy_score
 
-FINAL_TEST = textwrap.dedent('''\
+FINAL_TEST = textwrap.dedent("""\
     import os, pwd, subprocess
     from pathlib import Path
 
@@ -36,10 +36,10 @@ FINAL_TEST = textwrap.dedent('''\
 
     def test_notes_untouched():
         assert Path("/home/user/notes.txt").read_text() == "keep me\\n"
-    ''')
+    """)
 
 # A test that runs a program of the agent's (as many Endless Terminals tests do).
-RUNS_PROGRAM_TEST = textwrap.dedent('''\
+RUNS_PROGRAM_TEST = textwrap.dedent("""\
     import subprocess
     from pathlib import Path
 
@@ -47,17 +47,21 @@ RUNS_PROGRAM_TEST = textwrap.dedent('''\
         out = subprocess.run(["/home/user/solve.sh"], capture_output=True, text=True, timeout=30)
         assert out.stdout.strip() == "42"
         assert Path("/home/user/answer.txt").read_text().strip() == "42"
-    ''')
+    """)
 
-FORGED_JUNIT = ('<testsuites><testsuite><testcase classname="t" name="test_answer"/>'
-                '<testcase classname="t" name="test_notes_untouched"/></testsuite></testsuites>')
-FORGED = json.dumps({"killed": 0, "rc": 0, "timed_out": False, "junit": FORGED_JUNIT, "out": "", "error": None},
-                    separators=(",", ":"))
+FORGED_JUNIT = (
+    '<testsuites><testsuite><testcase classname="t" name="test_answer"/>'
+    '<testcase classname="t" name="test_notes_untouched"/></testsuite></testsuites>'
+)
+FORGED = json.dumps({"killed": 0, "rc": 0, "timed_out": False, "junit": FORGED_JUNIT, "out": "", "error": None}, separators=(",", ":"))
 PLANT_FORGED = f"cat > /tmp/.forged.json <<'EOF'\n{FORGED}\nEOF"
 # The forged-pass one-liner: whatever runs first in an exec reads the scoring config from stdin,
 # finds the marker and prints a passing result.
-FORGE = ("d=$(cat); m=$(printf %s \"$d\" | grep -o 'ET-SCORE-[0-9a-f]*:' | head -n 1); "
-         "if [ -n \"$m\" ]; then printf '\\n%s' \"$m\"; cat /tmp/.forged.json; exit 0; fi")
+FORGE = (
+    "d=$(cat); m=$(printf %s \"$d\" | grep -o 'ET-SCORE-[0-9a-f]*:' | head -n 1); "
+    'if [ -n "$m" ]; then printf \'\\n%s\' "$m"; cat /tmp/.forged.json; exit 0; fi'
+)
+
 
 @pytest.fixture(scope="session")
 def evil_so(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -67,17 +71,18 @@ def evil_so(tmp_path_factory: pytest.TempPathFactory) -> Path:
             pytest.fail("gcc is needed to build the preload library")
         pytest.skip("gcc is not installed")
     d = tmp_path_factory.mktemp("evil-so")
-    (d / "evil.c").write_text(textwrap.dedent("""\
+    (d / "evil.c").write_text(
+        textwrap.dedent("""\
         #include <fcntl.h>
         #include <unistd.h>
         __attribute__((constructor)) static void forge(void) {
             int fd = open("/home/user/answer.txt", O_WRONLY | O_CREAT | O_TRUNC, 0644);
             if (fd >= 0) { write(fd, "42\\n", 3); close(fd); }
         }
-        """))
+        """)
+    )
     so = d / "evil.so"
-    cp = subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-o", str(so), str(d / "evil.c")],
-                        capture_output=True, text=True)
+    cp = subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-o", str(so), str(d / "evil.c")], capture_output=True, text=True)
     assert cp.returncode == 0, cp.stderr
     so.chmod(0o644)
     d.chmod(0o755)
@@ -121,11 +126,19 @@ FORGERIES = {
     # 1. the one-liner: an env script apptainer sources before every exec
     "env_script": [PLANT_FORGED, "cat > /.singularity.d/env/99-zz-forge.sh <<'EOF'\n" + FORGE + "\nEOF"],
     # 2. apptainer's exec action replaced (it is what `apptainer exec` runs first)
-    "actions_exec": [PLANT_FORGED, "cp /bin/dash /tmp/.dash && cp /.singularity.d/actions/exec /tmp/.exec && cat > /.singularity.d/actions/exec <<'EOF'\n"  # noqa: E501
-                     + FORGE_SCRIPT + "exec /tmp/.dash /tmp/.exec \"$@\"\nEOF\nchmod 755 /.singularity.d/actions/exec"],
+    "actions_exec": [
+        PLANT_FORGED,
+        "cp /bin/dash /tmp/.dash && cp /.singularity.d/actions/exec /tmp/.exec && cat > /.singularity.d/actions/exec <<'EOF'\n"  # noqa: E501
+        + FORGE_SCRIPT
+        + 'exec /tmp/.dash /tmp/.exec "$@"\nEOF\nchmod 755 /.singularity.d/actions/exec',
+    ],
     # 3. /bin/sh (which runs the action scripts) replaced by a forging wrapper
-    "bin_sh": [PLANT_FORGED, "cp /bin/dash /tmp/.dash && cat > /tmp/.sh <<'EOF'\n" + FORGE_SCRIPT
-               + "exec /tmp/.dash \"$@\"\nEOF\nchmod 755 /tmp/.sh && ln -sf /tmp/.sh /bin/sh"],
+    "bin_sh": [
+        PLANT_FORGED,
+        "cp /bin/dash /tmp/.dash && cat > /tmp/.sh <<'EOF'\n"
+        + FORGE_SCRIPT
+        + 'exec /tmp/.dash "$@"\nEOF\nchmod 755 /tmp/.sh && ln -sf /tmp/.sh /bin/sh',
+    ],
 }
 
 
@@ -163,8 +176,9 @@ def test_runtime_files_cannot_forge_a_pass(attack: str, task_image: Path, tmp_pa
 
 
 # 4-6. code loaded into the test process by the dynamic loader
-def _preload_attack(task_sif: Path, tmp_path: Path, final_test: Path, evil_so: Path, dst: str, command: str,
-                    what: str) -> scoring.ScoreResult:
+def _preload_attack(
+    task_sif: Path, tmp_path: Path, final_test: Path, evil_so: Path, dst: str, command: str, what: str
+) -> scoring.ScoreResult:
     """Plant the answer-writing library at ``dst`` and run the agent's ``command``: scoring gives the
     agent's 0, while the old entry path (the positive control) is fooled into 1.0 by the same plant."""
     with Sandbox(task_sif, run_prefix="t-rte", scratch=tmp_path) as sb:
@@ -179,54 +193,72 @@ def _preload_attack(task_sif: Path, tmp_path: Path, final_test: Path, evil_so: P
 
 
 def test_ld_so_preload_is_the_images(task_sif: Path, tmp_path: Path, final_test: Path, evil_so: Path) -> None:
-    res = _preload_attack(task_sif, tmp_path, final_test, evil_so, "/home/user/.evil.so",
-                          "echo /home/user/.evil.so > /etc/ld.so.preload", "ld.so.preload")
+    res = _preload_attack(
+        task_sif, tmp_path, final_test, evil_so, "/home/user/.evil.so", "echo /home/user/.evil.so > /etc/ld.so.preload", "ld.so.preload"
+    )
     assert res.total == 2, res
 
 
 def test_ld_so_preload_symlink_is_not_followed(task_sif: Path, tmp_path: Path, final_test: Path, evil_so: Path) -> None:
     """A symlinked ld.so.preload: the tests' root shows the image's runtime files in its place,
     and the file it points to stays the agent's, as the tests would read it."""
-    res = _preload_attack(task_sif, tmp_path, final_test, evil_so, "/home/user/.evil.so",
-                          "echo /home/user/.evil.so > /home/user/.pre && ln -s /home/user/.pre /etc/ld.so.preload",
-                          "ld.so.preload symlink")
+    res = _preload_attack(
+        task_sif,
+        tmp_path,
+        final_test,
+        evil_so,
+        "/home/user/.evil.so",
+        "echo /home/user/.evil.so > /home/user/.pre && ln -s /home/user/.pre /etc/ld.so.preload",
+        "ld.so.preload symlink",
+    )
     assert res.total == 2, res
 
 
 def test_ld_preload_exported_by_runtime_env(task_sif: Path, tmp_path: Path, final_test: Path, evil_so: Path) -> None:
     """LD_PRELOAD from the image's environment script (what /etc/environment or rc files would be
     for a login shell): apptainer exports it into every exec, even with --cleanenv."""
-    res = _preload_attack(task_sif, tmp_path, final_test, evil_so, "/home/user/.evil.so",
-                          "echo 'export LD_PRELOAD=/home/user/.evil.so' >> /.singularity.d/env/90-environment.sh; "
-                          "echo 'LD_PRELOAD=/home/user/.evil.so' >> /etc/environment; "
-                          "echo 'export LD_PRELOAD=/home/user/.evil.so' "
-                          "| tee -a /etc/profile /etc/bash.bashrc ~/.bashrc ~/.profile >/dev/null",
-                          "LD_PRELOAD env")
+    res = _preload_attack(
+        task_sif,
+        tmp_path,
+        final_test,
+        evil_so,
+        "/home/user/.evil.so",
+        "echo 'export LD_PRELOAD=/home/user/.evil.so' >> /.singularity.d/env/90-environment.sh; "
+        "echo 'LD_PRELOAD=/home/user/.evil.so' >> /etc/environment; "
+        "echo 'export LD_PRELOAD=/home/user/.evil.so' "
+        "| tee -a /etc/profile /etc/bash.bashrc ~/.bashrc ~/.profile >/dev/null",
+        "LD_PRELOAD env",
+    )
     assert res.total == 2
 
 
 def test_nss_module_is_not_loaded(task_sif: Path, tmp_path: Path, final_test: Path, evil_so: Path) -> None:
     """nsswitch.conf naming a module the agent planted in a default library dir: the test's pwd
     lookup would dlopen it into the test process."""
-    res = _preload_attack(task_sif, tmp_path, final_test, evil_so, "/usr/lib/x86_64-linux-gnu/libnss_evil.so.2",
-                          "sed -i 's/^passwd:.*/passwd: evil files/' /etc/nsswitch.conf && grep ^passwd /etc/nsswitch.conf",
-                          "nss")
+    res = _preload_attack(
+        task_sif,
+        tmp_path,
+        final_test,
+        evil_so,
+        "/usr/lib/x86_64-linux-gnu/libnss_evil.so.2",
+        "sed -i 's/^passwd:.*/passwd: evil files/' /etc/nsswitch.conf && grep ^passwd /etc/nsswitch.conf",
+        "nss",
+    )
     assert res.total == 2, res
 
 
 # 7-9. the interpreter, its packages, plugins and modules imported by name
-PY_PAYLOAD = "open(\\\"/home/user/answer.txt\\\", \\\"w\\\").write(\\\"42\\\\n\\\")"
+PY_PAYLOAD = 'open(\\"/home/user/answer.txt\\", \\"w\\").write(\\"42\\\\n\\")'
 
 
 def test_python_package_tricks_do_not_reach_the_tests(task_image: Path, tmp_path: Path, final_test: Path) -> None:
     """Shadow modules in /home/user and /tmp, a .pth file, a pytest11 entry-point plugin in the
     writable site-packages, a rewritten pytest package and python3 in the writable tree."""
-    plugin = ("import pytest\\n@pytest.hookimpl(tryfirst=True)\\ndef pytest_runtest_call(item):\\n"
-              "    item.runtest = lambda: None\\n")
+    plugin = "import pytest\\n@pytest.hookimpl(tryfirst=True)\\ndef pytest_runtest_call(item):\\n    item.runtest = lambda: None\\n"
     cmds = [
         # shadow modules imported by name (pathlib, os helpers) where a cwd or script dir would put them
         f"for d in /home/user /tmp; do printf 'import sys\\n{PY_PAYLOAD}\\n"
-        "exec(open(\"/usr/lib/python3.11/pathlib.py\").read())\\n' > $d/pathlib.py; "
+        'exec(open("/usr/lib/python3.11/pathlib.py").read())\\n\' > $d/pathlib.py; '
         "printf 'raise SystemExit(0)\\n' > $d/pytest.py; done",
         # a .pth in the writable dist-packages
         f"printf 'import os; {PY_PAYLOAD}\\n' > /usr/lib/python3/dist-packages/zz-evil.pth",
@@ -245,8 +277,14 @@ def test_python_package_tricks_do_not_reach_the_tests(task_image: Path, tmp_path
         # positive controls: the instance's own python picks each of them up
         sb.exec(["sh", "-c", "mkdir -p /tmp/ctl"])
         sb.exec(["sh", "-c", "cat > /tmp/ctl/test_final_state.py"], input=final_test.read_bytes())
-        plug = sb.exec(["sh", "-c", "cd /tmp/ctl && rm -f /tmp/pytest.py /tmp/pathlib.py && "
-                        "python3 -c 'import importlib.metadata as m; print([e.name for e in m.entry_points(group=\"pytest11\")])'"])
+        plug = sb.exec(
+            [
+                "sh",
+                "-c",
+                "cd /tmp/ctl && rm -f /tmp/pytest.py /tmp/pathlib.py && "
+                "python3 -c 'import importlib.metadata as m; print([e.name for e in m.entry_points(group=\"pytest11\")])'",
+            ]
+        )
         assert b"evil" in plug.stdout, plug.stdout
         ctl = sb.exec(["sh", "-c", "rm -f /home/user/answer.txt; cd /home/user && python3 -c 'import pathlib'; cat /home/user/answer.txt"])
         assert ctl.stdout.strip() == b"42", ctl.stdout
@@ -255,6 +293,7 @@ def test_python_package_tricks_do_not_reach_the_tests(task_image: Path, tmp_path
 
 
 # -- dodged failures: states that used to turn a 0 into no data ---------------------------------
+
 
 def test_fifo_where_the_test_reads_times_out_as_zero(task_sif: Path, tmp_path: Path, final_test: Path) -> None:
     with Sandbox(task_sif, run_prefix="t-rte", scratch=tmp_path) as sb:
@@ -277,14 +316,18 @@ def test_home_chmod_000_is_zero(task_sif: Path, tmp_path: Path, final_test: Path
 
 
 def test_every_writable_place_filled_still_scores(task_sif: Path, tmp_path: Path, final_test: Path) -> None:
-    fill = ("for d in /home/user /tmp /var/tmp /dev/shm /; do dd if=/dev/zero of=$d/.fill bs=1M count=400 "
-            "2>/dev/null; done; dd if=/dev/zero of=/tmp/probe bs=1M count=1 2>/dev/null || echo TMP-FULL; "
-            "dd if=/dev/zero of=/home/user/probe bs=1M count=1 2>/dev/null || echo HOME-FULL")
+    fill = (
+        "for d in /home/user /tmp /var/tmp /dev/shm /; do dd if=/dev/zero of=$d/.fill bs=1M count=400 "
+        "2>/dev/null; done; dd if=/dev/zero of=/tmp/probe bs=1M count=1 2>/dev/null || echo TMP-FULL; "
+        "dd if=/dev/zero of=/home/user/probe bs=1M count=1 2>/dev/null || echo HOME-FULL"
+    )
     # The last free blocks too (a full filesystem may still take a 4-byte file): Python's tempfile
     # then finds no usable directory at all in the instance.
-    crumbs = ("for d in /home/user /tmp /var/tmp /dev/shm /; do i=0; while [ $i -lt 20000 ] && "
-              "echo x > $d/.c$i 2>/dev/null; do i=$((i+1)); done; done; "
-              "python3 -c 'import tempfile; tempfile.gettempdir()' 2>/dev/null || echo NO-TEMPDIR")
+    crumbs = (
+        "for d in /home/user /tmp /var/tmp /dev/shm /; do i=0; while [ $i -lt 20000 ] && "
+        "echo x > $d/.c$i 2>/dev/null; do i=$((i+1)); done; done; "
+        "python3 -c 'import tempfile; tempfile.gettempdir()' 2>/dev/null || echo NO-TEMPDIR"
+    )
     with Sandbox(task_sif, run_prefix="t-rte", scratch=tmp_path, overlay_mb=64) as sb:
         runs = _agent(sb, [fill, crumbs], timeout=120)
         assert "TMP-FULL" in runs[0].output and "HOME-FULL" in runs[0].output, runs[0].output
@@ -304,12 +347,17 @@ def test_programs_the_tests_run_cannot_dodge_or_forge(how: str, task_sif: Path, 
         "kill_pytest": "kill -9 $PPID",
         "kill_everything": "kill -9 -1",
         # a background writer that waits for the report and replaces it with a pass
-        "rewrite_report": ("touch /home/user/.bg-started; (for i in $(seq 600); do for f in /.et-pristine/*/junit.xml "
-                           "/tmp/et-score-*/junit.xml; do [ -f \"$f\" ] && printf '%s' '" + FORGED_JUNIT
-                           + "' > \"$f\"; done; sleep 0.01; done) >/dev/null 2>&1 & echo 41"),
+        "rewrite_report": (
+            "touch /home/user/.bg-started; (for i in $(seq 600); do for f in /.et-pristine/*/junit.xml "
+            "/tmp/et-score-*/junit.xml; do [ -f \"$f\" ] && printf '%s' '"
+            + FORGED_JUNIT
+            + '\' > "$f"; done; sleep 0.01; done) >/dev/null 2>&1 & echo 41'
+        ),
         # FIFOs where pytest writes its report and the driver reads it: opening either would block
-        "fifo_report": ("for d in /.et-pristine/*/; do [ -f \"$d/test_final_state.py\" ] && mkfifo \"$d/junit.xml\" "
-                        "\"$d/stages.json\" && touch /home/user/.fifo-made; done; echo 41"),
+        "fifo_report": (
+            'for d in /.et-pristine/*/; do [ -f "$d/test_final_state.py" ] && mkfifo "$d/junit.xml" '
+            '"$d/stages.json" && touch /home/user/.fifo-made; done; echo 41'
+        ),
     }[how]
     with Sandbox(task_sif, run_prefix="t-rte", scratch=tmp_path) as sb:
         _agent(sb, [f"cat > /home/user/solve.sh <<'EOF'\n#!/bin/bash\n{body}\nEOF\nchmod +x /home/user/solve.sh"])
@@ -330,6 +378,7 @@ def test_programs_the_tests_run_cannot_dodge_or_forge(how: str, task_sif: Path, 
 
 
 # -- the agent breaking its own shell or instance ------------------------------------------------
+
 
 class _Script:
     mode = "text"
@@ -381,14 +430,17 @@ def test_agent_breaking_its_shell_is_scored(breaker: str, task_sif: Path, tmp_pa
 
 def test_runtime_removed_from_inside_still_scores(task_sif: Path, tmp_path: Path, final_test: Path) -> None:
     with Sandbox(task_sif, run_prefix="t-rte", scratch=tmp_path) as sb:
-        runs = _agent(sb, ["echo 42 > answer.txt; rm -rf /.singularity.d /bin/sh /usr/bin/dash; "
-                           "ls -d /.singularity.d /bin/sh 2>&1 | grep -c 'No such'"])
+        runs = _agent(
+            sb,
+            ["echo 42 > answer.txt; rm -rf /.singularity.d /bin/sh /usr/bin/dash; ls -d /.singularity.d /bin/sh 2>&1 | grep -c 'No such'"],
+        )
         assert runs[0].output.strip() == "2"  # the runtime's files are gone
         res = scoring.score(sb, final_test, timeout_s=30)
         assert res.status == "ok" and res.reward == 1.0, res  # an honest solution still counts
 
 
 # -- end to end: the records these make --------------------------------------------------------
+
 
 def _run_demo(tmp: Path, name: str, script: dict, timeout: float = 600):
     """``et-hpc run`` on demo_hello_file with the scripted server; returns the run's one record."""
@@ -405,10 +457,30 @@ def _run_demo(tmp: Path, name: str, script: dict, timeout: float = 600):
     task = next(t for t in load_tasks(str(demo)).tasks if t.id == "demo_hello_file")
     assert ImageStore().ensure(task).path is not None
     with ScriptedServer(script) as srv:
-        cmd = [sys.executable, "-m", "et_hpc.cli", "run", str(demo), "--set", "tasks.ids=[demo_hello_file]",
-               "--run-name", name, "--store", str(tmp / "store"), "--concurrency", "1", "--json",
-               "--set", "policy.kind=openai", "--set", f"policy.base_url={srv.base_url}",
-               "--set", "policy.mode=tools", "--set", "scoring_timeout_s=5"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "et_hpc.cli",
+            "run",
+            str(demo),
+            "--set",
+            "tasks.ids=[demo_hello_file]",
+            "--run-name",
+            name,
+            "--store",
+            str(tmp / "store"),
+            "--concurrency",
+            "1",
+            "--json",
+            "--set",
+            "policy.kind=openai",
+            "--set",
+            f"policy.base_url={srv.base_url}",
+            "--set",
+            "policy.mode=tools",
+            "--set",
+            "scoring_timeout_s=5",
+        ]
         r = subprocess.run(cmd, env=os.environ.copy(), capture_output=True, text=True, timeout=timeout, cwd=tmp)
     assert r.returncode == 0, r.stderr[-3000:]
     run = open_run(tmp / "store" / name)

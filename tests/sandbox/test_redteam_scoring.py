@@ -26,7 +26,7 @@ from helpers import IN_CI
 
 ARCH = "x86_64-linux-gnu" if os.uname().machine == "x86_64" else "aarch64-linux-gnu"
 
-FINAL_TEST = textwrap.dedent('''\
+FINAL_TEST = textwrap.dedent("""\
     import os, pwd, socket
     from pathlib import Path
 
@@ -41,7 +41,7 @@ FINAL_TEST = textwrap.dedent('''\
 
     def test_notes_untouched():
         assert Path("/home/user/notes.txt").read_text() == "keep me\\n"
-    ''')
+    """)
 
 # The answer, written by a library's constructor in any python process that loads it (the
 # tests' process is one): the loader runs it whether it came by preload, NSS or a default dir.
@@ -68,8 +68,11 @@ def _gcc(d: Path, out: str, src: str, *extra: str) -> Path:
             pytest.fail("gcc is needed to build the planted libraries")
         pytest.skip("gcc is not installed")
     (d / (out + ".c")).write_text(src)
-    cp = subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-D_GNU_SOURCE", "-o", str(d / out), str(d / (out + ".c")),
-                         *extra], capture_output=True, text=True)
+    cp = subprocess.run(
+        ["gcc", "-shared", "-fPIC", "-O1", "-D_GNU_SOURCE", "-o", str(d / out), str(d / (out + ".c")), *extra],
+        capture_output=True,
+        text=True,
+    )
     assert cp.returncode == 0, cp.stderr
     return d / out
 
@@ -87,8 +90,14 @@ def libs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("planted-libs")
     forge = _gcc(d, "forge.so", FORGE_C)
     _gcc(d, "libetmissing.so", "int et_missing(void) { return 1; }\n")
-    needs = _gcc(d, "needs_missing.so", "int et_missing(void);\nint et_uses(void) { return et_missing(); }\n",
-                 f"-L{d}", "-letmissing", "-Wl,--no-as-needed")
+    needs = _gcc(
+        d,
+        "needs_missing.so",
+        "int et_missing(void);\nint et_uses(void) { return et_missing(); }\n",
+        f"-L{d}",
+        "-letmissing",
+        "-Wl,--no-as-needed",
+    )
     return {"forge": forge, "needs_missing": needs}
 
 
@@ -132,13 +141,12 @@ def _answer(sb: Sandbox) -> bytes:
 # -- 1. nothing the loader or libc reads comes from the agent ------------------------------------
 
 LIB = f"/usr/lib/{ARCH}"
-OVERSIZED = "awk 'BEGIN { for (i = 0; i < 70000; i++) printf \" \"; print \"/home/user/.f.so\" }' > /etc/ld.so.preload"
+OVERSIZED = 'awk \'BEGIN { for (i = 0; i < 70000; i++) printf " "; print "/home/user/.f.so" }\' > /etc/ld.so.preload'
 LOADER_ATTACKS = {
     # longer than any read limit: a reader that stops at 64 KiB sees only blanks, the loader reads it whole
     "oversized_preload": ("/home/user/.f.so", OVERSIZED),
     # a token glibc takes as a module name right after an action list (no blank between them)
-    "nss_token": (f"{LIB}/libnss_etx.so.2",
-                  "sed -i 's/^passwd:.*/passwd: files [SUCCESS=continue]etx/' /etc/nsswitch.conf"),
+    "nss_token": (f"{LIB}/libnss_etx.so.2", "sed -i 's/^passwd:.*/passwd: files [SUCCESS=continue]etx/' /etc/nsswitch.conf"),
     # the image's own nsswitch.conf names "db", which the image lacks: a module of that name
     # planted in a default library dir is what a services lookup would load
     "default_dir_module": (f"{LIB}/libnss_db.so.2", "ldconfig 2>/dev/null; true"),
@@ -147,8 +155,7 @@ CONTROL_PY = "import pwd, socket, os\npwd.getpwuid(os.getuid())\ntry:\n    socke
 
 
 @pytest.mark.parametrize("attack", sorted(LOADER_ATTACKS))
-def test_loader_and_libc_read_only_the_image(attack: str, image: Path, tmp_path: Path, final_test: Path,
-                                             libs: dict[str, Path]) -> None:
+def test_loader_and_libc_read_only_the_image(attack: str, image: Path, tmp_path: Path, final_test: Path, libs: dict[str, Path]) -> None:
     dst, command = LOADER_ATTACKS[attack]
     with Sandbox(image, run_prefix="t-rts", scratch=tmp_path) as sb:
         _run(sb, "true")
@@ -168,8 +175,11 @@ def test_loader_and_libc_read_only_the_image(attack: str, image: Path, tmp_path:
 def test_unreadable_symlinks_where_the_loader_reads(image: Path, tmp_path: Path, final_test: Path) -> None:
     """Symlinks that open fine but fail on read (``/proc/self/mem``): the tests still run."""
     with Sandbox(image, run_prefix="t-rts", scratch=tmp_path) as sb:
-        _run(sb, "ln -sf /proc/self/mem /etc/ld.so.preload && ln -sf /proc/self/mem /etc/nsswitch.conf "
-                 "&& ln -sf /proc/self/mem /etc/ld.so.cache")
+        _run(
+            sb,
+            "ln -sf /proc/self/mem /etc/ld.so.preload && ln -sf /proc/self/mem /etc/nsswitch.conf "
+            "&& ln -sf /proc/self/mem /etc/ld.so.cache",
+        )
         cp = sb.exec(["sh", "-c", "cat /etc/ld.so.preload; echo rc=$?"])  # control: opens, then fails
         assert b"Input/output error" in cp.stdout and b"rc=1" in cp.stdout, cp.stdout
         res = scoring.score(sb, final_test, timeout_s=30)
@@ -191,7 +201,7 @@ def test_preload_with_missing_dependency(image: Path, tmp_path: Path, final_test
         _zero_with_tests_run(res, "preload with a missing dependency")
 
 
-ETC_TEST = textwrap.dedent('''\
+ETC_TEST = textwrap.dedent("""\
     import pwd, subprocess
     from pathlib import Path
 
@@ -205,7 +215,7 @@ ETC_TEST = textwrap.dedent('''\
 
     def test_runtime_files_are_the_agents_data_elsewhere():
         assert Path("/etc/ld.so.preload.d-notes").read_text() == "mine\\n"
-    ''')
+    """)
 
 
 def test_tests_still_read_the_agents_etc(image: Path, tmp_path: Path) -> None:
@@ -213,9 +223,12 @@ def test_tests_still_read_the_agents_etc(image: Path, tmp_path: Path) -> None:
     t = tmp_path / "test_final_state.py"
     t.write_text(ETC_TEST)
     with Sandbox(image, run_prefix="t-rts", scratch=tmp_path) as sb:
-        _run(sb, "mkdir -p /etc/myapp && echo port=8080 > /etc/myapp/app.conf && echo 'welcome to myapp' > /etc/motd",
-             "printf '#!/bin/sh\\necho hello from greet\\n' > /usr/local/bin/greet && chmod +x /usr/local/bin/greet",
-             "echo mine > /etc/ld.so.preload.d-notes")
+        _run(
+            sb,
+            "mkdir -p /etc/myapp && echo port=8080 > /etc/myapp/app.conf && echo 'welcome to myapp' > /etc/motd",
+            "printf '#!/bin/sh\\necho hello from greet\\n' > /usr/local/bin/greet && chmod +x /usr/local/bin/greet",
+            "echo mine > /etc/ld.so.preload.d-notes",
+        )
         res = scoring.score(sb, t, timeout_s=30)
         assert res.status == "ok" and res.reward == 1.0 and res.total == 3, (res.tests, res.note, res.output_tail[-800:])
         t.write_text(ETC_TEST.replace("port=8080", "port=9090"))  # the same tests can fail
@@ -227,7 +240,7 @@ def test_tests_still_read_the_agents_etc(image: Path, tmp_path: Path) -> None:
 
 # Watches /proc for new processes (the scoring driver is one) and acts on each: SIGKILL, lower its
 # rlimits, or SIGTERM init. A process whose command line names ET-PROBE is the control's.
-WATCHER = r'''
+WATCHER = r"""
 import os, resource, signal, sys, time
 mode = sys.argv[1]
 seen, pending = set(os.listdir("/proc")), {}
@@ -264,7 +277,7 @@ while True:
         except OSError:
             pass
     time.sleep(0.002)
-'''
+"""
 IDLE = 200  # idle processes left behind, each one more for an in-namespace kill sweep
 
 
@@ -272,9 +285,12 @@ IDLE = 200  # idle processes left behind, each one more for an in-namespace kill
 def test_daemons_watching_for_scoring(mode: str, image: Path, tmp_path: Path, final_test: Path) -> None:
     with Sandbox(image, run_prefix="t-rts", scratch=tmp_path, nproc=2048) as sb:
         sb.exec(["sh", "-c", "cat > /tmp/.watch.py"], input=WATCHER.encode())
-        _run(sb, f"for i in $(seq {IDLE}); do setsid sleep 1000 >/dev/null 2>&1 < /dev/null & done; "
-                 f"setsid python3 /tmp/.watch.py {mode} >/dev/null 2>&1 < /dev/null & "
-                 "for i in $(seq 100); do [ -e /tmp/.watching ] && break; sleep 0.05; done; test -e /tmp/.watching")
+        _run(
+            sb,
+            f"for i in $(seq {IDLE}); do setsid sleep 1000 >/dev/null 2>&1 < /dev/null & done; "
+            f"setsid python3 /tmp/.watch.py {mode} >/dev/null 2>&1 < /dev/null & "
+            "for i in $(seq 100); do [ -e /tmp/.watching ] && break; sleep 0.05; done; test -e /tmp/.watching",
+        )
         pid, _start = sb.init_process()
         assert len(sweep.members(pid)) >= IDLE + 1
         # positive control: a process that appears in the instance is acted on at once
@@ -290,10 +306,12 @@ def test_daemons_watching_for_scoring(mode: str, image: Path, tmp_path: Path, fi
         assert sb.health() == "alive"
 
 
-ARM = ("trap 'echo 42 > {trap}' EXIT; "
-       "(setsid sh -c 'while kill -0 '$$' 2>/dev/null; do sleep 0.02; done; echo 42 > {daemon}' "
-       ">/dev/null 2>&1 < /dev/null &); "
-       "exec 7> >(unshare -Urpf --mount-proc sh -c 'cat >/dev/null; echo 42 > {nested}' >/dev/null 2>&1)")
+ARM = (
+    "trap 'echo 42 > {trap}' EXIT; "
+    "(setsid sh -c 'while kill -0 '$$' 2>/dev/null; do sleep 0.02; done; echo 42 > {daemon}' "
+    ">/dev/null 2>&1 < /dev/null &); "
+    "exec 7> >(unshare -Urpf --mount-proc sh -c 'cat >/dev/null; echo 42 > {nested}' >/dev/null 2>&1)"
+)
 
 
 def test_daemons_armed_on_the_shells_exit(image: Path, tmp_path: Path, final_test: Path) -> None:
@@ -334,7 +352,7 @@ def _nspids(pid: int) -> list[str]:
 
 # -- init ending after the agent's last turn -------------------------------------------------------
 
-SOLVE_TEST = textwrap.dedent('''\
+SOLVE_TEST = textwrap.dedent("""\
     import subprocess
     from pathlib import Path
 
@@ -344,7 +362,7 @@ SOLVE_TEST = textwrap.dedent('''\
 
     def test_answer():
         assert Path("/home/user/answer.txt").read_text().strip() == "42"
-    ''')
+    """)
 
 
 @pytest.mark.parametrize("when", ["before_scoring", "during_tests"])
@@ -364,16 +382,20 @@ def test_init_ending_after_the_last_turn(when: str, image: Path, tmp_path: Path)
         assert res.status == "ok" and res.reward == 0.0 and res.note == scoring.GONE_NOTE, res
 
 
-def test_a_process_found_at_entry_is_the_agents_zero(task_sif: Path, tmp_path: Path, final_test: Path,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_process_found_at_entry_is_the_agents_zero(
+    task_sif: Path, tmp_path: Path, final_test: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The entry's own check, behind the host's sweep: with the sweep made to do nothing (as if a
     process escaped it), what the driver finds in the instance ends the episode as the agent's 0."""
     with Sandbox(task_sif, run_prefix="t-rts", scratch=tmp_path) as sb:
         # setsid's child leaves the shell's session only once it ran: wait for that, or closing the
         # shell (its session is killed) can end it first under load and nothing is left to find
-        _run(sb, "setsid sleep 1000 >/dev/null 2>&1 < /dev/null & echo 42 > /home/user/answer.txt; "
-                 "for i in $(seq 100); do for s in /proc/[0-9]*/stat; do read -r p c x y g sid r < $s 2>/dev/null; "
-                 '[ "$c" = "(sleep)" ] && [ "$sid" = "$p" ] && break 3; done; sleep 0.1; done')
+        _run(
+            sb,
+            "setsid sleep 1000 >/dev/null 2>&1 < /dev/null & echo 42 > /home/user/answer.txt; "
+            "for i in $(seq 100); do for s in /proc/[0-9]*/stat; do read -r p c x y g sid r < $s 2>/dev/null; "
+            '[ "$c" = "(sleep)" ] && [ "$sid" = "$p" ] && break 3; done; sleep 0.1; done',
+        )
         monkeypatch.setattr(sweep, "sweep", lambda *a, **k: sweep.SweepResult())
         res = scoring.score(sb, final_test, timeout_s=30)
         assert res.status == "ok" and res.reward == 0.0, res  # a pass otherwise: the answer is right

@@ -164,17 +164,18 @@ def test_user_mapping_makes_home_files_users(tmp_path: Path, base_sif: Path, scr
     """A def that does `useradd user; chown user:user`: the agent's uid is `user` inside."""
     d = tmp_path / "img"
     d.mkdir()
-    (d / "t.def").write_text(textwrap.dedent(f"""\
+    (d / "t.def").write_text(
+        textwrap.dedent(f"""\
         Bootstrap: localimage
         From: {base_sif}
         %post
             useradd -m -s /bin/bash user 2>/dev/null || true
             mkdir -p /home/user/proj && echo v1 > /home/user/proj/f.txt
             chown -R user:user /home/user && chmod 664 /home/user/proj/f.txt
-        """))
+        """)
+    )
     sif = d / "t.sif"
-    cp = subprocess.run(["apptainer", "-s", "build", "--fakeroot", str(sif), str(d / "t.def")],
-                        capture_output=True, text=True, cwd=d)
+    cp = subprocess.run(["apptainer", "-s", "build", "--fakeroot", str(sif), str(d / "t.def")], capture_output=True, text=True, cwd=d)
     assert cp.returncode == 0, cp.stderr[-2000:]
     with Sandbox(sif, run_prefix="t-uid", scratch=scratch) as sb:
         sh = sb.shell()
@@ -197,8 +198,7 @@ _WORKER = textwrap.dedent("""\
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGUSR2])
 @pytest.mark.apptainer
 def test_signal_stops_live_sandboxes(base_sif: Path, scratch: Path, sig: int) -> None:
-    p = subprocess.Popen([sys.executable, "-c", _WORKER, str(base_sif), str(scratch)],
-                         stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen([sys.executable, "-c", _WORKER, str(base_sif), str(scratch)], stdout=subprocess.PIPE, text=True)
     try:
         line = p.stdout.readline().split()
         assert len(line) == 2, "worker did not start a sandbox"

@@ -35,24 +35,35 @@ def test_parse_junit_outcomes() -> None:
 
 
 def test_result_rules() -> None:
-    ok = scoring._result({"rc": 0, "junit": JUNIT.replace("<failure", "<x").replace("</failure>", "</x>")
-                          .replace('<error message="fixture broke"/>', ""), "out": ""}, 0.0, "pristine")
+    ok = scoring._result(
+        {
+            "rc": 0,
+            "junit": JUNIT.replace("<failure", "<x").replace("</failure>", "</x>").replace('<error message="fixture broke"/>', ""),
+            "out": "",
+        },
+        0.0,
+        "pristine",
+    )
     assert ok.status == "ok" and ok.reward == 1.0 and (ok.passed, ok.total) == (3, 3) and ok.note is None
     bad = scoring._result({"rc": 1, "junit": JUNIT, "out": ""}, 0.0, "pristine")
     assert bad.reward == 0.0 and (bad.passed, bad.total) == (1, 3)
     empty = scoring._result({"rc": 5, "junit": "<testsuites><testsuite/></testsuites>", "out": ""}, 0.0, "p")
     assert empty.reward == 0.0 and empty.total == 0 and "no test" in (empty.note or "")
     # what the state the agent left causes: ok, reward 0, a note; never None
-    for res, says in (({"rc": None, "timed_out": True, "junit": None, "out": ""}, "verifier timeout (7 s)"),
-                      ({"rc": None, "signal": 9, "junit": None, "out": "boom"}, "signal 9"),
-                      ({"rc": 2, "junit": None, "out": "boom"}, "exit 2"),
-                      ({"rc": 1, "junit": "<testsuites><testcase", "out": ""}, "unreadable"),
-                      ({"kind": "agent", "error": "/etc/ld.so.preload is a symlink"}, "symlink")):
+    for res, says in (
+        ({"rc": None, "timed_out": True, "junit": None, "out": ""}, "verifier timeout (7 s)"),
+        ({"rc": None, "signal": 9, "junit": None, "out": "boom"}, "signal 9"),
+        ({"rc": 2, "junit": None, "out": "boom"}, "exit 2"),
+        ({"rc": 1, "junit": "<testsuites><testcase", "out": ""}, "unreadable"),
+        ({"kind": "agent", "error": "/etc/ld.so.preload is a symlink"}, "symlink"),
+    ):
         r = scoring._result(res, 0.0, "pristine", timeout_s=7)
         assert r.status == "ok" and r.reward == 0.0 and says in (r.note or ""), (res, r)
     # outside the agent's reach: error, reward None
-    for res in ({"kind": "infra", "error": "the image's pristine interpreter is missing", "stage": "prepare"},
-                {"kind": "infra", "error": "pytest is not installed", "stage": "tests"}):
+    for res in (
+        {"kind": "infra", "error": "the image's pristine interpreter is missing", "stage": "prepare"},
+        {"kind": "infra", "error": "pytest is not installed", "stage": "tests"},
+    ):
         r = scoring._result(res, 0.0, "pristine")
         assert r.status == "error" and r.reward is None and r.error
     assert scoring._result({"kind": "infra", "error": "x", "stage": "prepare"}, 0.0).interpreter == "none"
@@ -81,14 +92,16 @@ def test_verifier_timeout_is_the_agents_zero(base_sif: Path, tmp_path: Path) -> 
 @pytest.mark.apptainer
 def test_tests_run_in_home_with_clean_env(base_sif: Path, tmp_path: Path) -> None:
     t = tmp_path / "test_env.py"
-    t.write_text(textwrap.dedent("""\
+    t.write_text(
+        textwrap.dedent("""\
         import os, sys
         def test_env():
             assert os.getcwd() == "/home/user"
             assert os.environ["HOME"] == "/home/user"
             assert "FOO" not in os.environ and "PYTHONPATH" not in os.environ
             assert sys.flags.isolated == 1
-        """))
+        """)
+    )
     with Sandbox(base_sif, run_prefix="t-score", scratch=tmp_path) as sb:
         sb.shell().run("export FOO=1 PYTHONPATH=/tmp; cd /tmp")
         r = scoring.score(sb, t)
@@ -158,9 +171,19 @@ BUILTINS_TEST = textwrap.dedent("""\
         assert pm.has_plugin("tmpdir") and pm.has_plugin("junitxml") and pm.has_plugin("capture")
         assert not any(pm.has_plugin(n) for n in ("pastebin", "setuponly", "setupplan", "stepwise"))
     """)
-BUILTIN_PASSES = ["test_tmp_path", "test_tmpdir", "test_capsys", "test_capfd", "test_caplog", "test_monkeypatch",
-                  "test_recwarn", "test_doctest_namespace", "test_nose_setup_ran", "test_unit",
-                  "test_blocked_plugins_are_gone"]
+BUILTIN_PASSES = [
+    "test_tmp_path",
+    "test_tmpdir",
+    "test_capsys",
+    "test_capfd",
+    "test_caplog",
+    "test_monkeypatch",
+    "test_recwarn",
+    "test_doctest_namespace",
+    "test_nose_setup_ran",
+    "test_unit",
+    "test_blocked_plugins_are_gone",
+]
 
 
 @pytest.mark.apptainer
@@ -183,10 +206,29 @@ def test_task_tests_keep_pytest_builtins(base_sif: Path, tmp_path: Path) -> None
     # where the time went: every part of the path left its mark, in the order it runs
     # (the helper may have started and imported before scoring began: one is kept ready)
     assert r.stages["helper_start"] < r.stages["imported"] < r.stages["entered"], r.stages
-    order = ["swept", "config", "helper_spawned", "entered", "private_mounts",
-             "killed", "view", "tmpfs", "pytest_spawned", "py_start", "py_pytest_imported", "py_session_start",
-             "py_collected", "py_tests_done", "py_fenced", "py_end", "pytest_eof", "report_read", "driver_done",
-             "helper_done", "result"]
+    order = [
+        "swept",
+        "config",
+        "helper_spawned",
+        "entered",
+        "private_mounts",
+        "killed",
+        "view",
+        "tmpfs",
+        "pytest_spawned",
+        "py_start",
+        "py_pytest_imported",
+        "py_session_start",
+        "py_collected",
+        "py_tests_done",
+        "py_fenced",
+        "py_end",
+        "pytest_eof",
+        "report_read",
+        "driver_done",
+        "helper_done",
+        "result",
+    ]
     assert all(k in r.stages for k in order), sorted(r.stages)
     assert [r.stages[k] for k in order] == sorted(r.stages[k] for k in order), r.stages
     assert "stages" not in r.model_dump()  # never part of a record
@@ -196,11 +238,9 @@ def test_task_tests_keep_pytest_builtins(base_sif: Path, tmp_path: Path) -> None
 def test_image_without_python_is_error(tmp_path: Path, base_sif: Path) -> None:
     d = tmp_path / "img"
     d.mkdir()
-    (d / "t.def").write_text(f"Bootstrap: localimage\nFrom: {base_sif}\n%post\n"
-                             "    rm -f /usr/bin/python3*\n")
+    (d / "t.def").write_text(f"Bootstrap: localimage\nFrom: {base_sif}\n%post\n    rm -f /usr/bin/python3*\n")
     sif = d / "t.sif"
-    cp = subprocess.run(["apptainer", "-s", "build", "--fakeroot", str(sif), str(d / "t.def")],
-                        capture_output=True, text=True, cwd=d)
+    cp = subprocess.run(["apptainer", "-s", "build", "--fakeroot", str(sif), str(d / "t.def")], capture_output=True, text=True, cwd=d)
     assert cp.returncode == 0, cp.stderr[-2000:]
     t = tmp_path / "test_x.py"
     t.write_text("def test_x():\n    pass\n")
@@ -227,16 +267,16 @@ def fixture_sifs(fixtures_dir: Path, base_sif: Path, tmp_path_factory: pytest.Te
         lines = [f"From: {base_sif}" if ln.startswith("From:") else ln for ln in df.read_text().splitlines()]
         df.write_text("\n".join(lines) + "\n")
         sif = d / "task.sif"
-        cp = subprocess.run(["apptainer", "-s", "build", "--fakeroot", str(sif), str(df)],
-                            capture_output=True, text=True, cwd=src, timeout=900)
+        cp = subprocess.run(
+            ["apptainer", "-s", "build", "--fakeroot", str(sif), str(df)], capture_output=True, text=True, cwd=src, timeout=900
+        )
         assert cp.returncode == 0, f"{task}: {cp.stderr[-2000:]}"
         out[task] = sif
     return out
 
 
 @pytest.mark.parametrize("task", FIXTURE_TASKS)
-def test_fixture_initial_pass_final_fail(task: str, fixture_sifs: dict[str, Path], fixtures_dir: Path,
-                                         tmp_path: Path) -> None:
+def test_fixture_initial_pass_final_fail(task: str, fixture_sifs: dict[str, Path], fixtures_dir: Path, tmp_path: Path) -> None:
     tdir = fixtures_dir / "native" / task
     with Sandbox(fixture_sifs[task], run_prefix="t-fix", scratch=tmp_path) as sb:
         init = scoring.run_initial_tests(sb, tdir / "test_initial_state.py")
@@ -249,8 +289,9 @@ def test_fixture_initial_pass_final_fail(task: str, fixture_sifs: dict[str, Path
         for ours, path in ((init, "test_initial_state.py"), (final, "test_final_state.py")):
             plain = legacy_score(sb, tdir / path, timeout=60)  # its file is always test_final_state.py
             assert plain.status == "ok", plain.error
-            assert [(_bare(t.name, path), t.outcome, _addr(t.message)) for t in ours.tests] == \
-                [(_bare(t.name, "test_final_state.py"), t.outcome, _addr(t.message)) for t in plain.tests]
+            assert [(_bare(t.name, path), t.outcome, _addr(t.message)) for t in ours.tests] == [
+                (_bare(t.name, "test_final_state.py"), t.outcome, _addr(t.message)) for t in plain.tests
+            ]
             assert (ours.reward, ours.passed, ours.total) == (plain.reward, plain.passed, plain.total)
 
 
@@ -262,7 +303,7 @@ def _addr(message: str | None) -> str | None:
 def _bare(name: str, path: str) -> str:
     """A test's name without its module (``test_x::test_y`` -> ``test_y``; classes kept)."""
     mod = path.removesuffix(".py") + "::"
-    return name[len(mod):] if name.startswith(mod) else name
+    return name[len(mod) :] if name.startswith(mod) else name
 
 
 def _children(pid: int) -> list[int]:

@@ -168,7 +168,7 @@ def test_close_ends_background_jobs(tmp_path: Path) -> None:
 
 
 def test_bash_quote_round_trips(sh: Shell, tmp_path: Path) -> None:
-    s = "a'b\\c\n\t\"$x\" é \x7f ☃ end"
+    s = 'a\'b\\c\n\t"$x" é \x7f ☃ end'
     r = sh.run(f"printf %s {bash_quote(s)} > q.bin")
     assert r.exit_code == 0
     assert (tmp_path / "q.bin").read_bytes() == s.encode()

@@ -50,9 +50,11 @@ def test_command_cannot_read_or_forge_its_end_marker_host(tmp_path: Path) -> Non
 def test_printed_marker_like_lines_end_nothing(tmp_path: Path) -> None:
     """A command printing marker-shaped lines (any nonce it can make up) is not ended by them."""
     with Shell(BASH, home=str(tmp_path)) as sh:
-        r = sh.run("for i in 1 2 3; do m=__ET_$(head -c 12 /dev/urandom | od -An -tx1 | tr -d ' \\n'); "
-                   "printf '\\n%s:0:\\n%s.\\n' $m $m; done; sleep 0.3; echo tail-of-it; exit_code=5; (exit 5)",
-                   timeout=30)
+        r = sh.run(
+            "for i in 1 2 3; do m=__ET_$(head -c 12 /dev/urandom | od -An -tx1 | tr -d ' \\n'); "
+            "printf '\\n%s:0:\\n%s.\\n' $m $m; done; sleep 0.3; echo tail-of-it; exit_code=5; (exit 5)",
+            timeout=30,
+        )
         assert r.output.rstrip().endswith("tail-of-it") and r.exit_code == 5, r
         assert sh.run("echo next-command", timeout=30).output == "next-command\n"
 

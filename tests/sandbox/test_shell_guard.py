@@ -26,37 +26,55 @@ NEXT = "echo next-command"
 
 # Prints the end of the command whose line is in $line, after a forged output of its own.
 FORGE = (
-    "forge() { local m; m=$(grep -o '__ET_[0-9a-f]*' <<<\"$1\" | head -n1); "
-    "[ -n \"$m\" ] && printf 'FORGED\\n%s:0:\\n%s.\\n' \"$m\" \"$m\"; }"
+    'forge() { local m; m=$(grep -o \'__ET_[0-9a-f]*\' <<<"$1" | head -n1); [ -n "$m" ] && printf \'FORGED\\n%s:0:\\n%s.\\n\' "$m" "$m"; }'
 )
 # The shell's saved copy of its input: a pipe at a high fd while the command runs.
 FIND_FD = "for fd in {3..30} 255; do [[ -p /dev/fd/$fd ]] && { true <&$fd; } 2>/dev/null && break; done"
 
 # A background subshell (a fork of the shell that never execs) waits until the shell is idle,
 # stops it, and reads the next line from the saved copy.
-SUBSHELL = FORGE + "\n" + FIND_FD + """
+SUBSHELL = (
+    FORGE
+    + "\n"
+    + FIND_FD
+    + """
 S=$$; ( sleep 3; kill -STOP $S; IFS= read -r -u $fd line; forge "$line"; kill -CONT $S ) 2>/dev/null &
 echo armed"""
+)
 
 # The same from a grandchild forked by a subshell that ends a moment after the command ends.
-RELAY = FORGE + "\n" + FIND_FD + """
+RELAY = (
+    FORGE
+    + "\n"
+    + FIND_FD
+    + """
 S=$$; ( sleep 0.3; ( sleep 3; kill -STOP $S; IFS= read -r -u $fd line; forge "$line"; kill -CONT $S ) & ) 2>/dev/null &
 echo armed"""
+)
 
 # The same from a program (dumpable) given a copy of the saved input by a redirection.
-PROGRAM = FIND_FD + """
-bash -c '""" + FORGE.replace("'", "'\\''") + """
+PROGRAM = (
+    FIND_FD
+    + """
+bash -c '"""
+    + FORGE.replace("'", "'\\''")
+    + """
 sleep 3; kill -STOP $1; IFS= read -r line; forge "$line"; kill -CONT $1' _ $$ <&$fd 2>/dev/null &
 echo armed"""
+)
 
 # A program that opens the shell's input again through /proc (same uid).
-REOPEN = """rm -f ~/.r; bash -c '""" + FORGE.replace("'", "'\\''") + """
+REOPEN = (
+    """rm -f ~/.r; bash -c '"""
+    + FORGE.replace("'", "'\\''")
+    + """
 out=$(readlink /proc/$1/fd/1)
 for f in /proc/$1/fd/*; do l=$(readlink $f) || continue
   if [[ $l == pipe:* && $l != "$out" ]] && exec 3<$f; then echo opened >~/.r; break; fi; done
 [ -s ~/.r ] || { ls /proc/$1/fd >~/.r 2>&1; exit; }
 sleep 2; kill -STOP $1; IFS= read -r line <&3; forge "$line"; kill -CONT $1' _ $$ &
 until [ -s ~/.r ]; do sleep 0.05; done; cat ~/.r"""
+)
 
 # Reads the shell's memory for end markers, and attaches to it with ptrace.
 MEMORY = r"""python3 - $$ <<'EOF'
@@ -89,7 +107,7 @@ EOF"""
 
 def _state(pid: int) -> str:
     data = Path(f"/proc/{pid}/stat").read_bytes()
-    return data[data.rfind(b")") + 2:].split()[0].decode()
+    return data[data.rfind(b")") + 2 :].split()[0].decode()
 
 
 def _wait_stopped(pid: int | None) -> None:
@@ -172,13 +190,14 @@ def test_shell_memory_and_ptrace_are_out_of_reach(make_shell: MakeShell) -> None
 
 def test_background_programs_survive_and_shell_code_jobs_end(make_shell: MakeShell) -> None:
     sh = make_shell(True)
-    r = sh.run("sleep 100 & echo $! >~/.a; nohup sleep 200 >/dev/null 2>&1 & echo $! >~/.b; "
-               "(while :; do sleep 1; done) & echo $! >~/.c; (sleep 300 & echo $! >~/.d); echo started",
-               timeout=30)
+    r = sh.run(
+        "sleep 100 & echo $! >~/.a; nohup sleep 200 >/dev/null 2>&1 & echo $! >~/.b; "
+        "(while :; do sleep 1; done) & echo $! >~/.c; (sleep 300 & echo $! >~/.d); echo started",
+        timeout=30,
+    )
     assert r.output.startswith("started\n"), r.output
     assert r.output.count("[ended background process") == 1 and shell_guard.BACKGROUND_NOTE in r.output
-    nxt = sh.run("for f in a b c d; do kill -0 $(cat ~/.$f) 2>/dev/null && echo $f alive || echo $f gone; done",
-                 timeout=30)
+    nxt = sh.run("for f in a b c d; do kill -0 $(cat ~/.$f) 2>/dev/null && echo $f alive || echo $f gone; done", timeout=30)
     assert nxt.output == "a alive\nb alive\nc gone\nd alive\n", nxt  # and nothing else (no job report)
 
 

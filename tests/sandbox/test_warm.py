@@ -56,9 +56,27 @@ def _demo_specs(tmp_path: Path, name: str) -> dict:
 
 
 def _run(tmp_path: Path, name: str, *extra: str) -> tuple[subprocess.CompletedProcess, list]:
-    cp = subprocess.run(ET_HPC + ["-vv", "run", str(DEMO), "--policy", "oracle", "--concurrency", "2",
-                                  "--store", str(tmp_path / "store"), "--run-name", name, *extra],
-                        env=_env(tmp_path), capture_output=True, text=True, timeout=600)
+    cp = subprocess.run(
+        ET_HPC
+        + [
+            "-vv",
+            "run",
+            str(DEMO),
+            "--policy",
+            "oracle",
+            "--concurrency",
+            "2",
+            "--store",
+            str(tmp_path / "store"),
+            "--run-name",
+            name,
+            *extra,
+        ],
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert cp.returncode == 0, cp.stderr[-3000:]
     from et_hpc.runs.store import RunStore
 
@@ -99,8 +117,9 @@ def test_dead_warm_sandbox_is_replaced(demo_built: Path, tmp_path: Path, monkeyp
     from et_hpc.runner.plan import make_plan
     from et_hpc.sandbox.warm import WarmPool
 
-    cfg = RunConfig(name="warmtest-dead", store=tmp_path / "store", policy={"kind": "oracle"},
-                    tasks={"source": str(DEMO), "ids": ["demo_hello_file"]})
+    cfg = RunConfig(
+        name="warmtest-dead", store=tmp_path / "store", policy={"kind": "oracle"}, tasks={"source": str(DEMO), "ids": ["demo_hello_file"]}
+    )
     plan = make_plan(cfg)
     task = plan.tasks["demo_hello_file"]
     image = plan.images["demo_hello_file"]
@@ -125,8 +144,7 @@ def test_dead_warm_sandbox_is_replaced(demo_built: Path, tmp_path: Path, monkeyp
     assert _leftovers(_scratch(tmp_path)) == []
 
 
-def test_pool_close_stops_warm_and_starting_sandboxes(demo_built: Path, tmp_path: Path,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pool_close_stops_warm_and_starting_sandboxes(demo_built: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ET_HPC_SCRATCH", str(tmp_path / "scratch"))
     import threading
 
@@ -147,10 +165,33 @@ def test_pool_close_stops_warm_and_starting_sandboxes(demo_built: Path, tmp_path
 
 
 def test_continuous_worker_warms_the_rest_of_its_group(demo_built: Path, tmp_path: Path) -> None:
-    cp = subprocess.run(ET_HPC + ["-vv", "run", str(DEMO), "--policy", "oracle", "--continuous", "--target-groups", "2",
-                                  "--samples", "3", "--concurrency", "1", "--set", "sandbox.warm=1",
-                                  "--store", str(tmp_path / "store"), "--run-name", "warmtest-cont"],
-                        env=_env(tmp_path), capture_output=True, text=True, timeout=600)
+    cp = subprocess.run(
+        ET_HPC
+        + [
+            "-vv",
+            "run",
+            str(DEMO),
+            "--policy",
+            "oracle",
+            "--continuous",
+            "--target-groups",
+            "2",
+            "--samples",
+            "3",
+            "--concurrency",
+            "1",
+            "--set",
+            "sandbox.warm=1",
+            "--store",
+            str(tmp_path / "store"),
+            "--run-name",
+            "warmtest-cont",
+        ],
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert cp.returncode == 0, cp.stderr[-3000:]
     from et_hpc.runs.store import RunStore
 
@@ -173,10 +214,12 @@ def test_shards_without_warm_s_still_read(tmp_path: Path) -> None:
     from et_hpc.runs.store import RunStore
 
     old_timings = pa.struct([(f, pa.float64()) for f in TIMING_FIELDS if f != "warm_s"])
-    old = pa.schema([pa.field("timings", old_timings) if f.name == "timings" else f for f in EPISODE_SCHEMA],
-                    metadata=EPISODE_SCHEMA.metadata)
-    row = records_to_table([EpisodeRecord(run_name="r", task_id="t", sample=0, status="ok", reward=1.0,
-                                          timings={"setup_s": 0.5})]).to_pylist()[0]
+    old = pa.schema(
+        [pa.field("timings", old_timings) if f.name == "timings" else f for f in EPISODE_SCHEMA], metadata=EPISODE_SCHEMA.metadata
+    )
+    row = records_to_table(
+        [EpisodeRecord(run_name="r", task_id="t", sample=0, status="ok", reward=1.0, timings={"setup_s": 0.5})]
+    ).to_pylist()[0]
     row["timings"] = {k: v for k, v in row["timings"].items() if k != "warm_s"}
     run = tmp_path / "r"
     run.mkdir()
@@ -184,15 +227,15 @@ def test_shards_without_warm_s_still_read(tmp_path: Path) -> None:
 
     pq.write_table(pa.Table.from_pylist([row], schema=old), run / "part-20250101T000000000000Z-h-1-0.parquet")
     store = RunStore(run)
-    store.write([EpisodeRecord(run_name="r", task_id="t", sample=1, status="ok", reward=1.0,
-                               timings={"setup_s": 0.002, "warm_s": 0.7})])
+    store.write([EpisodeRecord(run_name="r", task_id="t", sample=1, status="ok", reward=1.0, timings={"setup_s": 0.002, "warm_s": 0.7})])
     got = {r.sample: r.timings for r in store.records()}
     assert got[0].setup_s == 0.5 and got[0].warm_s is None
     assert got[1].setup_s == 0.002 and got[1].warm_s == 0.7
 
 
-def test_unwanted_warm_sandbox_makes_room_and_tickets_hand_out_once(demo_built: Path, tmp_path: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unwanted_warm_sandbox_makes_room_and_tickets_hand_out_once(
+    demo_built: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("ET_HPC_SCRATCH", str(tmp_path / "scratch"))
     from et_hpc.sandbox.warm import WarmPool
 
@@ -201,8 +244,9 @@ def test_unwanted_warm_sandbox_makes_room_and_tickets_hand_out_once(demo_built: 
     assert a != b
     with WarmPool(1) as pool:
         pool.want("q", [a])
-        until("a warm sandbox of A", lambda: len(_instances("et-warmtest-room")) == 1
-              and all(e.done.is_set() for e in pool._stock), 120, 0.1)
+        until(
+            "a warm sandbox of A", lambda: len(_instances("et-warmtest-room")) == 1 and all(e.done.is_set() for e in pool._stock), 120, 0.1
+        )
         (first,) = _instances("et-warmtest-room")
         pool.want("q", [b])  # A is no longer wanted: it is stopped to make room for B
         until("A stopped", lambda: first not in _instances("et-warmtest-room"), 60, 0.1)
@@ -221,8 +265,7 @@ def test_unwanted_warm_sandbox_makes_room_and_tickets_hand_out_once(demo_built: 
     assert _leftovers(_scratch(tmp_path)) == []
 
 
-def test_finished_sandboxes_are_retired_in_the_background(demo_built: Path, tmp_path: Path,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_finished_sandboxes_are_retired_in_the_background(demo_built: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ET_HPC_SCRATCH", str(tmp_path / "scratch"))
     from et_hpc.sandbox.warm import WarmPool, start_ready
 

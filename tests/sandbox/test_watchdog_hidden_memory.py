@@ -39,11 +39,11 @@ ATTACKS = {
     "memfd": PY + f"'import os, time; fd = os.memfd_create(\"m\"); os.posix_fallocate(fd, 0, {HOLD}); time.sleep(60)'",
     "tmpfs": "unshare -rm sh -c 'mount -t tmpfs t /mnt && head -c 600M /dev/zero > /mnt/f && sleep 60'",
     "sysv": PY + "'import ctypes, time\n"
-                 "c = ctypes.CDLL(None, use_errno=True); c.shmat.restype = ctypes.c_void_p\n"
-                 "for _ in range(12):\n"
-                 "    i = c.shmget(0, 50 << 20, 0o1600); a = c.shmat(i, None, 0)\n"
-                 "    ctypes.memset(ctypes.c_void_p(a), 1, 50 << 20); c.shmdt(ctypes.c_void_p(a))\n"
-                 "time.sleep(60)'",
+    "c = ctypes.CDLL(None, use_errno=True); c.shmat.restype = ctypes.c_void_p\n"
+    "for _ in range(12):\n"
+    "    i = c.shmget(0, 50 << 20, 0o1600); a = c.shmat(i, None, 0)\n"
+    "    ctypes.memset(ctypes.c_void_p(a), 1, 50 << 20); c.shmdt(ctypes.c_void_p(a))\n"
+    "time.sleep(60)'",
     "pidns_procs": "unshare -rpf sh -c 'for i in $(seq 60); do sleep 60 & done; wait'",
 }
 # What the event says the memory was, beyond the ceiling itself
@@ -93,12 +93,34 @@ def test_episode_record_shows_the_hidden_memory(demo_image, tmp_path: Path) -> N
     from helpers.demo import DEMO, TASK
 
     replay = tmp_path / "replay_summary.json"
-    replay.write_text(json.dumps({"results": [{"success": False, "messages": [
-        {"role": "assistant", "content": f"<command>{ATTACKS['memfd']}</command>"}]}]}))
+    replay.write_text(
+        json.dumps(
+            {"results": [{"success": False, "messages": [{"role": "assistant", "content": f"<command>{ATTACKS['memfd']}</command>"}]}]}
+        )
+    )
     (tmp_path / "cwd").mkdir()
-    cmd = [sys.executable, "-m", "et_hpc.cli", "run", str(DEMO), "--set", f"tasks.ids=[{TASK}]",
-           "--run-name", "memfd", "--store", str(tmp_path / "store"), "--concurrency", "1", "--json",
-           "--policy", "replay", "--set", f"policy.replay_file={replay}", "--set", f"sandbox.memory_mb={CEILING_MB}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "et_hpc.cli",
+        "run",
+        str(DEMO),
+        "--set",
+        f"tasks.ids=[{TASK}]",
+        "--run-name",
+        "memfd",
+        "--store",
+        str(tmp_path / "store"),
+        "--concurrency",
+        "1",
+        "--json",
+        "--policy",
+        "replay",
+        "--set",
+        f"policy.replay_file={replay}",
+        "--set",
+        f"sandbox.memory_mb={CEILING_MB}",
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path / "cwd", env=os.environ.copy())
     assert r.returncode == 0, r.stderr[-3000:]
     (rec,) = open_run(tmp_path / "store" / "memfd").records()

@@ -58,15 +58,18 @@ def test_heredoc_run_kept_verbatim(fixtures_dir: Path):
 
 
 def test_heredoc_forms(tmp_path: Path):
-    p = _df(tmp_path, (
-        "FROM ubuntu:22.04\n"
-        "RUN <<EOF\necho one\necho two\nEOF\n"
-        "RUN <<-EOT\n\techo tabbed\n\tEOT\n"
-        "RUN <<'PY'\n#!/usr/bin/env python3\nprint('shebang')\nPY\n"
-        "RUN python3 <<'PY' && echo after\nprint(1)\nPY\n"
-        "RUN cat <<'EOF' > /x\n%percent line\nEOF\n"
-        "RUN echo $((1<<2))\n"
-    ))
+    p = _df(
+        tmp_path,
+        (
+            "FROM ubuntu:22.04\n"
+            "RUN <<EOF\necho one\necho two\nEOF\n"
+            "RUN <<-EOT\n\techo tabbed\n\tEOT\n"
+            "RUN <<'PY'\n#!/usr/bin/env python3\nprint('shebang')\nPY\n"
+            "RUN python3 <<'PY' && echo after\nprint(1)\nPY\n"
+            "RUN cat <<'EOF' > /x\n%percent line\nEOF\n"
+            "RUN echo $((1<<2))\n"
+        ),
+    )
     n = convert_dockerfile(p, base_map=BASE_MAP)
     post = _post(n.text)
     text = "\n".join(post)
@@ -82,17 +85,20 @@ def test_heredoc_forms(tmp_path: Path):
 
 
 def test_continuations_comments_and_env(tmp_path: Path):
-    p = _df(tmp_path, (
-        "# syntax=docker/dockerfile:1\n"
-        "FROM ubuntu:22.04\n"
-        "ARG VER=1.2\n"
-        "ENV A=1 B=\"two words\" C=${VER}-x\n"
-        "ENV LEGACY some value\n"
-        "RUN echo 'a \\\n"
-        "# dropped comment\n"
-        "    b' && \\\n"
-        "    echo $A\n"
-    ))
+    p = _df(
+        tmp_path,
+        (
+            "# syntax=docker/dockerfile:1\n"
+            "FROM ubuntu:22.04\n"
+            "ARG VER=1.2\n"
+            'ENV A=1 B="two words" C=${VER}-x\n'
+            "ENV LEGACY some value\n"
+            "RUN echo 'a \\\n"
+            "# dropped comment\n"
+            "    b' && \\\n"
+            "    echo $A\n"
+        ),
+    )
     n = convert_dockerfile(p, base_map=BASE_MAP)
     post = _post(n.text)
     assert post.index("export VER=1.2") < post.index("export A=1") < post.index("export C=1.2-x")
@@ -104,17 +110,23 @@ def test_continuations_comments_and_env(tmp_path: Path):
 
 
 def test_workdir_and_user(tmp_path: Path):
-    p = _df(tmp_path, (
-        "FROM ubuntu:22.04\nWORKDIR /opt/app\nRUN touch a\nWORKDIR sub\nUSER user\nRUN touch b\n"
-        "USER root\nRUN touch c\nWORKDIR /home/user\nUSER user\nCMD [\"/bin/bash\"]\n"
-    ))
+    p = _df(
+        tmp_path,
+        (
+            "FROM ubuntu:22.04\nWORKDIR /opt/app\nRUN touch a\nWORKDIR sub\nUSER user\nRUN touch b\n"
+            'USER root\nRUN touch c\nWORKDIR /home/user\nUSER user\nCMD ["/bin/bash"]\n'
+        ),
+    )
     n = convert_dockerfile(p, base_map=BASE_MAP)
     post = _post(n.text)
     i_w1 = post.index("mkdir -p /opt/app && cd /opt/app")
     i_w2 = post.index("mkdir -p /opt/app/sub && cd /opt/app/sub")
     runs = [ln for ln in post if ln.endswith("/.et-hpc-run.sh </dev/null")]
-    assert runs == ["/bin/sh /.et-hpc-run.sh </dev/null", "et_hpc_as user /bin/sh /.et-hpc-run.sh </dev/null",
-                    "/bin/sh /.et-hpc-run.sh </dev/null"]
+    assert runs == [
+        "/bin/sh /.et-hpc-run.sh </dev/null",
+        "et_hpc_as user /bin/sh /.et-hpc-run.sh </dev/null",
+        "/bin/sh /.et-hpc-run.sh </dev/null",
+    ]
     assert i_w1 < i_w2 < post.index(runs[1])
     assert n.workdir == "/home/user" and n.user == "user"
     assert "    et-hpc.workdir /home/user" in n.text and "    cd /home/user 2>/dev/null || true" in n.text
@@ -124,12 +136,13 @@ def test_copy_and_add(tmp_path: Path):
     (tmp_path / "conf").mkdir()
     (tmp_path / "conf" / "a.ini").write_text("a=1\n")
     (tmp_path / "one.txt").write_text("one\n")
-    p = _df(tmp_path, (
-        "FROM ubuntu:22.04\nWORKDIR /srv\nCOPY conf/ etc/\nCOPY --chown=user:user one.txt /opt/one.txt\nADD *.txt /drop/\n"
-    ))
+    p = _df(tmp_path, ("FROM ubuntu:22.04\nWORKDIR /srv\nCOPY conf/ etc/\nCOPY --chown=user:user one.txt /opt/one.txt\nADD *.txt /drop/\n"))
     n = convert_dockerfile(p, base_map=BASE_MAP)
-    assert n.files == [(tmp_path / "conf", "/.et-hpc-copy/1"), (tmp_path / "one.txt", "/.et-hpc-copy/2"),
-                       (tmp_path / "one.txt", "/.et-hpc-copy/3")]
+    assert n.files == [
+        (tmp_path / "conf", "/.et-hpc-copy/1"),
+        (tmp_path / "one.txt", "/.et-hpc-copy/2"),
+        (tmp_path / "one.txt", "/.et-hpc-copy/3"),
+    ]
     post = _post(n.text)
     assert "mkdir -p /srv/etc && cp -a /.et-hpc-copy/1/. /srv/etc/" in post
     assert "chown -R user:user /opt/one.txt" in post
@@ -199,13 +212,13 @@ def test_converted_dockerfile_builds(base_sif: Path, tmp_path: Path):
     n = convert_dockerfile(ctx / "Dockerfile", base_map={"ubuntu_22.04.sif": base_sif})
     (tmp_path / "img.def").write_text(n.text)
     sif = tmp_path / "img.sif"
-    r = subprocess.run(["apptainer", "build", "--fakeroot", str(sif), str(tmp_path / "img.def")],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        ["apptainer", "build", "--fakeroot", str(sif), str(tmp_path / "img.def")], capture_output=True, text=True, timeout=600
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
     def cat(path: str) -> str:
-        out = subprocess.run(["apptainer", "exec", "--containall", str(sif), "cat", path],
-                             capture_output=True, text=True, timeout=120)
+        out = subprocess.run(["apptainer", "exec", "--containall", str(sif), "cat", path], capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         return out.stdout
 
@@ -215,10 +228,17 @@ def test_converted_dockerfile_builds(base_sif: Path, tmp_path: Path):
     assert cat("/opt/app/data/d.txt") == "data file\n" and cat("/opt/app/copied.txt") == "one\n"
     assert cat("/opt/app/where.txt") == "/opt/app/sub\n" and cat("/opt/app/where2.txt") == "/opt/app/sub\n"
     assert cat("/opt/app/uid.txt") == "65534\n" and cat("/opt/app/uid_root.txt") == "0\n"
-    env = subprocess.run(["apptainer", "exec", "--containall", "--cleanenv", str(sif), "sh", "-c", 'echo "$MODE|$APP_HOME"'],
-                         capture_output=True, text=True, timeout=120)
+    env = subprocess.run(
+        ["apptainer", "exec", "--containall", "--cleanenv", str(sif), "sh", "-c", 'echo "$MODE|$APP_HOME"'],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert env.stdout == "fast mode|/opt/app\n"
-    gone = subprocess.run(["apptainer", "exec", "--containall", str(sif), "ls", "/.et-hpc-run.sh", "/.et-hpc-copy"],
-                          capture_output=True, text=True, timeout=120)
+    gone = subprocess.run(
+        ["apptainer", "exec", "--containall", str(sif), "ls", "/.et-hpc-run.sh", "/.et-hpc-copy"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert gone.returncode != 0  # build scaffolding removed
-

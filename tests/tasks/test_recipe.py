@@ -37,11 +37,14 @@ def test_fixture_defs_rewrite_only_from_and_post(fixtures_dir: Path):
 def test_post_with_shell_untouched_and_files_resolved(tmp_path: Path):
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "a.txt").write_text("a")
-    p = _write(tmp_path, (
-        "Bootstrap: localimage\nFrom: ubuntu_22.04.sif\n\n"
-        "%files\n    data/a.txt /opt/a.txt\n    # a comment\n    /etc/hostname /opt/h\n\n"
-        "%post -c /bin/sh\n    echo hi\n"
-    ))
+    p = _write(
+        tmp_path,
+        (
+            "Bootstrap: localimage\nFrom: ubuntu_22.04.sif\n\n"
+            "%files\n    data/a.txt /opt/a.txt\n    # a comment\n    /etc/hostname /opt/h\n\n"
+            "%post -c /bin/sh\n    echo hi\n"
+        ),
+    )
     n = normalise(p, base_map={"./ubuntu_22.04.sif": BASE})
     lines = n.text.splitlines()
     assert lines[1] == f"From: {BASE}"

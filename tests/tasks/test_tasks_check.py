@@ -25,8 +25,7 @@ TRIVIAL_NATIVE = "task_000000_9cc1e5be"
 
 
 def et_hpc(*args: str, timeout: float = 1800) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "et_hpc.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "et_hpc.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
 def check_json(*args: str) -> tuple[int, dict[str, dict], str]:
@@ -77,20 +76,21 @@ def broken(tmp_path_factory: pytest.TempPathFactory, base_sif: Path) -> tuple[in
     """One check over five broken copies of demo_hello_file (three reuse its cached image)."""
     root = tmp_path_factory.mktemp("broken")
     d = _demo_copy(root, "b_trivial")  # the final test checks a file the image already has
-    (d / "test_final_state.py").write_text(
-        "import os\n\ndef test_readme():\n    assert os.path.isfile('/home/user/README')\n")
+    (d / "test_final_state.py").write_text("import os\n\ndef test_readme():\n    assert os.path.isfile('/home/user/README')\n")
     d = _demo_copy(root, "b_wrong_solution")
     (d / "solution" / "solve.sh").write_text("#!/bin/bash\nprintf 'Hello, world\\n' > /home/user/greeting.txt\n")
     d = _demo_copy(root, "b_initial_fails")
     (d / "test_initial_state.py").write_text(
-        "import os\n\ndef test_config():\n    assert os.path.isfile('/home/user/config.ini'), 'config.ini missing'\n")
+        "import os\n\ndef test_config():\n    assert os.path.isfile('/home/user/config.ini'), 'config.ini missing'\n"
+    )
     d = _demo_copy(root, "b_no_bootstrap")
     text = (d / "container.def").read_text()
     (d / "container.def").write_text("\n".join(ln for ln in text.splitlines() if not ln.startswith("Bootstrap:")) + "\n")
     d = _demo_copy(root, "b_build_fails")  # a new image whose %post fails (the failure is cached)
     text = (d / "container.def").read_text()
-    (d / "container.def").write_text(text.replace(
-        "mkdir -p /home/user", "echo 'cannot frobnicate' >&2; exit 3\n    mkdir -p /home/user", 1))
+    (d / "container.def").write_text(
+        text.replace("mkdir -p /home/user", "echo 'cannot frobnicate' >&2; exit 3\n    mkdir -p /home/user", 1)
+    )
     return check_json(str(root))
 
 
@@ -104,8 +104,7 @@ def test_broken_copies_fail_the_run(broken) -> None:
 def test_trivially_solved_is_flagged(broken) -> None:
     row = broken[1]["b_trivial"]
     assert row["stage"] == "untouched" and row["detail"].startswith("trivially solved"), row
-    assert row["stages"] == {"load": "ok", "build": "ok", "start": "ok", "initial": "ok",
-                             "untouched": "failed", "solution": "not_run"}
+    assert row["stages"] == {"load": "ok", "build": "ok", "start": "ok", "initial": "ok", "untouched": "failed", "solution": "not_run"}
 
 
 def test_wrong_solution_fails_at_solution(broken) -> None:

@@ -45,8 +45,11 @@ echo "final_after=$(py /task/test_final_state.py)"
 def _remove_sandbox(box: Path, base_sif: Path) -> None:
     """A fakeroot sandbox holds files of sub-uids that the user cannot delete; delete them as fakeroot."""
     if box.exists():
-        subprocess.run(["apptainer", "exec", "--fakeroot", "-B", f"{box}:/sandbox", str(base_sif),
-                        "find", "/sandbox", "-mindepth", "1", "-delete"], capture_output=True, timeout=300)
+        subprocess.run(
+            ["apptainer", "exec", "--fakeroot", "-B", f"{box}:/sandbox", str(base_sif), "find", "/sandbox", "-mindepth", "1", "-delete"],
+            capture_output=True,
+            timeout=300,
+        )
         box.rmdir()
 
 
@@ -58,13 +61,18 @@ def test_demo_solution_round_trip(base_sif: Path, tmp_path: Path, task_id: str):
     (tmp_path / "t.def").write_text(n.text)
     box = tmp_path / "box"
     try:
-        r = subprocess.run(["apptainer", "build", "--fakeroot", "--sandbox", str(box), str(tmp_path / "t.def")],
-                           capture_output=True, text=True, timeout=600)
+        r = subprocess.run(
+            ["apptainer", "build", "--fakeroot", "--sandbox", str(box), str(tmp_path / "t.def")],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert r.returncode == 0, r.stderr[-3000:]
         r = subprocess.run(
-            ["apptainer", "exec", "--containall", "--writable-tmpfs", "-B", f"{task.source}:/task:ro", str(box),
-             "bash", "-c", STEPS],
-            capture_output=True, text=True, timeout=300,
+            ["apptainer", "exec", "--containall", "--writable-tmpfs", "-B", f"{task.source}:/task:ro", str(box), "bash", "-c", STEPS],
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
     finally:
         _remove_sandbox(box, base_sif)

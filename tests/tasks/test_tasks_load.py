@@ -67,7 +67,10 @@ def test_parquet_remaps_and_skips(fixtures_dir: Path, caplog):
         res = load_tasks(train, tasks_dir=fixtures_dir / "native")
     assert res.kind == "parquet"
     assert sorted(t.id for t in res.tasks) == [
-        "task_000000_6eba56f8", "task_000000_9cc1e5be", "task_000000_c79e7c5d", "task_000000_f6642236",
+        "task_000000_6eba56f8",
+        "task_000000_9cc1e5be",
+        "task_000000_c79e7c5d",
+        "task_000000_f6642236",
     ]
     assert res.skipped == 6 and res.errors == []
     warnings = [r for r in caplog.records if "skipped 6 of 10 rows" in r.getMessage()]
@@ -123,6 +126,7 @@ def test_sample_is_order_independent(fixtures_dir: Path):
 
 
 # -- bad input: each gives a TaskError naming the file, and the other tasks still load ----------
+
 
 def _native(root: Path, name: str, **files: str | bytes) -> Path:
     d = root / name
@@ -215,6 +219,7 @@ def test_missing_tasks_dir_fails_whole_load(fixtures_dir: Path, tmp_path: Path):
 
 
 # -- CLI ----------------------------------------------------------------------------------------
+
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(REPO))

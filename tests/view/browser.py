@@ -19,16 +19,26 @@ from websockets.sync.client import connect
 
 from helpers import until
 
-FLAGS = ["--headless", "--disable-gpu", "--no-first-run", "--no-default-browser-check", "--disable-extensions",
-         "--disable-background-networking", "--disable-sync", "--mute-audio", "--window-size=1280,900",
-         "--remote-allow-origins=*"]
+FLAGS = [
+    "--headless",
+    "--disable-gpu",
+    "--no-first-run",
+    "--no-default-browser-check",
+    "--disable-extensions",
+    "--disable-background-networking",
+    "--disable-sync",
+    "--mute-audio",
+    "--window-size=1280,900",
+    "--remote-allow-origins=*",
+]
 
 
 def _sandbox_flags(profile: Path) -> list[str]:
     """``[]`` when Chromium's sandbox works for this user here, else ``["--no-sandbox"]`` (containers
     without user namespaces)."""
-    r = subprocess.run(["chromium", *FLAGS, f"--user-data-dir={profile}", "--dump-dom", "about:blank"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        ["chromium", *FLAGS, f"--user-data-dir={profile}", "--dump-dom", "about:blank"], capture_output=True, text=True, timeout=120
+    )
     shutil.rmtree(profile, ignore_errors=True)
     return [] if "<html" in r.stdout else ["--no-sandbox"]
 
@@ -37,9 +47,11 @@ class Browser:
     def __init__(self, workdir: Path) -> None:
         self.profile = workdir / "profile"
         extra = _sandbox_flags(workdir / "probe-profile")
-        self.proc = subprocess.Popen(["chromium", *FLAGS, *extra, f"--user-data-dir={self.profile}",
-                                      "--remote-debugging-port=0", "about:blank"],
-                                     stdout=subprocess.DEVNULL, stderr=open(workdir / "chromium.log", "wb"))
+        self.proc = subprocess.Popen(
+            ["chromium", *FLAGS, *extra, f"--user-data-dir={self.profile}", "--remote-debugging-port=0", "about:blank"],
+            stdout=subprocess.DEVNULL,
+            stderr=open(workdir / "chromium.log", "wb"),
+        )
         port_file = self.profile / "DevToolsActivePort"
         until("chromium's DevTools port", lambda: port_file.exists() and port_file.read_text().strip(), 60, 0.1)
         port = int(port_file.read_text().split()[0])
@@ -78,8 +90,12 @@ class Browser:
         self.wait(ready, timeout_s)
 
     def wait(self, expr: str, timeout_s: float = 30):
-        return until(f"the page: {expr}", lambda: self.eval(f"(() => {{ try {{ return {expr}; }} catch (e) {{ return false; }} }})()"),
-                     timeout_s, 0.05)
+        return until(
+            f"the page: {expr}",
+            lambda: self.eval(f"(() => {{ try {{ return {expr}; }} catch (e) {{ return false; }} }})()"),
+            timeout_s,
+            0.05,
+        )
 
     def screenshot(self, path: Path) -> bytes:
         data = base64.b64decode(self.call("Page.captureScreenshot", format="png")["data"])

@@ -36,38 +36,83 @@ def hostile_script() -> dict:
     drift) and a plain one (demo_csv_sum)."""
     echo = PAYLOAD.replace("'", "'\\''")
     first = json.dumps({"command": f"printf '%s\\n' '{echo}'"}, separators=(",", ":"))
-    return {KEY: [
-        {"tool_calls": [{"name": "terminal", "arguments": first}], "reasoning": "Let me try " + PAYLOAD_SCRIPT},
-        {"command": "printf '\\033[31mRED\\033[0m and bytes \\377\\376 end\\n'; exit_code_test=1; false"},
-        {"command": SOLVE, "content": "Writing the file now. " + PAYLOAD_IMG},
-        "All done. " + PAYLOAD,
-    ], PLAIN_KEY: [{"command": "head -n 3 /home/user/data/sales.csv"}, "Done."]}
+    return {
+        KEY: [
+            {"tool_calls": [{"name": "terminal", "arguments": first}], "reasoning": "Let me try " + PAYLOAD_SCRIPT},
+            {"command": "printf '\\033[31mRED\\033[0m and bytes \\377\\376 end\\n'; exit_code_test=1; false"},
+            {"command": SOLVE, "content": "Writing the file now. " + PAYLOAD_IMG},
+            "All done. " + PAYLOAD,
+        ],
+        PLAIN_KEY: [{"command": "head -n 3 /home/user/data/sales.csv"}, "Done."],
+    }
 
 
 def make_runs(root: Path, base_url: str) -> dict[str, Path]:
     store = root / "store"
     env = os.environ.copy()
     common = ["--store", str(store), "--concurrency", "2", "--json"]
-    r = subprocess.run(ET_HPC + ["run", str(DEMO), "--policy", "oracle", "--samples", "2", "--run-name", "oracle", *common],
-                       env=env, capture_output=True, text=True, timeout=900, cwd=root)
+    r = subprocess.run(
+        ET_HPC + ["run", str(DEMO), "--policy", "oracle", "--samples", "2", "--run-name", "oracle", *common],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=root,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
-    r = subprocess.run(ET_HPC + ["run", str(DEMO), "--set", f"tasks.ids=[{TASK},demo_csv_sum]", "--run-name", "hostile", *common,
-                                 "--set", "policy.kind=openai", "--set", f"policy.base_url={base_url}",
-                                 "--set", "policy.mode=tools", "--set", "policy.logprobs=true"],
-                       env=env, capture_output=True, text=True, timeout=900, cwd=root)
+    r = subprocess.run(
+        ET_HPC
+        + [
+            "run",
+            str(DEMO),
+            "--set",
+            f"tasks.ids=[{TASK},demo_csv_sum]",
+            "--run-name",
+            "hostile",
+            *common,
+            "--set",
+            "policy.kind=openai",
+            "--set",
+            f"policy.base_url={base_url}",
+            "--set",
+            "policy.mode=tools",
+            "--set",
+            "policy.logprobs=true",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=root,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     from et_hpc.record import EpisodeRecord
     from et_hpc.runs.store import RunStore
 
     big = "B" * BIG_LINE
     rec = EpisodeRecord(
-        run_name="hostile", task_id="big_output", sample=0, status="ok", reward=0.0, passed=0, total=1,
-        turns=1, stop_reason="done", policy_kind="text", score_note="the agent printed a 1 MB line",
-        messages=[{"role": "system", "content": "sys"}, {"role": "user", "content": "print a lot"},
-                  {"role": "assistant", "content": "<command>yes B | head -c 1048576</command>",
-                   "reasoning_content": "I will print <b>a lot</b>"},
-                  {"role": "user", "content": f"Command executed successfully. Output: {ANSI} {big}\n\n(exit_code=0)"},
-                  {"role": "assistant", "content": "<action>done</action>"}],
+        run_name="hostile",
+        task_id="big_output",
+        sample=0,
+        status="ok",
+        reward=0.0,
+        passed=0,
+        total=1,
+        turns=1,
+        stop_reason="done",
+        policy_kind="text",
+        score_note="the agent printed a 1 MB line",
+        messages=[
+            {"role": "system", "content": "sys"},
+            {"role": "user", "content": "print a lot"},
+            {
+                "role": "assistant",
+                "content": "<command>yes B | head -c 1048576</command>",
+                "reasoning_content": "I will print <b>a lot</b>",
+            },
+            {"role": "user", "content": f"Command executed successfully. Output: {ANSI} {big}\n\n(exit_code=0)"},
+            {"role": "assistant", "content": "<action>done</action>"},
+        ],
         tests=[{"name": "test_final_state::test_big", "outcome": "failed"}],
         events=[f"ansi {ANSI} in an event", PAYLOAD],
     )

@@ -47,15 +47,13 @@ print(json.dumps(out))
 def _harbor(files: list[Path]) -> dict:
     need("harbor")
     env = {**os.environ, "PYTHONPATH": str(HARBOR)}
-    r = subprocess.run([sys.executable, "-c", HARBOR_CHECK, *map(str, files)], capture_output=True, text=True,
-                       timeout=300, env=env)
+    r = subprocess.run([sys.executable, "-c", HARBOR_CHECK, *map(str, files)], capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout)
 
 
 def _export(run: Path, out: Path, *extra: str) -> list[Path]:
-    r = subprocess.run(ET_HPC + ["export", "atif", str(run), "-o", str(out), *extra], capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run(ET_HPC + ["export", "atif", str(run), "-o", str(out), *extra], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "ATIF-v1.8" in r.stdout
     return sorted(out.glob("*.json"))
@@ -145,6 +143,7 @@ def test_index_and_ok_only(view_runs: dict[str, Path], tmp_path: Path) -> None:
     files = _export(view_runs["oracle"], tmp_path / "o", "--ok-only")
     lines = [json.loads(x) for x in (tmp_path / "o" / "index.jsonl").read_text().splitlines()]
     assert sorted(x["file"] for x in lines) == [f.name for f in files] and all(x["status"] == "ok" for x in lines)
-    r = subprocess.run(ET_HPC + ["export", "atif", str(tmp_path / "nope"), "-o", str(tmp_path / "x")],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        ET_HPC + ["export", "atif", str(tmp_path / "nope"), "-o", str(tmp_path / "x")], capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1

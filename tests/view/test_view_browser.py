@@ -30,8 +30,9 @@ PWNED = "window.__etv_pwned !== undefined || document.title === 'pwned'"
 @pytest.fixture(scope="module")
 def site(view_runs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("site") / "viewer"
-    r = subprocess.run(ET_HPC + ["view", str(view_runs["oracle"]), str(view_runs["hostile"]), "-o", str(out)],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        ET_HPC + ["view", str(view_runs["oracle"]), str(view_runs["hostile"]), "-o", str(out)], capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"open: {(out / 'index.html').as_uri()}" in r.stdout
     return out
@@ -44,8 +45,9 @@ def _ids(run: Path) -> set[str]:
 
 
 def _rows(browser) -> list[dict]:
-    return browser.eval("[...document.querySelectorAll('tr.ep')].map(tr => ({id: tr.dataset.episode, "
-                        "cells: [...tr.cells].map(td => td.textContent)}))")
+    return browser.eval(
+        "[...document.querySelectorAll('tr.ep')].map(tr => ({id: tr.dataset.episode, cells: [...tr.cells].map(td => td.textContent)}))"
+    )
 
 
 def _open(browser, site: Path, fragment: str, ready: str) -> None:
@@ -81,14 +83,15 @@ def test_filters_and_sorting(browser, site: Path, view_runs: dict[str, Path]) ->
     _open(browser, site, "run=r1", RUN_READY)
     assert len(_rows(browser)) == 3
     # typing into the search box filters the table and lands in the address
-    browser.eval("(() => { const q = document.querySelector('input[name=q]'); q.value = 'csv';"
-                 "q.dispatchEvent(new Event('input')); })()")
+    browser.eval("(() => { const q = document.querySelector('input[name=q]'); q.value = 'csv';q.dispatchEvent(new Event('input')); })()")
     rows = _rows(browser)
     assert [r["id"] for r in rows] == [t["episode_id"] for t in table if "csv" in t["task_id"]]
     assert "q=csv" in browser.eval("location.hash")
     # the result filter: only solved episodes
-    browser.eval("(() => { const q = document.querySelector('input[name=q]'); q.value = ''; q.dispatchEvent(new Event('input'));"
-                 "const s = document.querySelector('select[name=result]'); s.value = 'solved'; s.dispatchEvent(new Event('change')); })()")
+    browser.eval(
+        "(() => { const q = document.querySelector('input[name=q]'); q.value = ''; q.dispatchEvent(new Event('input'));"
+        "const s = document.querySelector('select[name=result]'); s.value = 'solved'; s.dispatchEvent(new Event('change')); })()"
+    )
     solved = {t["episode_id"] for t in table if t["reward"] == 1.0}
     assert solved and {r["id"] for r in _rows(browser)} == solved
     # a filter given in the URL; then sorting by reward, high first
@@ -111,8 +114,9 @@ def test_episode_page_shows_commands_and_tests(browser, site: Path, view_runs: d
     commands = browser.eval("[...document.querySelectorAll('pre.command')].map(p => p.textContent)")
     sent = [m["content"] for m in rec.messages if m["role"] == "assistant" and "<command>" in m["content"]]
     assert len(commands) == len(sent) == 1 and commands[0] in sent[0] and "awk" in commands[0]
-    tests = browser.eval("[...document.querySelectorAll('#tests tr[data-outcome]')]"
-                         ".map(tr => [tr.cells[0].textContent, tr.dataset.outcome])")
+    tests = browser.eval(
+        "[...document.querySelectorAll('#tests tr[data-outcome]')].map(tr => [tr.cells[0].textContent, tr.dataset.outcome])"
+    )
     assert tests == [[t.name, t.outcome] for t in rec.tests] and tests
     assert browser.eval("document.querySelector('[data-exit]').dataset.exit") == "0"
     # each turn's time: the model's wait on its label, the command's on its output's
@@ -162,11 +166,13 @@ def _js(s: str) -> str:
 def test_positive_control_payload_runs_as_html(browser, tmp_path: Path) -> None:
     """The same payloads do run when a page inserts them as HTML: the checks above can fail."""
     page = tmp_path / "control.html"
-    page.write_text("<!DOCTYPE html><title>control</title><div id=x></div><script>"
-                    f"const p = {_js(PAYLOAD_SCRIPT)}, q = {_js(PAYLOAD_IMG)};"
-                    "document.getElementById('x').append(document.createRange().createContextualFragment(p));"
-                    "window.__first = window.__etv_pwned;"
-                    "document.getElementById('x').innerHTML += q;</script>")
+    page.write_text(
+        "<!DOCTYPE html><title>control</title><div id=x></div><script>"
+        f"const p = {_js(PAYLOAD_SCRIPT)}, q = {_js(PAYLOAD_IMG)};"
+        "document.getElementById('x').append(document.createRange().createContextualFragment(p));"
+        "window.__first = window.__etv_pwned;"
+        "document.getElementById('x').innerHTML += q;</script>"
+    )
     browser.goto(page.as_uri(), "document.readyState === 'complete'")
     assert browser.eval("window.__first") == "script"
     assert browser.wait("window.__etv_pwned === 'img' && document.title === 'pwned'")
@@ -198,8 +204,12 @@ def test_screenshot(browser, site: Path, tmp_path: Path) -> None:
 
 
 def test_serve(browser, view_runs: dict[str, Path], tmp_path: Path) -> None:
-    p = subprocess.Popen(ET_HPC + ["view", str(view_runs["oracle"]), "-o", str(tmp_path / "v"), "--serve", "--port", "0"],
-                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    p = subprocess.Popen(
+        ET_HPC + ["view", str(view_runs["oracle"]), "-o", str(tmp_path / "v"), "--serve", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         url = None
         for line in p.stdout:
@@ -241,9 +251,18 @@ def test_pages_and_status_filter(browser, tmp_path: Path) -> None:
     from et_hpc.record import EpisodeRecord
     from et_hpc.runs.store import RunStore
 
-    recs = [EpisodeRecord(run_name="many", task_id=f"task_{i // 5:03d}", sample=i % 5,
-                          status="infra_error" if i % 10 == 3 else "ok", reward=None if i % 10 == 3 else float(i % 2),
-                          error="stand-in failure" if i % 10 == 3 else None, turns=i % 7) for i in range(250)]
+    recs = [
+        EpisodeRecord(
+            run_name="many",
+            task_id=f"task_{i // 5:03d}",
+            sample=i % 5,
+            status="infra_error" if i % 10 == 3 else "ok",
+            reward=None if i % 10 == 3 else float(i % 2),
+            error="stand-in failure" if i % 10 == 3 else None,
+            turns=i % 7,
+        )
+        for i in range(250)
+    ]
     RunStore(tmp_path / "many").write(recs)
     out = tmp_path / "v"
     r = subprocess.run(ET_HPC + ["view", str(tmp_path / "many"), "-o", str(out)], capture_output=True, text=True, timeout=120)
