@@ -22,6 +22,14 @@ def _strs(field) -> list[str]:
     return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
 
 
+def _pair(merge: str) -> tuple[str, str]:
+    """A GGUF merge rule ``"a b"`` as the pair BPE takes."""
+    left, sep, right = merge.partition(" ")
+    if not sep:
+        raise ValueError(f"not a BPE merge rule (two symbols separated by a space): {merge!r}")
+    return left, right
+
+
 def write_tokenizer(gguf_path: Path, out: Path) -> Path:
     from gguf import GGUFReader
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -32,7 +40,7 @@ def write_tokenizer(gguf_path: Path, out: Path) -> Path:
         raise ValueError(f"{gguf_path}: only byte-level BPE ('gpt2') vocabularies are supported")
     tokens = _strs(f["tokenizer.ggml.tokens"])
     types = [int(f["tokenizer.ggml.token_type"].parts[i][0]) for i in f["tokenizer.ggml.token_type"].data]
-    merges = [tuple(m.split(" ", 1)) for m in _strs(f["tokenizer.ggml.merges"])]
+    merges = [_pair(m) for m in _strs(f["tokenizer.ggml.merges"])]
     vocab = {t: i for i, t in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
