@@ -41,3 +41,10 @@ def test_the_program_answers_for_an_instance_that_is_gone() -> None:
     line = next(ln for ln in p.stdout.decode().splitlines() if ln.startswith("MK"))
     res = json.loads(line[2:])
     assert res["kind"] == "infra" and res["stage"] == "enter" and "is gone" in res["error"]
+
+
+def test_the_program_fits_in_one_argument() -> None:
+    # Linux takes at most 32 pages (128 KiB) per argv string (MAX_ARG_STRLEN); a longer program
+    # would make every scoring fail to start with E2BIG. Keep a margin for growth.
+    size = len(_program().encode())
+    assert 20_000 < size < 100 * 1024, size
