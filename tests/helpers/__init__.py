@@ -55,6 +55,10 @@ def missing(what: str) -> str | None:
         return None if ruff_cmd() else "ruff is not installed (pip install -e '.[test]')"
     if what == "chromium":
         return None if shutil.which("chromium") else "chromium is not installed (run scripts/provision-debian as root)"
+    if what == "skyrl":
+        from helpers.skyrl import BASE, SKYRL, SKYRL_VERSION
+
+        return None if BASE.is_file() else f"SkyRL {SKYRL_VERSION} is not at {SKYRL} (run scripts/provision-debian)"
     if what == "harbor":
         return None if (HARBOR / "harbor").is_dir() else f"harbor {HARBOR_VERSION} is not at {HARBOR} (run scripts/provision-debian)"
     raise ValueError(what)

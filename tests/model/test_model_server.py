@@ -147,7 +147,7 @@ def _run(tmp: Path, name: str, ep: Path, *args: str, timeout: float = 900) -> di
 
 
 def _skyrl_checker():
-    """The SkyRL 0.4.0 GeneratorOutput check of the export tests (field by field), loaded from its file."""
+    """The SkyRL 0.4.0 GeneratorOutput check of the export tests (SkyRL's own class, then field by field)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("export_tests", REPO / "tests" / "runs" / "test_export.py")

@@ -309,9 +309,14 @@ SKYRL_040_GENERATOR_OUTPUT = {
 
 
 def _check_skyrl_040(go: dict) -> None:
-    """``go`` against SkyRL 0.4.0's GeneratorOutput, field by field (raises AssertionError)."""
+    """``go`` against SkyRL 0.4.0's own GeneratorOutput class, then field by field (raises AssertionError)."""
     import dataclasses
 
+    from helpers import need
+    from helpers.skyrl import as_skyrl
+
+    need("skyrl")
+    as_skyrl(go)
     assert set(go) == set(SKYRL_040_GENERATOR_OUTPUT), set(go) ^ set(SKYRL_040_GENERATOR_OUTPUT)
     n = len(go["response_ids"])
 
@@ -364,3 +369,21 @@ def test_skyrl_export_is_a_skyrl_040_generator_output(run, tmp_path):
     ):
         with pytest.raises(AssertionError):
             _check_skyrl_040(bad)
+
+
+def test_skyrl_own_class_is_the_one_checked(run, tmp_path):
+    """The keys and annotations come from SkyRL's own file: what it does not declare is refused."""
+    from helpers import need
+    from helpers.skyrl import as_skyrl, load_base
+
+    need("skyrl")
+    base = load_base()
+    assert set(base.GeneratorOutput.__required_keys__) == set(SKYRL_040_GENERATOR_OUTPUT)
+    out = tmp_path / "go.parquet"
+    export_skyrl(run, out)
+    go = generator_output(out)
+    ids = as_skyrl(go)["trajectory_ids"]
+    assert all(type(t) is base.TrajectoryID for t in ids)  # SkyRL's own dataclass took every id
+    for bad in ({**go, "extra": None}, {**go, "rollout_metrics": [1]}, {**go, "rewards": [1] * len(go["rewards"])}):
+        with pytest.raises(AssertionError):
+            as_skyrl(bad)
