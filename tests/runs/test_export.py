@@ -309,15 +309,13 @@ SKYRL_040_GENERATOR_OUTPUT = {
 
 
 def _check_skyrl_040(go: dict) -> None:
-    """``go`` against SkyRL 0.4.0's own GeneratorOutput class, then field by field (raises AssertionError)."""
-    import dataclasses
-
+    """``go`` against SkyRL 0.4.0's own GeneratorOutput class (keys, annotations, TrajectoryID), then
+    what the annotations do not say: lengths, masks, ids (raises AssertionError)."""
     from helpers import need
     from helpers.skyrl import as_skyrl
 
     need("skyrl")
     as_skyrl(go)
-    assert set(go) == set(SKYRL_040_GENERATOR_OUTPUT), set(go) ^ set(SKYRL_040_GENERATOR_OUTPUT)
     n = len(go["response_ids"])
 
     def ints(x):
@@ -336,10 +334,8 @@ def _check_skyrl_040(go: dict) -> None:
     )
     tids = go["trajectory_ids"]
     assert len(tids) == n
-    for t in tids:
-        assert dataclasses.is_dataclass(t) and [f.name for f in dataclasses.fields(t)] == ["instance_id", "repetition_id"]
+    for t in tids:  # SkyRL's TrajectoryID (as_skyrl) declares the fields; their values are not checked there
         assert isinstance(t.instance_id, str) and isinstance(t.repetition_id, int)
-        assert t.to_string() == f"{t.instance_id}_{t.repetition_id}"
     for k in set(SKYRL_040_GENERATOR_OUTPUT) - {
         "prompt_token_ids",
         "response_ids",
