@@ -6,11 +6,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
 import pytest
+
+from helpers import until
 
 ET = [sys.executable, "-m", "et_hpc.cli"]
 
@@ -183,11 +184,9 @@ def test_submitit_array_on_real_slurm(tmp_path):
     # submitit reads each result as soon as the task has written it; the job's own end reaches
     # accounting a moment later, so wait for every array task's record to say COMPLETED.
     array_id = jobs[0].job_id.split("_")[0]
-    deadline = time.monotonic() + 120
-    while True:
+
+    def all_completed() -> bool:
         r = subprocess.run(["sacct", "-n", "-X", "-j", array_id, "-o", "State"], capture_output=True, text=True)
-        states = r.stdout.split()
-        if r.returncode == 0 and len(states) == 6 and set(states) == {"COMPLETED"}:
-            break
-        assert time.monotonic() < deadline, f"array {array_id} never completed in accounting: {r.stdout!r}"
-        time.sleep(2)
+        return r.returncode == 0 and r.stdout.split() == ["COMPLETED"] * 6
+
+    until(f"accounting to record the 6 tasks of array {array_id} as COMPLETED", all_completed, 120, every_s=2)
