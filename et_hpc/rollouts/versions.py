@@ -27,6 +27,7 @@ __all__ = ["SWITCHING", "UNVERSIONED", "PolicyVersion", "VersionReader", "label_
 log = logging.getLogger(__name__)
 
 VERSION_FILE = "version.json"
+RACY_S = 2.0  # a file's stat proves it unchanged only once its mtime is older than this
 _STEP = re.compile(r"@step-(\d+)\b")
 
 
@@ -152,8 +153,8 @@ class VersionReader:
             except OSError:
                 continue
             key = (st.st_ino, st.st_size, st.st_mtime_ns)
-            if self._seen.get(p) == key:
-                continue
+            if self._seen.get(p) == key and time.time() - st.st_mtime > RACY_S:
+                continue  # unchanged (a file rewritten within RACY_S may reuse inode, size and a coarse mtime: read it)
             try:
                 rec = read_endpoint_file(p)
             except (OSError, UserError, ValueError):
