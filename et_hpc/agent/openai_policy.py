@@ -401,6 +401,11 @@ class OpenAIPolicy:
 
         return self._call(f"POST {path}", post)
 
+    @property
+    def server_sampling(self) -> dict[str, Any] | None:
+        """What the server said it sampled with, its defaults included (llama-server's token-in answers); None: unknown."""
+        return getattr(self._tin, "sampling", None)
+
     def _probe_dialect(self) -> str:
         """llama-server answers /apply-template; vLLM (and the scripted server) do not."""
         try:
@@ -418,6 +423,7 @@ class OpenAIPolicy:
             self._tin = TokenIn(self._post_json, self._probe_dialect(), model, tools)  # type: ignore[arg-type]
         tin = self._tin
         params: dict[str, Any] = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed}
+        params["logprobs"] = self.logprobs
         if self.constrain and self.mode == "text":
             params["grammar"] = TEXT_GRAMMAR
         retries_before = self.retries
@@ -437,6 +443,7 @@ class OpenAIPolicy:
         action.finish_reason = finish
         action.retries = self.retries - retries_before
         action.prompt_token_ids, action.token_ids, action.tokens_from = prompt, ids, "server"
+        action.logprobs = tin.logprobs
         return action
 
     def _follow_endpoint(self) -> None:
