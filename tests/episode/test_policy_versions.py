@@ -233,11 +233,13 @@ def test_trainer_versions_are_the_ones_current_while_each_episode_ran(tmp_path: 
     """Trainer-owned in-place switches (publish without a model): each episode carries the version
     current at its start plus those published before its end, whatever its group started under; an
     episode that starts after a publish belongs to the new version (it used to keep the group's)."""
+    import time
+
     from et_hpc.record import EpisodeRecord, Timings
+    from et_hpc.rollouts import publish_version
     from et_hpc.rollouts.queue import Lease, Unit
-    from et_hpc.rollouts.versions import UNVERSIONED, PolicyVersion, VersionReader
-    from et_hpc.rollouts.worker import Worker, _InFlight
-    from et_hpc.runs.version_log import TRAINER, VersionLog
+    from et_hpc.rollouts.versions import VersionReader
+    from et_hpc.rollouts.worker import UNVERSIONED, Worker, _InFlight
 
     run = tmp_path / "run"
     w = Worker.__new__(Worker)
@@ -247,37 +249,34 @@ def test_trainer_versions_are_the_ones_current_while_each_episode_ran(tmp_path: 
     lease = Lease(unit=unit, attempt="x", path=Path("/nonexistent"))
 
     def rec(sample: int, t0: float, t1: float) -> EpisodeRecord:
+        times = Timings(start_s=t0, stop_s=t1)
         return EpisodeRecord(
-            run_name="r",
-            task_id="t",
-            sample=sample,
-            status="ok",
-            reward=1.0,
-            policy_version="srv@sha256-00",
-            timings=Timings(start_s=t0, stop_s=t1),
+            run_name="r", task_id="t", sample=sample, status="ok", reward=1.0, policy_version="srv@sha256-00", timings=times
         )
 
     # no publish yet: the policy's own record is kept (server-owned)
-    fl = _InFlight(lease=lease, start_version=None)
-    assert w._tag(rec(0, 1.0, 2.0), unit, fl).policy_version == "srv@sha256-00"
-    log = VersionLog(run)
-    log.append(1, source=TRAINER, published_at=50.0)
-    log.append(2, source=TRAINER, published_at=150.0)
-    # the group was claimed under version 1; version 2 was published at t=150
-    fl = _InFlight(lease=lease, start_version=PolicyVersion(version=1, label="1", published_at=50.0, position=1))
-    a, b, c = (w._tag(rec(i, t0, t1), unit, fl) for i, (t0, t1) in enumerate([(100.0, 140.0), (140.0, 200.0), (160.0, 220.0)]))
+    assert w._tag(rec(0, 1.0, 2.0), unit, _InFlight(lease=lease, start_version=None)).policy_version == "srv@sha256-0"
+    v1 = publish_version(run)
+    time.sleep(0.05)
+    v2 = publish_version(run)
+    t1, t2 = v1.published_at, v2.published_at
+    # the group was claimed under version 1; version 2 was published at t2
+    fl = _InFlight(lease=lease, start_version=v1)
+    a, b, c = (
+        w._tag(rec(i, x, y), unit, fl) for i, (x, y) in enumerate([(t1 + 0.01, t2 - 0.01), (t2 - 0.01, t2 + 1), (t2 + 0.01, t2 + 1)])
+    )
     assert (a.policy_version, a.policy_versions, a.crossed_version) == ("1", ["1"], False)
     assert (b.policy_version, b.policy_versions, b.crossed_version) == ("1", ["1", "2"], True)
     assert (c.policy_version, c.policy_versions, c.crossed_version) == ("2", ["2"], False)  # started after the publish
     assert {r.version_source for r in (a, b, c)} == {"trainer"} and a.group_id == c.group_id == "t@e0"
     # every record: policy_version is the first of policy_versions, never an endpoint label beside trainer ones
-    d = w._tag(rec(0, 10.0, 60.0), unit, _InFlight(lease=lease, start_version=None))
+    d = w._tag(rec(0, t1 - 10, t1 + 0.01), unit, _InFlight(lease=lease, start_version=None))
     assert d.policy_versions == [UNVERSIONED, "1"] and d.crossed_version is True and d.policy_version == UNVERSIONED
     for r in (a, b, c, d):
         assert r.policy_version == r.policy_versions[0]
     # a version that named its model (publish_version(model=...)): the unit asked for those weights throughout
-    log.append(3, source=TRAINER, published_at=300.0, model="ckpt-3")
-    fl = _InFlight(lease=lease, start_version=PolicyVersion(version=3, label="3", model="ckpt-3", published_at=300.0, position=3))
-    log.append(4, source=TRAINER, published_at=310.0, model="ckpt-4")
-    e = w._tag(rec(0, 320.0, 330.0), unit, fl)
+    v3 = publish_version(run, model="ckpt-3")
+    fl = _InFlight(lease=lease, start_version=v3)
+    v4 = publish_version(run, model="ckpt-4")
+    e = w._tag(rec(0, v4.published_at + 0.01, v4.published_at + 1), unit, fl)
     assert (e.policy_version, e.policy_versions, e.crossed_version) == ("3", ["3"], False)
