@@ -251,7 +251,7 @@ def test_trainer_versions_are_the_ones_current_while_each_episode_ran(tmp_path: 
     def rec(sample: int, t0: float, t1: float) -> EpisodeRecord:
         times = Timings(start_s=t0, stop_s=t1)
         return EpisodeRecord(
-            run_name="r", task_id="t", sample=sample, status="ok", reward=1.0, policy_version="srv@sha256-00", timings=times
+            run_name="r", task_id="t", sample=sample, status="ok", reward=1.0, policy_version="srv@sha256-0", timings=times
         )
 
     # no publish yet: the policy's own record is kept (server-owned)
