@@ -33,6 +33,27 @@ LLAMA_SAMPLING = (
 )  # fmt: skip
 
 
+_LLAMA: dict[str, bool] = {}  # server root -> it is llama-server (answers /apply-template), once per process
+
+
+def speaks_llama(client: Any, root: str) -> bool:
+    """``token_in: auto``: llama-server (``POST /apply-template`` answers a prompt) gets token-in. An
+    error answer means another server (chat mode, remembered); no answer: chat mode, asked again later."""
+    import httpx
+    import openai
+
+    if root not in _LLAMA:
+        body = {"messages": [{"role": "user", "content": "x"}]}
+        try:
+            r = client.post(root + "/apply-template", cast_to=httpx.Response, body=body, options={"max_retries": 0})
+            _LLAMA[root] = isinstance(r.json().get("prompt"), str)
+        except openai.APIStatusError:
+            _LLAMA[root] = False
+        except (openai.APIError, ValueError, AttributeError):
+            return False
+    return _LLAMA[root]
+
+
 def warn_once(key: str, msg: str) -> None:
     """A requested field the server does not give: one warning per process, never silence."""
     if key not in _WARNED:

@@ -122,3 +122,18 @@ def test_token_in_records_exact_ids_and_their_logprobs_together(shell, caplog):
             stk.completion_logprobs = real
     assert r2.tokens.logprobs is None and r2.tokens.tokens_source == "server-exact"
     assert "logprobs were asked for but /v1/completions gave no logprobs.token_logprobs" in caplog.text
+
+
+def test_token_in_auto_stays_in_chat_mode_on_a_vllm_shaped_server(shell):
+    """``token_in: auto`` (the config's default) turns token-in on only where the server is
+    llama-server (it answers /apply-template); the scripted vLLM-shaped server does not, so chat mode
+    (the real llama-server's side: tests/model/test_model_server.py)."""
+    from et_hpc.agent.policies import PolicyConfig
+
+    assert PolicyConfig().token_in == "auto"
+    with ScriptedServer(THINKS) as srv:
+        p = OpenAIPolicy(srv.base_url, token_in="auto", backoff_base_s=0.01, rng=random.Random(0))
+        r = run_agent("Do the task.", shell, p, BudgetConfig())
+        served = dict(srv.requests)
+    assert r.status == "ok" and p.token_in is False
+    assert served.get("POST /v1/completions", 0) == 0 and served.get("POST /v1/chat/completions", 0) >= 3, served
