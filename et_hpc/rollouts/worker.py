@@ -277,8 +277,9 @@ class Worker(Checkpointable):
         """The unit's ``group_id``; in a trainer-owned run (the version log holds a trainer publish)
         also the versions current while *this* episode ran: ``policy_version`` = the newest one
         published before its start (``unversioned`` before the first), ``policy_versions`` = it plus
-        every one published up to its end, ``crossed_version`` from those. A unit whose version named
-        a model (``publish_version(model=...)``) asked for those weights throughout: its version.
+        every one published up to its end, ``crossed_version`` from those; publishes that name a model
+        (``publish_version(model=...)``) do not change the default model's weights and do not count.
+        A unit whose version named a model asked for those weights throughout: its version.
         Server-owned runs keep the policy's per-turn record (observed into the log first)."""
         upd: dict[str, Any] = {"group_id": unit.group_id}
         self.versions.observe()
@@ -287,11 +288,12 @@ class Worker(Checkpointable):
             return rec.model_copy(update=upd)
         start = fl.start_version
         t0, t1 = rec.timings.start_s, rec.timings.stop_s
+        in_place = [e for e in trainer if not e.model]  # what changes the weights of the unit's default model
         if start is not None and start.source == TRAINER and start.model:
             seen = [start.name]
         elif t0 is not None and t1 is not None:
-            before = [e.label for e in trainer if e.published_at <= t0]
-            during = [e.label for e in trainer if t0 < e.published_at <= t1]
+            before = [e.label for e in in_place if e.published_at <= t0]
+            during = [e.label for e in in_place if t0 < e.published_at <= t1]
             seen = list(dict.fromkeys([before[-1] if before else UNVERSIONED, *during]))
         elif start is not None and start.source == TRAINER:
             seen = [start.name]

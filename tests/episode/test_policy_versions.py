@@ -280,3 +280,7 @@ def test_trainer_versions_are_the_ones_current_while_each_episode_ran(tmp_path: 
     v4 = publish_version(run, model="ckpt-4")
     e = w._tag(rec(0, v4.published_at + 0.01, v4.published_at + 1), unit, fl)
     assert (e.policy_version, e.policy_versions, e.crossed_version) == ("3", ["3"], False)
+    # a unit on the default model (claimed under in-place version 2): publishes naming a model do not
+    # change its weights, so it stays on 2
+    f = w._tag(rec(1, v4.published_at + 0.01, v4.published_at + 1), unit, _InFlight(lease=lease, start_version=v2))
+    assert (f.policy_version, f.policy_versions, f.crossed_version) == ("2", ["2"], False)
