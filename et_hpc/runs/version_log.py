@@ -132,14 +132,21 @@ class VersionLog:
     ) -> LogEntry | None:
         """Add ``label`` at the end, unless the log holds it (then its entry, with ``model`` and
         ``checkpoint`` updated for a trainer label). A server label in a trainer-owned log is not
-        added (None). A trainer label must be an integer above the trainer's last one (UserError)."""
+        added (None). A trainer label must be an integer above the trainer's last one and not a
+        server's label (UserError)."""
         key = label_of(label)
         if key is None or key == UNVERSIONED:
             raise UserError(f"version label {label!r} cannot be published: give a non-empty label")
         if source == TRAINER and not key.lstrip("-").isdigit():
             raise UserError(f"trainer version {label!r}: give an integer")
         known = self.entry(key)
-        if known is not None and not (source == TRAINER and (model, checkpoint) != (known.model, known.checkpoint)):
+        if (
+            known is not None
+            and known.source == source
+            and not (source == TRAINER and (model, checkpoint) != (known.model, known.checkpoint))
+        ):
+            return known
+        if known is not None and source == SERVER:
             return known
         if source == SERVER and self.owner() == TRAINER:
             return None
@@ -159,6 +166,8 @@ class VersionLog:
         known = self._by_label.get(key)
         if source == SERVER and (known is not None or any(e.source == TRAINER for e in es)):
             return known
+        if source == TRAINER and known is not None and known.source != TRAINER:
+            raise UserError(f"version {key} is already in {self.path} as a server's label: publish a higher version")
         if source == TRAINER:
             last = max((int(e.label) for e in es if e.source == TRAINER), default=None)
             if known is None and last is not None and int(key) < last:

@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from et_hpc.agent.endpoint import endpoint_record, write_endpoint_file
@@ -63,6 +63,7 @@ def _publish_server(ep: Path, reader: VersionReader, label: str) -> None:
     k=st.integers(0, 4),
     order=st.randoms(use_true_random=False),
 )
+@example(server=["5", "policy"], trainer=[2, 3], k=0, order=__import__("random").Random(0))  # a trainer label a server holds
 def test_staleness_follows_publish_order_for_every_label_kind(server: list[str], trainer: list[int], k: int, order) -> None:
     with tempfile.TemporaryDirectory() as d:
         run, ep = Path(d) / "run", Path(d) / "private" / "endpoint.json"
@@ -74,14 +75,20 @@ def test_staleness_follows_publish_order_for_every_label_kind(server: list[str],
         n = 0
         for inc in trainer:
             n += inc
+            if str(n) in published:  # a server published that very label: the trainer's is refused
+                with pytest.raises(UserError, match="already in"):
+                    publish_version(run, n)
+                continue
             publish_version(run, n)
             published += [str(n)]
-        if trainer and server:  # trainer-owned from now on: a server's new label is not a version of this run
+        if (
+            any(lab.isdigit() and lab not in server for lab in published) and server
+        ):  # trainer-owned from now on: a server's new label is not a version of this run
             _publish_server(ep, reader, "late@sha256-ffffffffffffffff")
         log = VersionLog(run)
         assert [e.label for e in log.entries()] == published
         assert [e.pos for e in log.entries()] == list(range(1, len(published) + 1))
-        assert log.owner() == (TRAINER if trainer else SERVER if server else None)
+        assert log.owner() == (TRAINER if any(e.source == TRAINER for e in log.entries()) else SERVER if server else None)
         never = "never@sha256-0000000000000000"  # a label no one published
         labels = [*published, never]
         order.shuffle(labels)
