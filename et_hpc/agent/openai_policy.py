@@ -19,7 +19,7 @@ import re
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import httpx
 import openai
@@ -105,7 +105,7 @@ class OpenAIPolicy:
         api_key: str | None = None,
         mode: Mode = "tools",
         constrain: bool = False,
-        token_in: bool = False,
+        token_in: bool | Literal["auto"] = False,
         temperature: float = CLIENT.temperature,
         top_p: float = CLIENT.top_p,
         max_tokens: int = DEFAULT_MAX_TOKENS,
@@ -333,6 +333,10 @@ class OpenAIPolicy:
 
     # -- one turn ----------------------------------------------------------------------------
     def act(self, messages: list[dict[str, Any]]) -> Action:
+        if self.token_in == "auto":  # token-in where the server is llama-server (et_hpc.agent.token_in.speaks_llama)
+            from et_hpc.agent.token_in import speaks_llama
+
+            self.token_in = speaks_llama(self.client, self._root())
         if self.token_in:
             return self._act_token_in(messages)
         model = self._resolve_model()
@@ -401,6 +405,11 @@ class OpenAIPolicy:
 
         return self._call(f"POST {path}", post)
 
+    @property
+    def server_sampling(self) -> dict[str, Any] | None:
+        """What the server said it sampled with, its defaults included (llama-server's token-in answers); None: unknown."""
+        return getattr(self._tin, "sampling", None)
+
     def _probe_dialect(self) -> str:
         """llama-server answers /apply-template; vLLM (and the scripted server) do not."""
         try:
@@ -418,6 +427,7 @@ class OpenAIPolicy:
             self._tin = TokenIn(self._post_json, self._probe_dialect(), model, tools)  # type: ignore[arg-type]
         tin = self._tin
         params: dict[str, Any] = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed}
+        params["logprobs"] = self.logprobs
         if self.constrain and self.mode == "text":
             params["grammar"] = TEXT_GRAMMAR
         retries_before = self.retries
@@ -437,6 +447,7 @@ class OpenAIPolicy:
         action.finish_reason = finish
         action.retries = self.retries - retries_before
         action.prompt_token_ids, action.token_ids, action.tokens_from = prompt, ids, "server"
+        action.logprobs = tin.logprobs
         return action
 
     def _follow_endpoint(self) -> None:
@@ -550,7 +561,7 @@ class OpenAIPolicy:
         tools = [TERMINAL_TOOL] if self.mode == "tools" else None
         # token-in: each prompt was built from the last one's ids, so the sequence is the server's by
         # construction; a re-render of the conversation would only show how the template differs
-        final = None if self.token_in else self.tokenize(messages[: last + 1], tools, add_generation_prompt=False)
+        final = None if self.token_in is True else self.tokenize(messages[: last + 1], tools, add_generation_prompt=False)
         final = with_sampled_end(final, turns[-1]) if self._llama_render else final
         deltas, drift = check_tokens(prompts, known, final)
         if final is None:

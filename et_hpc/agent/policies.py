@@ -186,9 +186,10 @@ class PolicyConfig(BaseModel):
     constrain: bool = False
     """Constrained output: tools mode sends tool_choice "required" (every reply is a call, so the episode
     ends at max_turns), text mode a grammar (llama.cpp's "grammar" field) allowing one command or done."""
-    token_in: bool = False
+    token_in: bool | Literal["auto"] = "auto"
     """Token-in continuation (llama-server's /completion, vLLM's /v1/completions with token-id prompts):
-    each prompt is the previous prompt + the sampled tokens + the tokens of what was added since."""
+    each prompt is the previous prompt + the sampled tokens + the tokens of what was added since.
+    auto: on where the server is llama-server (it answers /apply-template), else chat mode."""
     temperature: float = CLIENT.temperature
     """Sampling temperature."""
     top_p: float = CLIENT.top_p

@@ -12,6 +12,8 @@ each dialect and the tool-call format: docs/policy.md.
 from __future__ import annotations
 
 import json
+import logging
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -20,6 +22,72 @@ MARK = "\u2063ET_HPC_MARK\u2063"
 _TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 Dialect = Literal["llama", "vllm"]
+log = logging.getLogger(__name__)
+_WARNED: set[str] = set()  # what a server could not give, warned once per process
+# llama-server's generation_settings that decide what it samples (its defaults included)
+LLAMA_SAMPLING = (
+    "temperature", "dynatemp_range", "dynatemp_exponent", "top_k", "top_p", "min_p", "typical_p", "xtc_probability",
+    "xtc_threshold", "repeat_last_n", "repeat_penalty", "presence_penalty", "frequency_penalty", "dry_multiplier",
+    "dry_base", "dry_allowed_length", "dry_penalty_last_n", "mirostat", "mirostat_tau", "mirostat_eta", "top_n_sigma",
+    "seed", "n_predict", "samplers", "ignore_eos", "min_keep", "n_probs", "post_sampling_probs",
+)  # fmt: skip
+
+
+_LLAMA: dict[str, bool] = {}  # server root -> it is llama-server (answers /apply-template), once per process
+
+
+def speaks_llama(client: Any, root: str) -> bool:
+    """``token_in: auto``: llama-server (``POST /apply-template`` answers a prompt) gets token-in. An
+    error answer means another server (chat mode, remembered); no answer: chat mode, asked again later."""
+    import httpx
+    import openai
+
+    if root not in _LLAMA:
+        body = {"messages": [{"role": "user", "content": "x"}]}
+        try:
+            r = client.post(root + "/apply-template", cast_to=httpx.Response, body=body, options={"max_retries": 0})
+            _LLAMA[root] = isinstance(r.json().get("prompt"), str)
+        except openai.APIStatusError:
+            _LLAMA[root] = False
+        except (openai.APIError, ValueError, AttributeError):
+            return False
+    return _LLAMA[root]
+
+
+def warn_once(key: str, msg: str) -> None:
+    """A requested field the server does not give: one warning per process, never silence."""
+    if key not in _WARNED:
+        _WARNED.add(key)
+        log.warning("%s", msg)
+
+
+def vllm_logprobs(choice: dict[str, Any], n: int) -> list[float] | None:
+    """The sampled tokens' logprobs of a ``/v1/completions`` choice (``logprobs.token_logprobs``), when
+    there is one float per completion token."""
+    lp = (choice.get("logprobs") or {}).get("token_logprobs")
+    if not isinstance(lp, list) or len(lp) != n or not all(isinstance(x, (int, float)) for x in lp):
+        return None
+    return [float(x) for x in lp]
+
+
+def llama_logprobs(answer: dict[str, Any], ids: list[int]) -> list[float] | None:
+    """The sampled tokens' logprobs of a llama-server ``/completion`` answer (``completion_probabilities``,
+    asked with ``n_probs``: ``logprob``, or ``prob`` with ``post_sampling_probs``), when each entry
+    names the token sampled at its place."""
+    rows = answer.get("completion_probabilities")
+    if not isinstance(rows, list) or len(rows) != len(ids):
+        return None
+    out: list[float] = []
+    for row, t in zip(rows, ids):
+        if not isinstance(row, dict) or ("id" in row and row["id"] != t):
+            return None
+        if isinstance(row.get("logprob"), (int, float)):
+            out.append(float(row["logprob"]))
+        elif isinstance(row.get("prob"), (int, float)) and row["prob"] > 0:
+            out.append(math.log(row["prob"]))
+        else:
+            return None
+    return out
 
 
 class TokenInError(Exception):
@@ -86,6 +154,8 @@ class TokenIn:
         self.completion: list[int] | None = None
         self.n_messages = 0  # messages in the conversation when the last prompt was made
         self.finish: str | None = None  # the last completion's finish reason
+        self.logprobs: list[float] | None = None  # the last completion's, aligned with its ids (when asked)
+        self.sampling: dict[str, Any] | None = None  # what llama-server says it sampled with (its defaults too)
 
     # -- rendering ---------------------------------------------------------------------------
     def _ids(self, messages: list[dict[str, Any]], *, gen: bool, cont: bool = False, special: bool = False) -> list[int]:
@@ -155,7 +225,11 @@ class TokenIn:
 
     # -- completions -------------------------------------------------------------------------
     def complete(self, prompt: list[int], params: dict[str, Any]) -> tuple[str, list[int], str | None, dict[str, int]]:
-        """Sample from ``prompt``: (text, completion ids, finish reason, usage)."""
+        """Sample from ``prompt``: (text, completion ids, finish reason, usage); with
+        ``params["logprobs"]`` the sampled tokens' logprobs in ``self.logprobs`` (a warning when the
+        server gives none), and llama-server's sampler settings in ``self.sampling``."""
+        want = bool(params.get("logprobs"))
+        self.logprobs = None
         if self.dialect == "vllm":
             body = {
                 "model": self.model,
@@ -168,12 +242,15 @@ class TokenIn:
             }
             if params.get("seed") is not None:
                 body["seed"] = params["seed"]
+            if want:
+                body["logprobs"] = 1  # the sampled token's logprob (and one alternative) per position
             r = self._post("/v1/completions", body)
             ch = r["choices"][0]
             ids = ch.get("token_ids")
             if not isinstance(ids, list):
                 raise TokenInError("the server's /v1/completions returned no token_ids (vLLM >= 0.10.2 needed)")
             usage = {k: int(v) for k, v in (r.get("usage") or {}).items() if isinstance(v, int)}
+            self._take_logprobs(want, vllm_logprobs(ch, len(ids)), "/v1/completions gave no logprobs.token_logprobs")
             return str(ch.get("text") or ""), [int(t) for t in ids], ch.get("finish_reason"), usage
         body = {
             "prompt": prompt,
@@ -187,10 +264,15 @@ class TokenIn:
             body["seed"] = params["seed"]
         if params.get("grammar"):
             body["grammar"] = params["grammar"]
+        if want:
+            body["n_probs"] = 1  # completion_probabilities: each sampled token's logprob (before sampling)
         r = self._post("/completion", body)
         ids = r.get("tokens")
         if not isinstance(ids, list):
             raise TokenInError("llama-server's /completion returned no tokens")
+        gs = r.get("generation_settings")
+        self.sampling = {k: gs[k] for k in LLAMA_SAMPLING if k in gs} if isinstance(gs, dict) else None
+        self._take_logprobs(want, llama_logprobs(r, [int(t) for t in ids]), "/completion gave no completion_probabilities")
         stop = r.get("stop_type")
         finish = "length" if stop == "limit" else "stop"
         usage = {
@@ -199,3 +281,8 @@ class TokenIn:
         }
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         return str(r.get("content") or ""), [int(t) for t in ids], finish, usage
+
+    def _take_logprobs(self, want: bool, got: list[float] | None, why: str) -> None:
+        if want and got is None:
+            warn_once(f"{self.dialect}:logprobs", f"token-in: logprobs were asked for but {why}: records will have none")
+        self.logprobs = got if want else None

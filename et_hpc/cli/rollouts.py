@@ -172,7 +172,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
     from et_hpc.rollouts.versions import publish_version
 
     pv = publish_version(_run_dir(args), args.version, model=args.model, checkpoint=args.checkpoint)
-    print(f"published version {pv.version}" + (f" (model {pv.model})" if pv.model else ""))
+    print(f"published version {pv.version}" + (f" (model {pv.model})" if pv.model else "") + f", place {pv.position} in the version log")
     return 0
 
 

@@ -261,6 +261,8 @@ def run_episode(
     base["model"] = getattr(policy, "model", None) or base["model"]  # a served model is named on first use
     _tear_down(task, cfg, warm, ready, status, base, kw, timings)
     versions.update(policy_version_fields(policy))
+    if getattr(policy, "server_sampling", None):  # what the server sampled with, its own defaults included
+        base["sampling_params"] = {**base["sampling_params"], "server": policy.server_sampling}  # type: ignore[attr-defined]
     close = getattr(policy, "close", None)
     if close:
         close()

@@ -40,6 +40,7 @@ class RolloutGroup:
     records: list[EpisodeRecord]
     committed_at: float  # when the slot appeared (its file's mtime)
     received_at: float = field(default_factory=time.time)
+    position: int | None = None  # its place in the run's version log (its oldest member's), None: not placed
 
     @property
     def rewards(self) -> list[float | None]:
@@ -47,7 +48,8 @@ class RolloutGroup:
 
     @property
     def version(self) -> int | None:
-        """The monotone id of the version the group started under (``version_step``)."""
+        """The number its version label names (``version_step``: the trainer's integer, a step), for
+        display; staleness counts places in the version log (``position``)."""
         return version_step(self.policy_version)
 
     def scored_data(self) -> dict[str, Any]:
@@ -227,8 +229,21 @@ class RolloutStream:
         cur = self.current_version()
         hist = self.telemetry["staleness"]
         for g in groups:
-            k = str(max(0, cur.version - g.version)) if cur is not None and g.version is not None else "unknown"
+            k = "unknown" if cur is None or cur.position is None or g.position is None else str(max(0, cur.position - g.position))
             hist[k] = hist.get(k, 0) + 1
+
+    def _place(self, g: RolloutGroup) -> int | None:
+        """The group's place in the version log: its oldest member's (a member that cannot be placed: None)."""
+        places = [self._versions.place(r.policy_version) for r in g.records]
+        return None if any(p is None for p in places) else min(p for p in places if p is not None)
+
+    def _stale(self, g: RolloutGroup, max_staleness: int) -> bool:
+        """More than ``max_staleness`` publishes behind the newest, or a version that cannot be placed
+        while the run has versions (refused, never fresh)."""
+        cur = self.current_version()
+        if cur is None or cur.position is None:
+            return False
+        return g.position is None or cur.position - g.position > max_staleness
 
     def _next(self, n_groups: int, timeout_s: float | None, max_staleness: int | None, on_error: str) -> list[RolloutGroup]:
         end = None if timeout_s is None else time.monotonic() + timeout_s
@@ -244,11 +259,10 @@ class RolloutStream:
                 continue
             self.next_seq += 1
             self._dirty = True
-            if max_staleness is not None:
-                cur = self.current_version()
-                if cur is not None and g.version is not None and g.version < cur.version - max_staleness:
-                    self.counts["discarded_stale"] += 1
-                    continue
+            g.position = self._place(g)
+            if max_staleness is not None and self._stale(g, max_staleness):
+                self.counts["discarded_stale"] += 1
+                continue
             bad = [r for r in g.records if r.status != "ok"]
             if bad:
                 if on_error == "mask":

@@ -1,16 +1,17 @@
-"""The policy version of a run, whichever side owns the checkpoint switch.
+"""The policy version of a run, whichever side owns the checkpoint switch, ordered by its log.
 
-``publish_version`` writes the trainer's ``<run_dir>/version.json`` (versions only go up);
-``version_step`` parses a label into its monotone id (the trainer's integer, or the step of an
-endpoint file's ``PATH@step-N``; none for a label without a step); ``VersionReader`` reads the
-trainer's file, else the endpoint file's (a directory of replicas: the highest id), re-reading
-only when a file's stat changed, so checking before every claim is cheap. No file means no
-trainer-owned version. Formats and the switching rule: docs/rollouts.md.
+Every publish appends to the run's version log (``et_hpc.runs.version_log``): ``publish_version``
+(the trainer; it also writes ``<run_dir>/version.json``, versions only go up), and every label an
+endpoint file shows (``et-hpc model serve``'s ``NAME@sha256-...``, ``vllm.sbatch``'s ``PATH@step-N``
+or ``PATH@files-HASH``), appended by ``VersionReader`` when it first sees it. ``VersionReader.current``
+is the log's newest entry; staleness is the distance between places (``staleness``), so labels
+need no step to order. ``version_step`` only parses a label for display. Formats: docs/rollouts.md.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import time
@@ -18,26 +19,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from et_hpc.errors import UserError
+from et_hpc.runs.version_log import SERVER, SWITCHING, TRAINER, UNVERSIONED, LogEntry, VersionLog, label_of, mark_source
 from et_hpc.util import atomic_write_text
 
+__all__ = ["SWITCHING", "UNVERSIONED", "PolicyVersion", "VersionReader", "label_of", "publish_version", "read_version", "version_step"]
+
+log = logging.getLogger(__name__)
+
 VERSION_FILE = "version.json"
-
-
+RACY_S = 2.0  # a file's stat proves it unchanged only once its mtime is older than this
 _STEP = re.compile(r"@step-(\d+)\b")
-SWITCHING = "switching "
 
 
 def version_step(label: int | str | None) -> int | None:
-    """The monotone id of a version label: an integer (trainer-owned), or N of ``...@step-N``
-    (vllm.sbatch); during a switch (``switching OLD -> NEW``) the older step. None when the label
-    names no step (a content hash, a model name) or is None."""
-    if label is None:
+    """The number a label names, for display only (ordering uses the log): an integer, or N of
+    ``...@step-N``; during a switch the older one; None otherwise."""
+    s = label_of(label)
+    if s is None:
         return None
-    if isinstance(label, int) and not isinstance(label, bool):
-        return label
-    s = str(label).strip()
-    if s.startswith(SWITCHING):  # mid-switch: what was served before it (None when that had no step)
-        return version_step(s[len(SWITCHING) :].split(" -> ")[0])
     if s.isdigit():
         return int(s)
     m = _STEP.search(s)
@@ -46,16 +45,30 @@ def version_step(label: int | str | None) -> int | None:
 
 @dataclass(frozen=True)
 class PolicyVersion:
-    version: int
+    version: int  # the trainer's integer; for a server label its place in the log
     model: str | None = None
     checkpoint: str | None = None
     published_at: float | None = None
-    label: str | None = None  # the endpoint file's model_version (source "endpoint"); else str(version)
-    source: str = "trainer"  # "trainer" (version.json) or "endpoint" (vllm.sbatch's model_version)
+    label: str | None = None  # what records carry (the trainer's integer as a string, or the endpoint's model_version)
+    source: str = TRAINER  # "trainer" (publish_version) or "endpoint" (a server's endpoint file)
+    position: int | None = None  # its place in the run's version log: what staleness counts
 
     @property
     def name(self) -> str:
         return self.label if self.label is not None else str(self.version)
+
+    @classmethod
+    def of(cls, e: LogEntry) -> PolicyVersion:
+        trainer = e.source == TRAINER
+        return cls(
+            version=int(e.label) if trainer else e.pos,
+            model=e.model,
+            checkpoint=e.checkpoint,
+            published_at=e.published_at,
+            label=e.label,
+            source=TRAINER if trainer else "endpoint",
+            position=e.pos,
+        )
 
 
 def version_path(run_dir: Path | str) -> Path:
@@ -63,6 +76,7 @@ def version_path(run_dir: Path | str) -> Path:
 
 
 def read_version(run_dir: Path | str) -> PolicyVersion | None:
+    """The trainer's last publish (``version.json``), None before it."""
     p = version_path(run_dir)
     try:
         d = json.loads(p.read_text())
@@ -70,35 +84,34 @@ def read_version(run_dir: Path | str) -> PolicyVersion | None:
         return None
     except ValueError as e:
         raise UserError(f"{p} is not valid JSON ({e}): publish a version again to rewrite it") from None
-    return PolicyVersion(
-        version=int(d["version"]), model=d.get("model"), checkpoint=d.get("checkpoint"), published_at=d.get("published_at")
-    )
+    v = int(d["version"])
+    return PolicyVersion(version=v, model=d.get("model"), checkpoint=d.get("checkpoint"), published_at=d.get("published_at"), label=str(v))
 
 
 def publish_version(
     run_dir: Path | str, version: int | None = None, *, model: str | None = None, checkpoint: str | None = None
 ) -> PolicyVersion:
-    """Tell producers about a new checkpoint. ``version`` default: current + 1 (first: 1).
-
-    Groups started from now on carry this version; a lower version than the current one is
-    refused (UserError), the same one only updates model/checkpoint.
-    """
+    """Tell producers about a new checkpoint (the trainer owns the switch). ``version`` default:
+    current + 1 (first: 1). Appended to the run's version log; groups started from now on carry
+    it. A lower version than the current one is refused (UserError); the same one only updates
+    model/checkpoint. The run's ``run.json`` then says ``versions.source: trainer``."""
     cur = read_version(run_dir)
     if version is None:
         version = (cur.version + 1) if cur else 1
     if cur is not None and version < cur.version:
         raise UserError(f"version {version} is older than the run's current version {cur.version}: versions only go up")
-    pv = PolicyVersion(version=int(version), model=model, checkpoint=checkpoint, published_at=time.time())
-    Path(run_dir).mkdir(parents=True, exist_ok=True)
-    atomic_write_text(version_path(run_dir), json.dumps(pv.__dict__) + "\n")
+    now = time.time()
+    e = VersionLog(run_dir).append(int(version), source=TRAINER, published_at=now, model=model, checkpoint=checkpoint, by="publish_version")
+    assert e is not None
+    pv = PolicyVersion.of(e)
+    atomic_write_text(
+        version_path(run_dir), json.dumps({"version": pv.version, "model": model, "checkpoint": checkpoint, "published_at": now}) + "\n"
+    )
+    mark_source(run_dir, TRAINER)
     return pv
 
 
-def endpoint_version(endpoint_file: Path | str | None = None, endpoint_dir: Path | str | None = None) -> PolicyVersion | None:
-    """The server-owned version: the endpoint file's ``model_version`` with a step (a directory of
-    replicas: the one with the highest step); None without a file or a step."""
-    from et_hpc.agent.endpoint import read_endpoint_file
-
+def _endpoint_paths(endpoint_file: Path | str | None, endpoint_dir: Path | str | None) -> list[Path]:
     paths: list[Path] = []
     if endpoint_file:
         paths.append(Path(endpoint_file).expanduser())
@@ -107,56 +120,76 @@ def endpoint_version(endpoint_file: Path | str | None = None, endpoint_dir: Path
             paths += sorted(p for p in Path(endpoint_dir).expanduser().glob("*.json") if not p.name.startswith("."))
         except OSError:
             pass
-    best: PolicyVersion | None = None
-    for p in paths:
-        try:
-            rec = read_endpoint_file(p)
-        except (OSError, UserError, ValueError):
-            continue
-        label = (rec or {}).get("model_version")
-        step = version_step(label)
-        if step is None:
-            continue
-        try:
-            at = os.stat(p).st_mtime
-        except OSError:
-            at = None
-        if best is None or step > best.version:
-            best = PolicyVersion(
-                version=step,
-                model=(rec or {}).get("model"),
-                checkpoint=str(label).split("@")[0],
-                published_at=at,
-                label=str(label),
-                source="endpoint",
-            )
-    return best
+    return paths
 
 
 class VersionReader:
-    """``current()``: the run's trainer-owned version (``version.json``, re-read only when the file
-    changed), else the server-owned one of ``endpoint_file``/``endpoint_dir`` when given."""
+    """``current()``: the newest entry of the run's version log, after appending every label the
+    endpoint file (or a directory of replicas, oldest file first) shows that the log does not
+    hold yet. Files are re-read only when their stat changed, so checking before every claim is
+    cheap. ``place(label)`` and ``staleness(label)`` count places in the log."""
 
     def __init__(self, run_dir: Path | str, *, endpoint_file: Path | str | None = None, endpoint_dir: Path | str | None = None):
+        self.run_dir = Path(run_dir)
         self.path = version_path(run_dir)
+        self.log = VersionLog(run_dir)
         self.endpoint_file = endpoint_file
         self.endpoint_dir = endpoint_dir
-        self._key: tuple[int, int, int] | None = None  # (inode, size, mtime) of the version file read
-        self._value: PolicyVersion | None = None
+        self._seen: dict[Path, tuple[int, int, int]] = {}
+        self._warned: set[str] = set()
+
+    def observe(self) -> None:
+        """Append the labels the endpoint files show now (a trainer-owned run appends none)."""
+        from et_hpc.agent.endpoint import read_endpoint_file
+
+        if not self.log.entries() and self.path.exists():  # a run from before the log: its trainer version first
+            old = read_version(self.run_dir)
+            if old is not None:
+                self.log.append(old.version, source=TRAINER, published_at=old.published_at, model=old.model, by=VERSION_FILE)
+        found: list[tuple[float, str, Path, dict]] = []
+        for p in _endpoint_paths(self.endpoint_file, self.endpoint_dir):
+            try:
+                st = os.stat(p)
+            except OSError:
+                continue
+            key = (st.st_ino, st.st_size, st.st_mtime_ns)
+            if self._seen.get(p) == key and time.time() - st.st_mtime > RACY_S:
+                continue  # unchanged (a file rewritten within RACY_S may reuse inode, size and a coarse mtime: read it)
+            try:
+                rec = read_endpoint_file(p)
+            except (OSError, UserError, ValueError):
+                continue
+            label = label_of((rec or {}).get("model_version"))
+            if rec is None:
+                continue  # half-written: look again next time
+            self._seen[p] = key
+            if label is not None:
+                found.append((st.st_mtime, label, p, rec))
+        for mtime, label, p, rec in sorted(found, key=lambda x: x[0]):
+            if self.log.entry(label) is None:
+                self.log.append(label, source=SERVER, published_at=mtime, model=rec.get("model"), checkpoint=label.split("@")[0], by=str(p))
 
     def current(self) -> PolicyVersion | None:
-        try:
-            st = os.stat(self.path)
-        except FileNotFoundError:
-            self._key, self._value = None, None
-            if self.endpoint_file or self.endpoint_dir:
-                return endpoint_version(self.endpoint_file, self.endpoint_dir)
+        self.observe()
+        e = self.log.current()
+        return None if e is None else PolicyVersion.of(e)
+
+    def place(self, label: int | str | None) -> int | None:
+        """The label's place in the log (0: ``unversioned``), None when it cannot be placed (warned once)."""
+        p = self.log.place(label)
+        if p is None and label is not None:
+            self.observe()
+            p = self.log.place(label)
+        if p is None and str(label) not in self._warned:
+            self._warned.add(str(label))
+            log.warning("version %r is not in %s: it cannot be placed, so it counts as stale, never as fresh", label, self.log.path)
+        return p
+
+    def staleness(self, label: int | str | None) -> int | None:
+        """How many publishes the label is behind the newest; None when it cannot be placed or
+        nothing was published."""
+        cur = self.log.current()
+        if cur is None:
             return None
-        key = (st.st_ino, st.st_size, st.st_mtime_ns)
-        if key != self._key:
-            try:
-                self._value = read_version(self.path.parent)
-            except UserError:
-                return self._value  # a torn read cannot happen (atomic rename); keep the last good one
-            self._key = key
-        return self._value
+        p = self.place(label)
+        return None if p is None else max(0, cur.pos - p)

@@ -27,9 +27,10 @@ from submitit.helpers import Checkpointable, DelayedSubmission
 
 from et_hpc.record import EpisodeRecord, records_to_table, write_failed_record
 from et_hpc.rollouts.queue import Lease, Unit, WorkQueue, new_worker_id
-from et_hpc.rollouts.versions import PolicyVersion, VersionReader
+from et_hpc.rollouts.versions import UNVERSIONED, PolicyVersion, VersionReader
 from et_hpc.runner.config import RunConfig
 from et_hpc.runs.store import WRITE_ATTEMPTS, WRITE_RETRY_S
+from et_hpc.runs.version_log import TRAINER
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -38,8 +39,6 @@ if TYPE_CHECKING:
     from et_hpc.tasks.model import Task
 
 log = logging.getLogger(__name__)
-
-UNVERSIONED = "unversioned"  # policy_versions' name for "before the trainer's first publish"
 
 
 def reap_interval(lease_s: float) -> float:
@@ -54,9 +53,7 @@ class _InFlight:
     start_version: PolicyVersion | None
     stop: threading.Event = field(default_factory=threading.Event)
     why: str | None = None  # "lost" | "stopping" | "abandoned"
-    seen_versions: list[int] = field(default_factory=list)
-    # every trainer-owned version seen while the unit ran, with its publish time (crossing is per episode)
-    published: list[tuple[int, float]] = field(default_factory=list)
+    seen_versions: list[int] = field(default_factory=list)  # places in the version log seen while it ran
 
 
 @dataclass
@@ -170,19 +167,13 @@ class Worker(Checkpointable):
                 stop.set()
                 break
             version = self.versions.current()  # read before the claim: the unit starts under it
-            claimed_at = time.time()
             lease = self.queue.claim(self.wid)
             if lease is None:
                 stop.wait(idle * (0.5 + random.random()))
                 continue
             with self.lock:
                 self.stats.claimed += 1
-                fl = _InFlight(
-                    lease=lease,
-                    start_version=version,
-                    seen_versions=[version.version] if version else [],
-                    published=[(version.version, claimed_at)] if version else [],
-                )
+                fl = _InFlight(lease=lease, start_version=version, seen_versions=[version.position] if version and version.position else [])
                 self.inflight[lease.unit.uid] = fl
             try:
                 self._run_unit(fl, stop)
@@ -232,11 +223,11 @@ class Worker(Checkpointable):
                 break
             if fl.stop.is_set():
                 break
-            recs.append(self._tag(rec, unit, fl))
+            recs.append(rec)
         if fl.stop.is_set():
             self._interrupted(fl)
             return
-        slot = self._commit(fl, recs)
+        slot = self._commit(fl, [self._tag(r, unit, fl) for r in recs])
         with self.lock:
             if slot is None and not (self.queue.done / f"{unit.uid}~{fl.lease.attempt}.json").exists():
                 self.stats.discarded += 1
@@ -283,29 +274,32 @@ class Worker(Checkpointable):
             log.info("unit %s given back (%s)", fl.lease.unit.uid, why or "stopping")
 
     def _tag(self, rec: EpisodeRecord, unit: Unit, fl: _InFlight) -> EpisodeRecord:
-        """The unit's ``group_id``; with trainer-owned versions also the episode's own versions:
-        ``policy_version`` = the unit's start version (the group's), ``policy_versions`` = it plus
-        every version published while *this* episode ran (its start to its end), and
-        ``crossed_version`` from those. The first publish during an episode that started before any
-        version counts as a crossing (``unversioned`` -> 1). Server-owned versions (the endpoint
-        file's) are the policy's own per-turn record and are kept."""
+        """The unit's ``group_id``; in a trainer-owned run (the version log holds a trainer publish)
+        also the versions current while *this* episode ran: ``policy_version`` = the newest one
+        published before its start (``unversioned`` before the first), ``policy_versions`` = it plus
+        every one published up to its end, ``crossed_version`` from those; publishes that name a model
+        (``publish_version(model=...)``) do not change the default model's weights and do not count.
+        A unit whose version named a model asked for those weights throughout: its version.
+        Server-owned runs keep the policy's per-turn record (observed into the log first)."""
         upd: dict[str, Any] = {"group_id": unit.group_id}
+        self.versions.observe()
+        trainer = [e for e in self.versions.log.entries() if e.source == TRAINER]
+        if not trainer:
+            return rec.model_copy(update=upd)
         start = fl.start_version
-        if start is not None and start.source != "trainer":
-            return rec.model_copy(update=upd)
-        with self.lock:
-            published = [(v, t) for v, t in fl.published if start is None or v != start.version]
         t0, t1 = rec.timings.start_s, rec.timings.stop_s
-        during = [str(v) for v, t in published if t0 is not None and t1 is not None and t0 <= t <= t1]
-        if start is None and not during:
+        in_place = [e for e in trainer if not e.model]  # what changes the weights of the unit's default model
+        if start is not None and start.source == TRAINER and start.model:
+            seen = [start.name]
+        elif t0 is not None and t1 is not None:
+            before = [e.label for e in in_place if e.published_at <= t0]
+            during = [e.label for e in in_place if t0 < e.published_at <= t1]
+            seen = list(dict.fromkeys([before[-1] if before else UNVERSIONED, *during]))
+        elif start is not None and start.source == TRAINER:
+            seen = [start.name]
+        else:
             return rec.model_copy(update=upd)
-        first = str(start.version) if start is not None else UNVERSIONED
-        seen = list(dict.fromkeys([first, *during]))
-        if start is not None:
-            upd["policy_version"] = first
-        upd["policy_versions"] = seen
-        upd["crossed_version"] = len(seen) > 1
-        upd["version_source"] = "trainer"
+        upd.update(policy_version=seen[0], policy_versions=seen, crossed_version=len(seen) > 1, version_source="trainer")
         return rec.model_copy(update=upd)
 
     # ------------------------------------------------------------ heartbeat
@@ -323,14 +317,12 @@ class Worker(Checkpointable):
                 if not self.queue.heartbeat(fl.lease):
                     self._interrupt(fl, "lost")
                     continue
-                if version is not None:
+                if version is not None and version.position is not None:
                     with self.lock:
-                        if not fl.seen_versions or fl.seen_versions[-1] != version.version:
-                            fl.seen_versions.append(version.version)
-                            fl.published.append((version.version, version.published_at or time.time()))
-                    with self.lock:  # a unit claimed before any version: the first one it saw
-                        start = fl.start_version.version if fl.start_version else fl.seen_versions[0]
-                    if opts.on_version_change == "abandon" and version.version - start > opts.max_staleness:
+                        if not fl.seen_versions or fl.seen_versions[-1] != version.position:
+                            fl.seen_versions.append(version.position)
+                        start = fl.seen_versions[0]  # the unit's start version, else the first one it saw
+                    if opts.on_version_change == "abandon" and version.position - start > opts.max_staleness:
                         self._interrupt(fl, "abandoned")
                         continue
                 if stopping:

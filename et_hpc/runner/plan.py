@@ -23,6 +23,7 @@ from et_hpc.record import EpisodeRecord, solved
 from et_hpc.runner.config import RunConfig
 from et_hpc.runs.shards import RUN_CONFIG, read_run_config, write_run_config
 from et_hpc.runs.store import RunStore
+from et_hpc.runs.version_log import run_versions
 
 if TYPE_CHECKING:
     from et_hpc.images.store import ImageResult
@@ -268,6 +269,7 @@ def save_run_json(cfg: RunConfig, run_dir: Path, summary: dict[str, Any]) -> Pat
         "planned_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "config": cfg.model_dump(mode="json"),
         "plan": summary,
+        "versions": run_versions(run_dir, cfg.policy.endpoint_file, cfg.policy.endpoint_dir),
     }
     return write_run_config(Path(run_dir), data)
 

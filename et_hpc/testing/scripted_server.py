@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from et_hpc.testing import scripted_tokenizer as tk
+from et_hpc.testing.scripted_tokenizer import logprob_of  # noqa: F401 - its name here for callers
 
 log = logging.getLogger(__name__)
 
@@ -35,11 +36,6 @@ HOST = "127.0.0.1"
 DONE_REPLY = "<action>done</action>"
 ATTEMPT_FAULTS = {500, 429, "timeout", "empty_choices", "context_length"}
 REPLY_FAULTS = {"malformed_tool_json"}
-
-
-def logprob_of(token: int, position: int) -> float:
-    """The deterministic sampling logprob the scripted model reports for a token."""
-    return -(((token * 7919 + position * 104729) % 1000) / 1000.0)
 
 
 def load_script(source: dict | str | Path) -> dict[str, list]:
@@ -355,13 +351,8 @@ class ScriptedServer:
         finish = chat["choices"][0]["finish_reason"]
         out = tk.encode(gen) + ([] if finish == "length" else [tk.EOS_ID])
         usage = {"prompt_tokens": len(ids), "completion_tokens": len(out), "total_tokens": len(ids) + len(out)}
-        choice: dict[str, Any] = {
-            "index": 0,
-            "text": gen,
-            "logprobs": None,
-            "finish_reason": "length" if finish == "length" else "stop",
-            "stop_reason": None,
-        }
+        choice: dict[str, Any] = {"index": 0, "text": gen, "logprobs": tk.completion_logprobs(out, req.get("logprobs"))}
+        choice.update(finish_reason="length" if finish == "length" else "stop", stop_reason=None)
         if self.return_token_ids and req.get("return_token_ids"):
             choice["token_ids"] = out
             choice["prompt_token_ids"] = ids

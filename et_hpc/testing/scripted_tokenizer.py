@@ -244,3 +244,20 @@ def write_hf_tokenizer(directory: str | Path, *, model_max_length: int = 32768) 
     }
     (d / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return d
+
+
+def logprob_of(token: int, position: int) -> float:
+    """The deterministic sampling logprob the scripted model reports for a token."""
+    return -(((token * 7919 + position * 104729) % 1000) / 1000.0)
+
+
+def completion_logprobs(ids: list[int], n: Any) -> dict[str, Any] | None:
+    """vLLM's ``/v1/completions`` ``logprobs`` for the sampled ``ids`` when the request asked for
+    ``n`` (an integer >= 0: the sampled token's logprob, and ``n`` alternatives), else None."""
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        return None
+    texts = [token_text(t) for t in ids]
+    lps = [logprob_of(t, j) for j, t in enumerate(ids)]
+    offsets = [sum(len(x) for x in texts[:j]) for j in range(len(texts))]
+    top = [{texts[j]: lps[j], **{token_text((t + k) % VOCAB_SIZE): lps[j] - k for k in range(1, n)}} for j, t in enumerate(ids)]
+    return {"text_offset": offsets, "token_logprobs": lps, "tokens": texts, "top_logprobs": top}

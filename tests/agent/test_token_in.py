@@ -95,3 +95,45 @@ def test_parse_hermes():
     bad = parse_hermes("<tool_call>{not json</tool_call>")
     assert bad.tool_calls[0].function.name == "" and bad.tool_calls[0].function.arguments == "{not json"
     assert parse_hermes("just text").tool_calls == []
+
+
+def test_token_in_records_exact_ids_and_their_logprobs_together(shell, caplog):
+    """Token-in asks /v1/completions for the sampled tokens' logprobs (``logprobs``) and keeps them
+    aligned with the completion ids: each turn's logprobs are the scripted model's for those ids."""
+    with ScriptedServer(THINKS) as srv:
+        p = OpenAIPolicy(srv.base_url, token_in=True, logprobs=True, backoff_base_s=0.01, rng=random.Random(0))
+        r = run_agent("Do the task.", shell, p, BudgetConfig())
+    _check_exact(r)
+    t = r.tokens
+    assert t.logprobs is not None and len(t.logprobs) == len(t.token_ids) == 3
+    for ids, lps in zip(t.token_ids, t.logprobs):
+        assert lps == [tk.logprob_of(tok, j) for j, tok in enumerate(ids)]
+    # a server that gives no logprobs: a warning, never silence (positive control above)
+    with ScriptedServer(THINKS) as srv:
+        import et_hpc.testing.scripted_tokenizer as stk
+        from et_hpc.agent import token_in
+
+        token_in._WARNED.clear()  # once per process: this test's warning is the one looked for
+        real, stk.completion_logprobs = stk.completion_logprobs, lambda ids, n: None
+        try:
+            p = OpenAIPolicy(srv.base_url, token_in=True, logprobs=True, backoff_base_s=0.01, rng=random.Random(0))
+            r2 = run_agent("Do the task.", shell, p, BudgetConfig())
+        finally:
+            stk.completion_logprobs = real
+    assert r2.tokens.logprobs is None and r2.tokens.tokens_source == "server-exact"
+    assert "logprobs were asked for but /v1/completions gave no logprobs.token_logprobs" in caplog.text
+
+
+def test_token_in_auto_stays_in_chat_mode_on_a_vllm_shaped_server(shell):
+    """``token_in: auto`` (the config's default) turns token-in on only where the server is
+    llama-server (it answers /apply-template); the scripted vLLM-shaped server does not, so chat mode
+    (the real llama-server's side: tests/model/test_model_server.py)."""
+    from et_hpc.agent.policies import PolicyConfig
+
+    assert PolicyConfig().token_in == "auto"
+    with ScriptedServer(THINKS) as srv:
+        p = OpenAIPolicy(srv.base_url, token_in="auto", backoff_base_s=0.01, rng=random.Random(0))
+        r = run_agent("Do the task.", shell, p, BudgetConfig())
+        served = dict(srv.requests)
+    assert r.status == "ok" and p.token_in is False
+    assert served.get("POST /v1/completions", 0) == 0 and served.get("POST /v1/chat/completions", 0) >= 3, served

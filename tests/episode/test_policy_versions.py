@@ -14,6 +14,8 @@ import sys
 import threading
 from pathlib import Path
 
+import pytest
+
 from helpers import REPO
 from helpers.demo import DEMO, SOLVE, TASK
 from helpers.servers import vllm_shim, wait_for
@@ -151,9 +153,11 @@ def test_version_ids_order_both_sources() -> None:
     assert version_step(None) is None
 
 
-def test_max_staleness_discards_by_checkpoint_step(tmp_path: Path) -> None:
-    """Groups stamped with vllm.sbatch's model_version: the stream orders them by step against the
-    endpoint file that vllm.sbatch --checkpoint-dir republishes on a switch."""
+@pytest.mark.parametrize("with_step", [True, False], ids=["step", "files-hash"])
+def test_max_staleness_counts_publishes_of_the_checkpoint_dir(tmp_path: Path, with_step: bool) -> None:
+    """Groups stamped with vllm.sbatch's model_version: the stream orders them by when the endpoint
+    file (republished by vllm.sbatch --checkpoint-dir on each switch) showed them, with or without a
+    step in the pointer (``PATH@files-HASH`` has none: it used to be kept whatever max_staleness)."""
     from et_hpc.record import EpisodeRecord, records_to_table
     from et_hpc.rollouts import RolloutStream
     from et_hpc.rollouts.queue import WorkQueue
@@ -162,7 +166,13 @@ def test_max_staleness_discards_by_checkpoint_step(tmp_path: Path) -> None:
     ckpts = tmp_path / "ckpts"
     for step in (8, 9, 10, 11):
         (ckpts / f"step-{step}").mkdir(parents=True)
-    (ckpts / "latest").write_text("step-10 10\n")
+        (ckpts / f"step-{step}" / "weights").write_text(f"w{step}\n")  # files-HASH differs per checkpoint
+
+    def point(step: int) -> None:
+        (ckpts / ".latest").write_text(f"step-{step} {step}\n" if with_step else f"step-{step}\n")
+        (ckpts / ".latest").rename(ckpts / "latest")
+
+    point(8)
     ep = tmp_path / "private" / "endpoint.json"
     server = subprocess.Popen(
         ["bash", str(REPO / "slurm" / "vllm.sbatch"), "--checkpoint-dir", str(ckpts), "policy", str(ep)],
@@ -172,67 +182,105 @@ def test_max_staleness_discards_by_checkpoint_step(tmp_path: Path) -> None:
         text=True,
     )
     run = tmp_path / "run"
+    label: dict[int, str] = {}
+
+    def served() -> str | None:
+        v = json.loads(ep.read_text()).get("model_version") if ep.exists() else None
+        return v if v and f"step-{len(label) + 8}" in v and not v.startswith("switching") else None
+
     try:
-        wait_for(ep.exists, server, "the endpoint file")
         q = WorkQueue(run).init()
         q.enqueue_epoch(["a", "b", "c", "d"], 2)
-        label = {s: f"{ckpts}/step-{s}@step-{s}" for s in (8, 9, 10, 11)}
-        for step in (8, 9, 10, 9):  # committed in this order; labels sort wrongly as text (9 > 10)
-            lease = q.claim("w")
-            recs = [
-                EpisodeRecord(
-                    run_name="run",
-                    task_id=lease.unit.task_id,
-                    sample=i,
-                    group_id=lease.unit.group_id,
-                    status="ok",
-                    reward=float(i),
-                    policy_version=label[step],
-                )
-                for i in range(2)
-            ]
-            q.commit(lease, records_to_table(recs))
         with RolloutStream(run, "tr", endpoint_file=ep) as s:
-            assert s.current_version().version == 10 and s.current_version().label == label[10]
+            for step in (8, 9, 10):  # each switch seen by the stream as it happens: the publish order
+                if step != 8:
+                    point(step)
+                wait_for(lambda: served() is not None, server, f"step {step} served")
+                label[step] = served()  # type: ignore[assignment]
+                assert s.current_version().label == label[step]
+            assert ("@step-" in label[8]) is with_step and ("@files-" in label[8]) is not with_step
+            for step in (8, 9, 10, 9):  # committed in this order
+                lease = q.claim("w")
+                recs = [
+                    EpisodeRecord(
+                        run_name="run",
+                        task_id=lease.unit.task_id,
+                        sample=i,
+                        group_id=lease.unit.group_id,
+                        status="ok",
+                        reward=float(i),
+                        policy_version=label[step],
+                    )
+                    for i in range(2)
+                ]
+                q.commit(lease, records_to_table(recs))
             got = s.next_batch(2, timeout_s=1, max_staleness=1)
-            assert [g.version for g in got] == [9, 10] and s.counts["discarded_stale"] == 1  # step 8 < 10 - 1
-            (ckpts / ".latest").write_text("step-11 11\n")
-            (ckpts / ".latest").rename(ckpts / "latest")
-            wait_for(lambda: json.loads(ep.read_text())["model_version"] == label[11], server, "the switch")
-            assert s.current_version().version == 11
+            assert [g.policy_version for g in got] == [label[9], label[10]] and s.counts["discarded_stale"] == 1  # 8: 2 behind
+            assert [g.position for g in got] == [2, 3]
+            point(11)
+            wait_for(lambda: served() is not None, server, "the switch to 11")
+            label[11] = served()  # type: ignore[assignment]
+            assert s.current_version().label == label[11] and s.current_version().position == 4
             got = s.next_batch(2, timeout_s=1, max_staleness=1)
-            assert got == [] and s.counts["discarded_stale"] == 2  # step 9 < 11 - 1 now
+            assert got == [] and s.counts["discarded_stale"] == 2  # 9 is 2 behind 11 now
             assert s.telemetry["staleness"] == {"1": 1, "0": 1}
     finally:
         server.send_signal(signal.SIGTERM)
         server.communicate(timeout=60)
 
 
-def test_trainer_versions_cross_per_episode_and_the_first_publish_counts() -> None:
-    import threading
+def test_trainer_versions_are_the_ones_current_while_each_episode_ran(tmp_path: Path) -> None:
+    """Trainer-owned in-place switches (publish without a model): each episode carries the version
+    current at its start plus those published before its end, whatever its group started under; an
+    episode that starts after a publish belongs to the new version (it used to keep the group's)."""
+    import time
 
     from et_hpc.record import EpisodeRecord, Timings
+    from et_hpc.rollouts import publish_version
     from et_hpc.rollouts.queue import Lease, Unit
-    from et_hpc.rollouts.versions import PolicyVersion
+    from et_hpc.rollouts.versions import VersionReader
     from et_hpc.rollouts.worker import UNVERSIONED, Worker, _InFlight
 
+    run = tmp_path / "run"
     w = Worker.__new__(Worker)
     w.lock = threading.Lock()
-    unit = Unit(uid="e000000-000000", task_id="t", epoch=0, pos=0, samples=2)
+    w.versions = VersionReader(run)
+    unit = Unit(uid="e000000-000000", task_id="t", epoch=0, pos=0, samples=3)
     lease = Lease(unit=unit, attempt="x", path=Path("/nonexistent"))
 
     def rec(sample: int, t0: float, t1: float) -> EpisodeRecord:
-        return EpisodeRecord(run_name="r", task_id="t", sample=sample, status="ok", reward=1.0, timings=Timings(start_s=t0, stop_s=t1))
+        times = Timings(start_s=t0, stop_s=t1)
+        return EpisodeRecord(
+            run_name="r", task_id="t", sample=sample, status="ok", reward=1.0, policy_version="srv@sha256-0", timings=times
+        )
 
-    # version 2 published at t=150: the first episode (100-140) did not see it, the second (140-200) did
-    fl = _InFlight(lease=lease, start_version=PolicyVersion(version=1, published_at=50.0), published=[(1, 100.0), (2, 150.0)])
-    a, b = w._tag(rec(0, 100.0, 140.0), unit, fl), w._tag(rec(1, 140.0, 200.0), unit, fl)
+    # no publish yet: the policy's own record is kept (server-owned)
+    assert w._tag(rec(0, 1.0, 2.0), unit, _InFlight(lease=lease, start_version=None)).policy_version == "srv@sha256-0"
+    v1 = publish_version(run)
+    time.sleep(0.05)
+    v2 = publish_version(run)
+    t1, t2 = v1.published_at, v2.published_at
+    # the group was claimed under version 1; version 2 was published at t2
+    fl = _InFlight(lease=lease, start_version=v1)
+    a, b, c = (
+        w._tag(rec(i, x, y), unit, fl) for i, (x, y) in enumerate([(t1 + 0.01, t2 - 0.01), (t2 - 0.01, t2 + 1), (t2 + 0.01, t2 + 1)])
+    )
     assert (a.policy_version, a.policy_versions, a.crossed_version) == ("1", ["1"], False)
     assert (b.policy_version, b.policy_versions, b.crossed_version) == ("1", ["1", "2"], True)
-    assert b.version_source == "trainer"
-    assert a.group_id == b.group_id == "t@e0"
-    # no version when the unit started; the trainer's first publish lands during the episode
-    fl = _InFlight(lease=lease, start_version=None, published=[(1, 120.0)])
-    c, d = w._tag(rec(0, 100.0, 140.0), unit, fl), w._tag(rec(1, 130.0, 160.0), unit, fl)
-    assert c.policy_versions == [UNVERSIONED, "1"] and c.crossed_version is True and c.policy_version is None
-    assert d.policy_versions is None and d.crossed_version is None  # started after it: nothing to cross
+    assert (c.policy_version, c.policy_versions, c.crossed_version) == ("2", ["2"], False)  # started after the publish
+    assert {r.version_source for r in (a, b, c)} == {"trainer"} and a.group_id == c.group_id == "t@e0"
+    # every record: policy_version is the first of policy_versions, never an endpoint label beside trainer ones
+    d = w._tag(rec(0, t1 - 10, t1 + 0.01), unit, _InFlight(lease=lease, start_version=None))
+    assert d.policy_versions == [UNVERSIONED, "1"] and d.crossed_version is True and d.policy_version == UNVERSIONED
+    for r in (a, b, c, d):
+        assert r.policy_version == r.policy_versions[0]
+    # a version that named its model (publish_version(model=...)): the unit asked for those weights throughout
+    v3 = publish_version(run, model="ckpt-3")
+    fl = _InFlight(lease=lease, start_version=v3)
+    v4 = publish_version(run, model="ckpt-4")
+    e = w._tag(rec(0, v4.published_at + 0.01, v4.published_at + 1), unit, fl)
+    assert (e.policy_version, e.policy_versions, e.crossed_version) == ("3", ["3"], False)
+    # a unit on the default model (claimed under in-place version 2): publishes naming a model do not
+    # change its weights, so it stays on 2
+    f = w._tag(rec(1, v4.published_at + 0.01, v4.published_at + 1), unit, _InFlight(lease=lease, start_version=v2))
+    assert (f.policy_version, f.policy_versions, f.crossed_version) == ("2", ["2"], False)

@@ -266,3 +266,25 @@ def test_server_killed_mid_run_loses_nothing(demo_images, tmp_path):
     assert len(recs) == len(TASKS)  # every episode is stored
     assert all(r.status == "ok" for r in recs), [(r.status, r.error) for r in recs]
     assert any(any(e.startswith("failover:") for e in r.events) for r in recs)
+
+
+def test_token_in_on_llama_server_records_logprobs_and_its_sampler(served):
+    """Token-in on the real llama-server: each turn's exact ids come with their logprobs (asked with
+    ``n_probs``, read from ``completion_probabilities``), and the sampler settings the server used,
+    its own defaults included (``top_k`` 40, ``min_p`` 0.05), are what the policy reports."""
+    from et_hpc.agent.openai_policy import OpenAIPolicy
+
+    # token_in "auto" (PolicyConfig's default): llama-server answers /apply-template, so token-in it is
+    p = OpenAIPolicy(served.base_url, api_key=served.api_key, mode="text", token_in="auto", logprobs=True, max_tokens=24, seed=1)
+    msgs = [{"role": "system", "content": "Reply with one shell command."}, {"role": "user", "content": "List the files."}]
+    for _ in range(2):
+        a = p.act(msgs)
+        assert a.tokens_from == "server" and a.token_ids
+        assert a.logprobs is not None and len(a.logprobs) == len(a.token_ids)
+        assert all(lp <= 0.0 for lp in a.logprobs) and any(lp < 0.0 for lp in a.logprobs)
+        msgs += [a.message, {"role": "user", "content": "Output: a.txt b.txt"}]
+    assert p.token_in is True
+    s = p.server_sampling
+    assert s is not None and s["top_k"] == 40 and abs(s["min_p"] - 0.05) < 1e-6, s
+    assert abs(s["temperature"] - p.temperature) < 1e-6 and s["n_predict"] == 24
+    p.close()

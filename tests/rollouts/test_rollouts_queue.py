@@ -202,7 +202,8 @@ def test_stream_cursor_is_exactly_once_across_restarts(tmp_path: Path) -> None:
 def test_stream_staleness_and_masking_are_counted(tmp_path: Path) -> None:
     q = WorkQueue(tmp_path).init()
     q.enqueue_epoch(["a", "b", "c", "d"], 2)
-    publish_version(tmp_path, 3)
+    for v in (1, 2, 3):
+        publish_version(tmp_path, v)
     for version, statuses in (("1", ("ok", "ok")), ("2", ("ok", "ok")), ("3", ("ok", "infra_error")), ("3", ("ok", "ok"))):
         lease = q.claim("w")
         q.commit(lease, _table(lease.unit.task_id, 0, version, statuses))
@@ -224,7 +225,8 @@ def test_versions_only_go_up_and_the_reader_sees_changes(tmp_path: Path) -> None
     assert r.current().version == 2 and r.current().model == "ckpt-5"
     with pytest.raises(UserError, match="only go up"):
         publish_version(tmp_path, 1)
-    assert Counter(p.name for p in tmp_path.iterdir()) == Counter({"version.json": 1})
+    # the trainer's file, the version log and its lock; no temp file left behind
+    assert Counter(p.name for p in tmp_path.iterdir()) == Counter({"version.json": 1, "versions.jsonl": 1, ".versions.jsonl.lock": 1})
 
 
 def test_scored_data_never_holds_absent_or_drifted_tokens(tmp_path: Path) -> None:
@@ -246,10 +248,20 @@ def test_scored_data_never_holds_absent_or_drifted_tokens(tmp_path: Path) -> Non
         assert d["tokens"] == [] and d["scores"] == [] and d["dropped_no_tokens"] == 1
 
 
-def test_abandon_follows_the_servers_checkpoint_step(tmp_path: Path) -> None:
-    """on_version_change: abandon with vLLM owning the switch: the worker reads the step of the
-    endpoint file's model_version; a unit is requeued once the served step moved past max_staleness,
-    and restarts under the new step (a real worker, queue and unit runner; no model is called)."""
+@pytest.mark.parametrize(
+    "label",
+    [
+        lambda n: f"/ck/step-{n}@step-{n}",  # vllm.sbatch --checkpoint-dir with steps
+        lambda n: f"policy@sha256-{n:016x}",  # et-hpc model serve: a content hash, no step
+        lambda n: f"/ck/final@files-{(n * 7919) % 65536:04x}",  # vllm.sbatch without a step
+    ],
+    ids=["step", "sha256", "files"],
+)
+def test_abandon_follows_the_servers_publishes(tmp_path: Path, label) -> None:
+    """on_version_change: abandon with the server owning the switch: the worker appends each
+    model_version its endpoint file shows to the run's version log; a unit is requeued once the
+    served version moved more than max_staleness publishes past its own, whatever the label's kind,
+    and restarts under the new one (a real worker, queue and unit runner; no model is called)."""
     import threading
 
     from et_hpc.agent.endpoint import endpoint_record, write_endpoint_file
@@ -265,7 +277,7 @@ def test_abandon_follows_the_servers_checkpoint_step(tmp_path: Path) -> None:
     ep = ep_dir / "endpoint.json"
 
     def serve(step: int) -> None:
-        write_endpoint_file(ep, endpoint_record("127.0.0.1", 9, "policy", model_version=f"/ck/step-{step}@step-{step}"))
+        write_endpoint_file(ep, endpoint_record("127.0.0.1", 9, "policy", model_version=label(step)))
 
     serve(10)
     cfg = RunConfig(
@@ -300,4 +312,7 @@ def test_abandon_follows_the_servers_checkpoint_step(tmp_path: Path) -> None:
         stop.set()
         th.join(30)
     assert w.stats.abandoned == 1 and w.stats.committed == 1
+    from et_hpc.runs.version_log import VersionLog
+
+    assert [e.label for e in VersionLog(run_dir).entries()] == [label(10), label(11), label(12)]
     assert len((log_dir / "starts.log").read_text().splitlines()) == 2

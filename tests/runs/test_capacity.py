@@ -284,7 +284,8 @@ def test_stream_records_trainer_wait_and_staleness(tmp_path: Path) -> None:
     s = RolloutStream(run, "trainer")
     first = s.next_batch(2, timeout_s=5)
     assert len(first) == 2
-    publish_version(run, 3)  # the trainer moved on two steps; later groups started under 2 and 3
+    publish_version(run, 2)  # the trainer moved on two steps; later groups started under 2 and 3
+    publish_version(run, 3)
     for version in ("2", "3"):
         lease = q.claim("w")
         q.commit(lease, _group(lease.unit.task_id, version))
