@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -56,8 +57,13 @@ def test_limit_refusals_are_told_apart() -> None:
 
 def _need_qos() -> None:
     r = subprocess.run(["sacctmgr", "-n", "-P", "show", "qos", QOS, "format=Name,MaxSubmitPU"], capture_output=True, text=True)
+    enforce = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True).stdout
+    why = ""
     if r.stdout.strip() != f"{QOS}|{LIMIT}":
         why = f"QOS {QOS} with MaxSubmitJobsPerUser={LIMIT} is missing (run scripts/provision-debian as root)"
+    elif not re.search(r"^AccountingStorageEnforce\s*=.*limits", enforce, re.MULTILINE):
+        why = "Slurm does not enforce QOS limits (AccountingStorageEnforce; run scripts/provision-debian as root)"
+    if why:
         if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
             pytest.fail(f"required in CI: {why}")
         pytest.skip(why)
