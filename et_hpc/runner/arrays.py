@@ -158,7 +158,6 @@ class SlurmArray:
         self._submit, self._limits = submit_chunk, limits
         self._pacer = Pacer(spec.slurm.max_submits_per_min)
         self._closed = False
-        self._last: dict[str, str] = {}
         self.feed(0)
 
     @property
@@ -209,8 +208,7 @@ class SlurmArray:
             if self.feed(live):
                 got.update(host_slurm.task_states(self.ids[before : self.sent]))
         rest = NOT_SUBMITTED if self._closed else "PENDING"
-        self._last = {i: got.get(i, rest) for i in self.ids}
-        return dict(self._last)
+        return {i: got.get(i, rest) for i in self.ids}
 
     def ended(self) -> bool:
         return all(host_slurm.ended(s) for s in self.states().values())
