@@ -194,10 +194,11 @@ def build_on_slurm(store: ImageStore, tasks: list[Task], args: argparse.Namespac
         [BuildChunk(store.cache_dir, store.settings, store.base_map, c, args.retry_failed, jobs_per_node) for c in chunks],
         ArraySpec(folder=store.cache_dir / "slurm", name="et-hpc-build", slurm=slurm_cfg, what="build array"),
     )
-    ids = arr.ids
+    ids = arr.ids  # updated in place as the rest is submitted (within the site's submit limits)
+    waiting = getattr(arr, "waiting", "")
     print(
-        f"submitted Slurm array {ids[0].split('_')[0]}: {len(chunks)} array tasks for {len(todo)} images "
-        f"(logs in {store.cache_dir / 'slurm'})",
+        f"submitted Slurm array {', '.join(getattr(arr, 'array_ids', [])) or '(none yet)'}: {len(chunks)} array tasks for "
+        f"{len(todo)} images (logs in {store.cache_dir / 'slurm'})" + (f"; {waiting}" if waiting else ""),
         file=sys.stderr,
     )
 
@@ -220,7 +221,10 @@ def build_on_slurm(store: ImageStore, tasks: list[Task], args: argparse.Namespac
         states, all_ended = arr.wait(poll_s=3.0, timeout_s=deadline_s, on_poll=on_poll)
     except KeyboardInterrupt:
         bar.close()
-        print(f"et-hpc: stopped waiting; the array keeps running (scancel {ids[0].split('_')[0]} to stop it)", file=sys.stderr)
+        print(
+            f"et-hpc: stopped waiting; the array keeps running (scancel {' '.join(getattr(arr, 'array_ids', []))} to stop it)",
+            file=sys.stderr,
+        )
         raise
     bar.close()
 

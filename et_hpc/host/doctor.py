@@ -11,6 +11,7 @@ refuses to use it then).
 
 from __future__ import annotations
 
+import functools
 import getpass
 import os
 import re
@@ -24,9 +25,11 @@ from pathlib import Path
 
 from et_hpc import paths
 from et_hpc.errors import UserError
-from et_hpc.host import apptainer, slurm
+from et_hpc.host import apptainer, runtime, slurm
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
+# where apptainer packages keep their helpers (Debian: /usr/lib/<arch>/apptainer/bin)
+LIBEXEC = [Path("/usr/libexec/apptainer/bin"), Path("/usr/local/libexec/apptainer/bin"), *Path("/usr/lib").glob("*/apptainer/bin")]
 MIN_APPTAINER = (1, 3)
 
 
@@ -66,9 +69,17 @@ def check_apptainer() -> Check:
             "load it ('module load apptainer') or install Apptainer >= 1.3 (Debian: sudo scripts/provision-debian)",
         )
     s = ".".join(map(str, v))
+    flavour = node_runtime().flavour
+    if flavour.startswith("singularity"):
+        return Check(
+            "apptainer",
+            WARN,
+            f"{flavour} {s}: SingularityCE, not Apptainer; et-hpc is tested with Apptainer >= 1.3",
+            "load Apptainer if the site has it (module avail apptainer); else episodes may fail on flags SingularityCE lacks",
+        )
     if v[:2] < MIN_APPTAINER:
         return Check("apptainer", FAIL, f"version {s} is too old", "use Apptainer >= 1.3 (module avail apptainer)")
-    return Check("apptainer", OK, f"version {s}")
+    return Check("apptainer", OK, f"{flavour or 'apptainer'} version {s}")
 
 
 def check_user() -> Check:
@@ -108,22 +119,95 @@ def check_subids() -> Check:
     return Check("subuid/subgid", OK, f"{user} has subordinate ids")
 
 
+@functools.lru_cache(maxsize=1)
+def node_runtime() -> runtime.Runtime:
+    """This node's Apptainer runtime (probed once per process: ``et_hpc.host.runtime``)."""
+    return runtime.probe()
+
+
 def check_userns() -> Check:
-    try:
-        n = int(Path("/proc/sys/user/max_user_namespaces").read_text())
-    except (OSError, ValueError):
-        n = -1
+    rt = node_runtime()
+    n = rt.max_user_namespaces
+    bad = FAIL if rt.mode == runtime.NONE else WARN  # the setuid starter runs containers without them
     if n == 0:
-        return Check("user namespaces", FAIL, "max_user_namespaces is 0", "ask an admin: sysctl user.max_user_namespaces=15000")
-    r = _run(["unshare", "--user", "--map-root-user", "true"]) if shutil.which("unshare") else None
-    if r is not None and r.returncode != 0:
+        return Check("user namespaces", bad, "max_user_namespaces is 0", "ask an admin: sysctl user.max_user_namespaces=15000")
+    if rt.userns_error:
         return Check(
             "user namespaces",
-            FAIL,
-            f"unshare --user failed: {r.stderr.strip()[:120]}",
+            bad,
+            f"unshare --user failed: {rt.userns_error}",
             "ask an admin to enable unprivileged user namespaces (kernel.unprivileged_userns_clone=1)",
         )
-    return Check("user namespaces", OK, f"enabled (max {n})" if n > 0 else "enabled")
+    return Check("user namespaces", OK, f"enabled (max_user_namespaces {n})" if n else "enabled")
+
+
+def check_runtime_mode() -> Check:
+    """Which mode apptainer starts containers in, and what follows from it (et_hpc.host.runtime)."""
+    rt = node_runtime()
+    name = "runtime mode"
+    if not rt.flavour:
+        return Check(name, FAIL, "no apptainer to ask", "see the apptainer check")
+    if rt.mode == runtime.SETUID:
+        return Check(name, OK, f"setuid: {rt.why}; instances and SIF mounts need no user namespace or FUSE")
+    if rt.mode == runtime.USERNS:
+        return Check(name, OK, f"userns: {rt.why}")
+    if rt.mode == runtime.APPARMOR:
+        profile = any(Path("/etc/apparmor.d").glob("*apptainer*")) or any(Path("/etc/apparmor.d").glob("*singularity*"))
+        if profile:
+            return Check(
+                name,
+                WARN,
+                f"apparmor: {rt.why}; apptainer's AppArmor profile lets its starter in, other tools (unshare, mmdebstrap) are refused",
+                "offline base builds need namespaces: et-hpc base build --from-sif ubuntu_22.04.sif",
+            )
+        return Check(
+            name,
+            FAIL,
+            f"apparmor: {rt.why}: apptainer fails with 'Failed to create user namespace'",
+            "ask an admin for apptainer's AppArmor profile (/etc/apparmor.d/apptainer) or kernel.apparmor_restrict_unprivileged_userns=0",
+        )
+    return Check(
+        name,
+        FAIL,
+        f"none: {rt.why}",
+        "ask an admin: sysctl user.max_user_namespaces=15000 (or install apptainer-suid); or run on another node",
+    )
+
+
+def check_fakeroot() -> Check:
+    """Whether ``apptainer build --fakeroot`` works here: subuid/subgid and a user namespace (or
+    the setuid starter), else the ``fakeroot`` command alone, else no builds on this node."""
+    rt, user = node_runtime(), getpass.getuser()
+    ids = runtime.has_fakeroot_ids(user, os.getuid()) or os.getuid() == 0
+    ns = rt.mode in (runtime.SETUID, runtime.USERNS)
+    if ns and ids:
+        return Check("fakeroot builds", OK, "--fakeroot maps root through /etc/subuid and /etc/subgid")
+    if ns and shutil.which("fakeroot"):
+        return Check(
+            "fakeroot builds",
+            WARN,
+            "no subuid/subgid entries: --fakeroot falls back to the fakeroot command (%post steps that chown or apt-get may fail)",
+            f"ask an admin: usermod --add-subuids 200000-265535 --add-subgids 200000-265535 {user}",
+        )
+    return Check(
+        "fakeroot builds",
+        WARN,
+        "builds need --fakeroot, which this node lacks" + ("" if ns else " (no user namespace)"),
+        "build on another node ('et-hpc build' where doctor says OK; the image cache is shared) and run here",
+    )
+
+
+def check_squashfuse_ll() -> Check:
+    if shutil.which("squashfuse_ll") or any((d / "squashfuse_ll").exists() for d in LIBEXEC):
+        return Check("squashfuse_ll", OK, "SIFs mount with the faster multithreaded squashfuse_ll")
+    if node_runtime().mode == runtime.SETUID:
+        return Check("squashfuse_ll", OK, "not found; the setuid starter mounts SIFs with the kernel's squashfs")
+    return Check(
+        "squashfuse_ll",
+        WARN,
+        "not found: SIFs mount with plain squashfuse (slower instance starts and reads)",
+        "install squashfuse >= 0.5 (it ships squashfuse_ll), or use sandbox.local_copy: unpack",
+    )
 
 
 def check_fuse() -> Check:
@@ -142,8 +226,7 @@ def check_fuse() -> Check:
 
 def check_fuse_tools() -> Check:
     need = ["squashfuse", "fuse2fs", "fuse-overlayfs"]
-    libexec = [Path("/usr/libexec/apptainer/bin"), Path("/usr/local/libexec/apptainer/bin")]
-    missing = [t for t in need if not shutil.which(t) and not any((d / t).exists() for d in libexec)]
+    missing = [t for t in need if not shutil.which(t) and not any((d / t).exists() for d in LIBEXEC)]
     if missing:
         return Check(
             "fuse helpers",
@@ -228,6 +311,10 @@ def check_slurm() -> list[Check]:
         )
     else:
         out.append(Check("slurm accounting", OK, acct))
+    from et_hpc.host.slurm_limits import submit_limits
+
+    lim = submit_limits(slurm.SlurmConfig())
+    out.append(Check("slurm submit limits", OK, f"{lim.describe()}; et-hpc submits larger runs in chunks as queued jobs end"))
     return out
 
 
@@ -352,8 +439,11 @@ CHECKS: list[Callable[[], Check | list[Check]]] = [
     check_user,
     check_subids,
     check_userns,
+    check_runtime_mode,
+    check_fakeroot,
     check_fuse,
     check_fuse_tools,
+    check_squashfuse_ll,
     check_sessiondir,
     check_slurm,
     check_scratch,

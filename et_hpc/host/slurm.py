@@ -218,8 +218,10 @@ class SlurmConfig(BaseModel):
     max_array_size: int | None = Field(default=None, ge=1)
     """Largest array; default: MaxArraySize from scontrol."""
     max_submit_jobs: int | None = Field(default=None, ge=1)
-    """Most array tasks one submission may queue; default: what MaxJobCount and the QOS/association
-    MaxSubmitJobs limits leave free (et_hpc.runner.slurm.submit_limits)."""
+    """Most array tasks of one array queued or running at once (the rest are submitted as they end);
+    the site's MaxSubmitJobs limits apply anyway (et_hpc.host.slurm_limits)."""
+    max_submits_per_min: int | None = Field(default=None, ge=1)
+    """Most array tasks submitted per minute: a site's cap on launches (each array task counts)."""
     max_num_timeout: int = Field(default=3, ge=0)
     """Requeues of an array task after timeout or preemption."""
     python: str | None = None

@@ -112,7 +112,9 @@ class Controller:
         )
         self.workers = ex.submit_array([Worker(self.cfg, self.run_dir, self.tasks, self.images, i) for i in range(n)], spec)
         if not self.workers.in_process:
-            print(f"submitted {n} continuous workers: array {self.workers.ids[0].split('_')[0]}", file=sys.stderr, flush=True)
+            arrays = ", ".join(getattr(self.workers, "array_ids", [])) or "none yet"
+            waiting = getattr(self.workers, "waiting", "")  # beyond the site's submit limits: later
+            print(f"submitted {n} continuous workers: array {arrays}" + (f"; {waiting}" if waiting else ""), file=sys.stderr, flush=True)
 
     def workers_ended(self, every_s: float = 0.0) -> bool:
         """True when no worker is left (an executor running them elsewhere is asked at most every ``every_s``)."""

@@ -349,9 +349,11 @@ def run_local(
     stop = stop or threading.Event()
     items = work_items(plan, plan.units)
     if items and cfg.unit_runner in (None, EPISODE_RUNNER):
+        from et_hpc.host.runtime import refuse_unusable
         from et_hpc.paths import scratch_dir
 
         scratch_dir()  # a scratch directory we must not use: one line and exit 2 before any episode
+        refuse_unusable()  # no container can start on this node (no user namespace, no setuid starter)
     bar = progress_bar(total=len(items), desc=f"run {cfg.run_name()}", unit="ep", show=bool(progress), dynamic_ncols=True)
     pool = UnitPool(items, runner, cfg, store, cfg.node_concurrency(), stop, bar, ready_at=plan.planned_at)
     try:

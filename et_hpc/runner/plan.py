@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from et_hpc.errors import UserError
+from et_hpc.host.runtime import run_record
 from et_hpc.record import EpisodeRecord, solved
 from et_hpc.runner.config import RunConfig
 from et_hpc.runs.shards import RUN_CONFIG, read_run_config, write_run_config
@@ -262,7 +263,8 @@ def write_run_json(plan: Plan) -> Path:
 
 
 def save_run_json(cfg: RunConfig, run_dir: Path, summary: dict[str, Any]) -> Path:
-    """Write ``run.json`` (name, folder, time, the config, the plan's summary); the one writer of it."""
+    """Write ``run.json`` (name, folder, time, the config, the plan's summary, the runtime it used:
+    ``et_hpc.host.runtime.run_record``); the one writer of it."""
     data = {
         "name": cfg.run_name(),
         "run_dir": str(run_dir),
@@ -270,6 +272,7 @@ def save_run_json(cfg: RunConfig, run_dir: Path, summary: dict[str, Any]) -> Pat
         "config": cfg.model_dump(mode="json"),
         "plan": summary,
         "versions": run_versions(run_dir, cfg.policy.endpoint_file, cfg.policy.endpoint_dir),
+        "runtime": run_record(cfg.executor),  # apptainer flavour, version and mode, kernel, slurm
     }
     return write_run_config(Path(run_dir), data)
 

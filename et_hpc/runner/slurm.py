@@ -3,23 +3,21 @@
 Each array task is a :class:`ChunkJob`: it reaps stale sandboxes, skips units already ok in the
 store (a requeued task never redoes finished work) and runs the rest with local concurrency; on
 preemption or timeout it requeues itself. Submissions are saved in ``<run_dir>/jobs.json``.
-:func:`submit_limits` asks Slurm how many more array tasks it accepts: a run that needs more is
-refused in one line naming the ``slurm.units_per_task`` that fits.
+The array is submitted in chunks within the site's limits (``et_hpc.runner.arrays.SlurmArray``),
+so a run larger than MaxSubmitJobs completes; only ``--detach`` (nothing stays to submit the rest)
+refuses such a run, in one line naming the ``slurm.units_per_task`` that fits.
 Specification: docs/runner.md ("The Slurm executor").
 """
 
 from __future__ import annotations
 
-import getpass
 import json
 import logging
-import math
 import os
 import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -27,8 +25,10 @@ from submitit.helpers import Checkpointable, DelayedSubmission
 
 from et_hpc.errors import UserError
 from et_hpc.host import slurm as host_slurm
-from et_hpc.host.slurm import submitit_executor
-from et_hpc.runner.arrays import ArraySpec, SlurmArray
+from et_hpc.host.slurm import SlurmConfig, submitit_executor
+from et_hpc.host.slurm_limits import SUBMIT_LIMIT_RE, SubmitLimits, check_fits, parse_sacctmgr  # noqa: F401
+from et_hpc.host.slurm_limits import submit_limits as _submit_limits
+from et_hpc.runner.arrays import ArraySpec, SlurmArray, SubmitDeferred
 from et_hpc.runner.base import Notify, Outcome, Progress
 from et_hpc.runner.config import RunConfig
 from et_hpc.runner.local import ExecResult, UnitPool, WorkItem, resolve_runner, stop_on_signals, work_items
@@ -112,130 +112,9 @@ def _result_dict(r: ExecResult, n: int) -> dict[str, Any]:
     }
 
 
-DEFAULT_MAX_ARRAY_SIZE = 1001  # Slurm's defaults, when scontrol does not answer
-DEFAULT_MAX_JOB_COUNT = 10000
-
-
-def parse_sacctmgr(text: str, fields: list[str]) -> list[dict[str, str]]:
-    """Rows of ``sacctmgr -n -P show ... format=<fields>`` as dicts (empty string: no limit)."""
-    rows = []
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        cells = line.split("|")
-        rows.append({f: (cells[i].strip() if i < len(cells) else "") for i, f in enumerate(fields)})
-    return rows
-
-
-def _int(v: Any) -> int | None:
-    try:
-        return int(str(v).strip())
-    except (TypeError, ValueError):
-        return None
-
-
-def max_array_size() -> int:
-    """Slurm's MaxArraySize (an array holds indices 0..MaxArraySize-1)."""
-    return _int(host_slurm.scontrol_config().get("MaxArraySize")) or DEFAULT_MAX_ARRAY_SIZE
-
-
-def _count_jobs(*filters: str) -> int | None:
-    """Jobs in the queue matching squeue ``filters``, each array task counted (as Slurm does)."""
-    out = host_slurm.query(["squeue", "-h", "-r", "-o", "%i", *filters])
-    return None if out is None else len([ln for ln in out.splitlines() if ln.strip()])
-
-
-@dataclass
-class SubmitLimits:
-    """How many array tasks Slurm accepts now, and why (the tightest limit)."""
-
-    max_array_size: int
-    free: int | None = None  # array tasks that may still be queued; None: no limit known
-    why: str = ""  # the binding limit, e.g. "MaxJobCount=10000, 9990 jobs queued"
-    limits: list[tuple[int, str]] = field(default_factory=list)  # (free, description) of each limit
-
-    def add(self, limit: int | None, queued: int | None, name: str) -> None:
-        if limit is None:
-            return
-        q = queued or 0
-        self.limits.append((limit - q, f"{name}={limit}" + (f", {q} jobs queued" if q else "")))
-        self.free, self.why = min(self.limits)
-
-
-def submit_limits(cfg: RunConfig) -> SubmitLimits:
-    """Query Slurm for the limits on how many array tasks this run may queue (see module doc)."""
-    s = cfg.slurm
-    conf = host_slurm.scontrol_config()
-    real_size = _int(conf.get("MaxArraySize")) or DEFAULT_MAX_ARRAY_SIZE
-    lim = SubmitLimits(max_array_size=min(s.max_array_size, real_size) if s.max_array_size else real_size)
-    if s.max_submit_jobs:
-        lim.add(s.max_submit_jobs, 0, "slurm.max_submit_jobs")
-    if not conf:  # Slurm does not answer: sbatch will say why
-        return lim
-    user = getpass.getuser()
-    lim.add(_int(conf.get("MaxJobCount")) or DEFAULT_MAX_JOB_COUNT, _count_jobs(), "MaxJobCount")
-    mine: int | None = None
-    account, qos = s.account, s.qos
-    users = parse_sacctmgr(
-        host_slurm.query(["sacctmgr", "-n", "-P", "show", "user", user, "format=User,DefaultAccount"]) or "", ["user", "account"]
-    )
-    account = account or (users[0]["account"] if users else None)
-    if account:
-        fields = ["account", "user", "partition", "max_submit", "grp_submit", "default_qos"]
-        out = (
-            host_slurm.query(
-                [
-                    "sacctmgr",
-                    "-n",
-                    "-P",
-                    "show",
-                    "assoc",
-                    "where",
-                    f"user={user}",
-                    f"account={account}",
-                    "format=Account,User,Partition,MaxSubmit,GrpSubmit,DefaultQOS",
-                ]
-            )
-            or ""
-        )
-        for r in parse_sacctmgr(out, fields):
-            if r["user"] != user or r["partition"] not in ("", s.partition or ""):
-                continue
-            if _int(r["max_submit"]) is not None or _int(r["grp_submit"]) is not None:
-                mine = _count_jobs("-u", user) if mine is None else mine
-            lim.add(_int(r["max_submit"]), mine, f"MaxSubmitJobs of association {account}/{user}")
-            lim.add(_int(r["grp_submit"]), mine, f"GrpSubmitJobs of association {account}/{user}")
-            qos = qos or r["default_qos"] or None
-    qos = qos or ("normal" if account else None)
-    if qos:
-        fields = ["name", "max_submit_pu", "max_submit_pa", "grp_submit"]
-        out = host_slurm.query(["sacctmgr", "-n", "-P", "show", "qos", qos, "format=Name,MaxSubmitPU,MaxSubmitPA,GrpSubmit"]) or ""
-        for r in parse_sacctmgr(out, fields):
-            if r["name"] != qos:
-                continue
-            if _int(r["max_submit_pu"]) is not None:
-                mine = _count_jobs("-u", user) if mine is None else mine
-                lim.add(_int(r["max_submit_pu"]), mine, f"MaxSubmitPU of QOS {qos}")
-            if _int(r["max_submit_pa"]) is not None and account:
-                lim.add(_int(r["max_submit_pa"]), _count_jobs("-A", account), f"MaxSubmitPA of QOS {qos}")
-            if _int(r["grp_submit"]) is not None:
-                lim.add(_int(r["grp_submit"]), _count_jobs("-q", qos), f"GrpSubmitJobs of QOS {qos}")
-    return lim
-
-
-def check_fits(n_units: int, units_per_task: int, limits: SubmitLimits) -> int:
-    """Array tasks the units need; ``UserError`` naming the units_per_task that fits when too many."""
-    n_tasks = math.ceil(n_units / units_per_task)
-    if limits.free is None or n_tasks <= limits.free:
-        return n_tasks
-    if limits.free <= 0:
-        raise UserError(f"Slurm accepts no more jobs now ({limits.why}): wait for queued jobs to end ('squeue --me'), then rerun")
-    fit = math.ceil(n_units / limits.free)
-    raise UserError(
-        f"{n_units} units at slurm.units_per_task={units_per_task} need {n_tasks} array tasks but "
-        f"Slurm accepts {limits.free} more ({limits.why}): rerun with "
-        f"--set slurm.units_per_task={fit}"
-    )
+def submit_limits(cfg: RunConfig | SlurmConfig, *, own: int = 0) -> SubmitLimits:
+    """What Slurm accepts now for a run config's (or a ``slurm`` block's) arrays: ``et_hpc.host.slurm_limits``."""
+    return _submit_limits(cfg.slurm if isinstance(cfg, RunConfig) else cfg, own=own)
 
 
 KEY_ENV = "ET_HPC_POLICY_API_KEY"
@@ -259,59 +138,88 @@ def chunked(seq: list[T], n: int) -> list[list[T]]:
     return [seq[i : i + n] for i in range(0, len(seq), n)]
 
 
+def _limit_refusal(msg: str) -> bool:
+    return bool(SUBMIT_LIMIT_RE.search(msg))
+
+
 def submit_array(tasks: Sequence[Callable[[], Any]], spec: ArraySpec) -> SlurmArray:
-    """Submit ``tasks`` as one submitit array (sbatch refusing it: one-line ``UserError``); with
-    ``spec.run_dir``, append the submission to that run's ``jobs.json``."""
+    """Submit ``tasks`` as submitit arrays in chunks that fit the site's limits, the rest as queued
+    ones end (``SlurmArray``); sbatch refusing for another reason: one-line ``UserError``. With
+    ``spec.run_dir``, each chunk is appended to that run's ``jobs.json`` (one attempt for all)."""
     ex = submitit_executor(spec.slurm, spec.folder / "%j", spec.name)
-    try:
-        arr = SlurmArray(ex.submit_array(list(tasks)))
-    except UserError:
-        raise
-    except Exception as e:  # sbatch refused (bad partition, limits): say why, in one line
-        msg = str(e).strip().splitlines()
-        raise UserError(f"sbatch refused the {spec.what}: {msg[-1] if msg else e}") from None
-    if spec.run_dir is not None:
-        jobs_file = load_jobs(spec.run_dir)
-        attempt = spec.record.get("attempt") or next_attempt(jobs_file)
-        jobs_file["submissions"].append(
-            {
-                "attempt": attempt,
-                "array_id": arr.array_id,
-                "tasks": len(arr.ids),
-                "job_ids": arr.ids,
-                **{k: v for k, v in spec.record.items() if k != "attempt"},
-                "submitted_at": time.time(),
-                "folder": str(spec.folder),
-            }
-        )
-        save_jobs(spec.run_dir, jobs_file)  # after each array, so a failure later keeps the earlier ids
-    return arr
+    attempt = spec.record.get("attempt") or (next_attempt(load_jobs(spec.run_dir)) if spec.run_dir is not None else 0)
+
+    def submit_chunk(chunk: list[Any], first: int) -> list[Any]:
+        try:
+            jobs = ex.submit_array(chunk)
+        except UserError:
+            raise
+        except Exception as e:  # sbatch refused (bad partition, limits): say why, in one line
+            msg = str(e).strip().splitlines()
+            line = next((m for m in reversed(msg) if "error" in m.lower()), msg[-1] if msg else str(e))
+            if _limit_refusal(str(e)):
+                raise SubmitDeferred(f"sbatch refused: {line}") from None
+            raise UserError(f"sbatch refused the {spec.what}: {line}") from None
+        if spec.run_dir is not None:
+            _record(spec, attempt, [str(j.job_id) for j in jobs], first)
+        return jobs
+
+    return SlurmArray(tasks, spec, submit_chunk, lambda own: _submit_limits(spec.slurm, own=own))
+
+
+def _record(spec: ArraySpec, attempt: int, ids: list[str], first: int) -> None:
+    """Append one submitted chunk to ``<run_dir>/jobs.json`` (after each chunk: a failure later
+    keeps the earlier ids)."""
+    assert spec.run_dir is not None
+    extra = {k: v for k, v in spec.record.items() if k != "attempt"}
+    if spec.task_units is not None:
+        extra["units"] = sum(spec.task_units[first : first + len(ids)])
+    jobs_file = load_jobs(spec.run_dir)
+    jobs_file["submissions"].append(
+        {
+            "attempt": attempt,
+            "array_id": ids[0].split("_")[0],
+            "tasks": len(ids),
+            "job_ids": ids,
+            **extra,
+            "submitted_at": time.time(),
+            "folder": str(spec.folder),
+        }
+    )
+    save_jobs(spec.run_dir, jobs_file)
 
 
 def next_attempt(jobs_file: dict[str, Any]) -> int:
     return 1 + max((s["attempt"] for s in jobs_file["submissions"]), default=0)
 
 
-def submit(plan: Plan) -> list[dict[str, Any]]:
-    """Submit the plan's units as one or more arrays; returns (and saves) the submissions."""
+def submit_plan(plan: Plan, *, detach: bool = False) -> SlurmArray:
+    """Submit the plan's units in chunks of ``slurm.units_per_task`` as one paced ``SlurmArray``;
+    ``detach`` (nothing waits to submit the rest): refused unless every task fits now."""
     cfg, run_dir = plan.cfg, plan.run_dir
     chunks = chunked(work_items(plan, plan.units), cfg.slurm.units_per_task)
-    if not chunks:
-        return []
-    limits = submit_limits(cfg)
-    check_fits(len(plan.units), cfg.slurm.units_per_task, limits)
+    if detach and chunks:
+        limits = submit_limits(cfg)
+        limits.add(cfg.slurm.max_submits_per_min, 0, "slurm.max_submits_per_min")
+        check_fits(len(plan.units), cfg.slurm.units_per_task, limits, detach=True)
     cfg = key_by_reference(cfg)
-    attempt = next_attempt(load_jobs(run_dir))
-    for group in chunked(chunks, limits.max_array_size):
-        spec = ArraySpec(
-            folder=run_dir / "slurm",
-            name=f"et-hpc-{cfg.run_name()}",
-            slurm=cfg.slurm,
-            run_dir=run_dir,
-            record={"attempt": attempt, "units": sum(len(c) for c in group)},
-        )
-        submit_array([ChunkJob(cfg, run_dir, c, plan.planned_at) for c in group], spec)
-    return [s for s in load_jobs(run_dir)["submissions"] if s["attempt"] == attempt]
+    spec = ArraySpec(
+        folder=run_dir / "slurm",
+        name=f"et-hpc-{cfg.run_name()}",
+        slurm=cfg.slurm,
+        run_dir=run_dir,
+        record={"attempt": next_attempt(load_jobs(run_dir))},
+        task_units=[len(c) for c in chunks],
+    )
+    return submit_array([ChunkJob(cfg, run_dir, c, plan.planned_at) for c in chunks], spec)
+
+
+def submit(plan: Plan) -> list[dict[str, Any]]:
+    """Submit every unit of the plan now (refused when it does not fit); returns the submissions."""
+    if not plan.units:
+        return []
+    submit_plan(plan, detach=True)
+    return latest_submissions(plan.run_dir)
 
 
 def task_ids(subs: list[dict[str, Any]]) -> list[str]:
@@ -381,25 +289,37 @@ class SlurmExecutor:
     ) -> Outcome:
         notify = notify or log.info
         cfg = plan.cfg
-        subs = submit(plan)
-        ids = ", ".join(f"{s['array_id']} ({s['tasks']} tasks, {s['units']} units)" for s in subs)
-        notify(f"submitted array job(s): {ids}")
+        arr = submit_plan(plan, detach=detach)
+        notify(_submitted_line(plan.run_dir, arr))
         if detach:
-            return Outcome(detached=True, settled=False, submissions=subs)
+            return Outcome(detached=True, settled=False, submissions=latest_submissions(plan.run_dir))
         todo = set(plan.units)
+        said = {"waiting": arr.waiting}
 
         def on_poll(states: dict[str, str]) -> None:
+            if arr.waiting and arr.waiting != said["waiting"] and arr.sent > 0:
+                notify(f"submitted {arr.sent} of {len(arr.ids)} array tasks so far")
+            said["waiting"] = arr.waiting
             if progress is not None:
                 done = store.units()
                 progress(sum(1 for u in todo if u in done), host_slurm.counts(states))
 
         timeout = cfg.slurm.wait_timeout_min * 60 if cfg.slurm.wait_timeout_min else None
-        states, all_ended = host_slurm.wait_tasks(task_ids(subs), poll_s=cfg.slurm.poll_s, timeout_s=timeout, on_poll=on_poll)
+        states, all_ended = arr.wait(poll_s=cfg.slurm.poll_s, timeout_s=timeout, on_poll=on_poll)
+        subs = latest_submissions(plan.run_dir)
         failed = {t: states[t] for t in sorted(states) if host_slurm.category(states[t]) == "failed"}
         if failed:
             shown = ", ".join(f"{t} {s}" for t, s in list(failed.items())[:8])
             notify(f"{len(failed)} array task(s) ended without completing: {shown}")
         if not all_ended:
-            notify(f"stopped watching after {cfg.slurm.wait_timeout_min} min; jobs keep running: et-hpc status {plan.run_dir}")
+            left = f" ({arr.waiting}; they are not submitted now: rerun to do their units)" if arr.waiting else ""
+            notify(f"stopped watching after {cfg.slurm.wait_timeout_min} min; jobs keep running{left}: et-hpc status {plan.run_dir}")
             return Outcome(rc=3, settled=False, submissions=subs, failed_tasks=failed)
         return Outcome(submissions=subs, failed_tasks=failed)
+
+
+def _submitted_line(run_dir: Path, arr: SlurmArray) -> str:
+    subs = latest_submissions(run_dir) if arr.sent else []
+    ids = ", ".join(f"{s['array_id']} ({s['tasks']} tasks, {s.get('units', 0)} units)" for s in subs)
+    line = f"submitted array job(s): {ids}" if ids else "nothing submitted yet"
+    return f"{line}; {arr.waiting} (the rest follow as queued jobs end)" if arr.waiting else line

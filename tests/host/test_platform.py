@@ -40,6 +40,10 @@ def test_doctor_all_ok_after_provisioning(base_sif):
         "node-local scratch",
         "image cache",
         "unsquashfs",
+        "runtime mode",
+        "fakeroot builds",
+        "squashfuse_ll",
+        "slurm submit limits",
     } <= names
 
 

@@ -1,4 +1,6 @@
-"""A run needing more array tasks than Slurm accepts is refused before sbatch, naming the units_per_task that fits."""
+"""Slurm's submit limits, read before sbatch: a run needing more array tasks than Slurm accepts now
+is paced (tests/runner/test_submit_paced.py); with --detach it is refused, naming the
+units_per_task that fits."""
 
 from __future__ import annotations
 
@@ -84,7 +86,7 @@ def test_real_limits_query(tmp_path: Path) -> None:
 
 
 @pytest.mark.slurm
-def test_cli_refuses_before_sbatch_then_the_named_value_runs(tmp_path: Path) -> None:
+def test_cli_detach_refuses_before_sbatch_and_a_waiting_run_paces(tmp_path: Path) -> None:
     from helpers.units import cli_env, task_folders
 
     src = task_folders(tmp_path, 3)
@@ -112,18 +114,21 @@ def test_cli_refuses_before_sbatch_then_the_named_value_runs(tmp_path: Path) -> 
         "--set",
         "slurm.units_per_task=1",
     ]
-    r = subprocess.run(ET_HPC + args, env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(ET_HPC + args + ["--detach"], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stderr
     err = [ln for ln in r.stderr.splitlines() if ln.startswith("et-hpc: error:")]
     assert len(err) == 1 and "6 array tasks" in err[0] and "--set slurm.units_per_task=3" in err[0]
+    assert "rerun without --detach" in err[0]
     assert "Traceback" not in r.stderr
     run_dir = tmp_path / "store" / name
     assert not (run_dir / "jobs.json").exists()  # nothing was submitted
     q = subprocess.run(["squeue", "-h", "--me", "-n", f"et-hpc-{name}", "-o", "%i"], capture_output=True, text=True)
     assert q.stdout.strip() == ""
 
-    ok = subprocess.run(ET_HPC + args + ["--set", "slurm.units_per_task=3", "--json"], env=env, capture_output=True, text=True, timeout=600)
+    # without --detach the same run is submitted two array tasks at a time and completes
+    ok = subprocess.run(ET_HPC + args + ["--json"], env=env, capture_output=True, text=True, timeout=600)
     assert ok.returncode == 0, ok.stderr
     assert json.loads(ok.stdout)["ok"] == 6
+    assert "4 array task(s) wait to be submitted: slurm.max_submit_jobs=2" in ok.stderr
     subs = json.loads((run_dir / "jobs.json").read_text())["submissions"]
-    assert sum(s["tasks"] for s in subs) == 2
+    assert sum(s["tasks"] for s in subs) == 6 and all(s["tasks"] <= 2 for s in subs) and len(subs) >= 3
