@@ -25,8 +25,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from et_hpc.record import ESCAPED_EVENT, SHOWN_EVENT, EpisodeRecord, TestResult, escape_text
-from et_hpc.text import hidden_count, visible
 from et_hpc.runs.store import RunStore, StoreWriteError
+from et_hpc.text import hidden_count, visible
 
 # Every code point, surrogates included (categories=() would exclude nothing either way).
 ANY_CHAR = st.characters(blacklist_categories=())

@@ -32,9 +32,9 @@ from et_hpc.episode.config import EpisodeConfig
 from et_hpc.errors import UserError
 from et_hpc.record import EpisodeRecord, solved
 from et_hpc.runs.export import atropos_group, validate_atropos_group
-from et_hpc.text import storable
 from et_hpc.runs.store import RunStore, Store
 from et_hpc.sandbox.config import DEFAULT_OVERLAY_MB, SandboxConfig
+from et_hpc.text import storable
 
 if TYPE_CHECKING:
     from et_hpc.images.store import ImageResult
