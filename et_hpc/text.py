@@ -112,7 +112,7 @@ class VisibleStream(io.TextIOBase):
 
 def unescaped(stream: TextIO) -> TextIO:
     """The stream under a ``VisibleStream`` (``stream`` itself otherwise)."""
-    return stream.raw if isinstance(stream, VisibleStream) else stream  # type: ignore[return-value]
+    return stream.raw if isinstance(stream, VisibleStream) else stream
 
 
 class VisibleFormatter(logging.Formatter):

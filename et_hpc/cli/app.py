@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     out, err = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = VisibleStream(out), VisibleStream(err)  # type: ignore[assignment]
+    sys.stdout, sys.stderr = VisibleStream(out), VisibleStream(err)
     try:
         return _main(argv)
     finally:
