@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from helpers.hostile import RAW, hostile_text
 from hypothesis import HealthCheck, example, given, settings
 
 from et_hpc.record import EpisodeRecord
 from et_hpc.runs.store import RunStore
+from helpers.hostile import RAW, hostile_text
 
 ET_HPC = [sys.executable, "-m", "et_hpc.cli"]
 

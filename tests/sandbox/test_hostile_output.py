@@ -8,15 +8,14 @@ capture holds them before the sanitizer (``escaped`` counts them)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from helpers.hostile import RAW, hostile_bytes
 from hypothesis import HealthCheck, given, settings
 
 from et_hpc.sandbox import shell_guard
 from et_hpc.sandbox.shell import Shell
 from et_hpc.text import visible
+from helpers.hostile import RAW, hostile_bytes
 
 BASH = ["bash", "--noprofile", "--norc"]
 FEW = settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
