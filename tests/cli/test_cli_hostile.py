@@ -5,42 +5,17 @@ the positive control reads it back raw). The same ``VisibleStream`` carries ``ro
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 from hypothesis import HealthCheck, example, given, settings
 
-from et_hpc.record import EpisodeRecord
-from et_hpc.runs.store import RunStore
-from helpers.hostile import RAW, hostile_text
+from helpers.hostile import RAW, hostile_text, raw_store
 
 ET_HPC = [sys.executable, "-m", "et_hpc.cli"]
-
-
-def _store(root: Path, hostile: str) -> tuple[Path, Path]:
-    run = root / "run"
-    recs = [
-        EpisodeRecord(run_name="h", task_id="t", sample=0, status="no_image", error="placeholder"),
-        EpisodeRecord(run_name="h", task_id="u", sample=0, status="ok", reward=0.0, score_note="x", events=["x"]),
-    ]
-    RunStore(run).write(recs)
-    (run / "run.json").write_text(json.dumps({"name": "h", "config": {}, "plan": {"units_total": 2}}))
-    (shard,) = RunStore(run).shards()
-    t = pq.read_table(shard)
-    cols = {
-        "error": pa.array([f"no image: {hostile}", None], pa.string()),
-        "score_note": pa.array([None, hostile], pa.string()),
-        "events": pa.array([[], [hostile]], pa.list_(pa.string())),
-    }
-    for name, arr in cols.items():
-        t = t.set_column(t.column_names.index(name), t.schema.field(name), arr)
-    pq.write_table(t, shard)
-    return run, shard
 
 
 def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -50,10 +25,10 @@ def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @example(hostile="\x1b]0;pwned\x07\x1b[2J\x9b31m\r")
-@given(hostile=hostile_text(max_size=12).map(lambda s: s.encode("utf-8", "replace").decode("utf-8")))
+@given(hostile=hostile_text(max_size=12).map(lambda s: s.encode("utf-8", "replace").decode("utf-8")).filter(RAW.search))
 def test_cli_printers_show_no_raw_control(tmp_path_factory, hostile: str) -> None:
     root = tmp_path_factory.mktemp("cli")
-    run, shard = _store(root, hostile)
+    run, shard = raw_store(root, hostile)
     held = pq.read_table(shard).column("error").to_pylist()[0]
     assert RAW.search(held)  # positive control: the store holds the raw text the printers read
     outs = []

@@ -7,8 +7,12 @@ build text and bytes an agent can put in output, file names, argv and mount poin
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 from hypothesis import strategies as st
 
 RAW = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff]")
@@ -53,3 +57,29 @@ def hostile_bytes(min_size: int = 1, max_size: int = 30) -> st.SearchStrategy[by
 def as_text(b: bytes) -> str:
     """What the host makes of agent bytes: UTF-8 with ``surrogateescape``."""
     return b.decode("utf-8", "surrogateescape")
+
+
+def raw_store(root: Path, hostile: str) -> tuple[Path, Path]:
+    """A run (run.json and one shard) whose ``error``, ``score_note`` and ``events`` hold
+    ``hostile`` raw: written past the record writer, which would show it; returns (run, shard)."""
+    from et_hpc.record import EpisodeRecord
+    from et_hpc.runs.store import RunStore
+
+    run = root / "run"
+    recs = [
+        EpisodeRecord(run_name="h", task_id="t", sample=0, status="no_image", error="placeholder"),
+        EpisodeRecord(run_name="h", task_id="u", sample=0, status="ok", reward=0.0, score_note="x", events=["x"]),
+    ]
+    RunStore(run).write(recs)
+    (run / "run.json").write_text(json.dumps({"name": "h", "config": {}, "plan": {"units_total": 2}}))
+    (shard,) = RunStore(run).shards()
+    t = pq.read_table(shard)
+    cols = {
+        "error": pa.array([f"no image: {hostile}", None], pa.string()),
+        "score_note": pa.array([None, hostile], pa.string()),
+        "events": pa.array([[], [hostile]], pa.list_(pa.string())),
+    }
+    for name, arr in cols.items():
+        t = t.set_column(t.column_names.index(name), t.schema.field(name), arr)
+    pq.write_table(t, shard)
+    return run, shard
