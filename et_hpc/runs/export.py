@@ -5,11 +5,10 @@ with an error member, or keeps its ok members; ``drop_zero_variance``). Guarante
 episodes are never exported; no export holds an empty or drifted token list (such a group is
 left out whole, ``dropped_no_tokens``); every Atropos line validates against atroposlib's
 ``ScoredDataGroup`` (``validate_atropos_group``); ``generator_output`` reads a SkyRL file back as
-a complete ``GeneratorOutput``. Text UTF-8 cannot encode (lone surrogates, undecodable bytes) is
-written as ``\\udcHH`` escapes and counted (``escaped_episodes``); a group with an episode that
-cannot be read or exported is skipped and counted (``skipped_episodes``), never the whole run.
-Every export returns an ``ExportResult`` with the counts. Keys, columns and the upstream versions
-they follow: docs/exports.md; groups: docs/store.md.
+a complete ``GeneratorOutput``. Lone surrogates are written as ``\\udcHH`` (``escaped_episodes``);
+a group with an episode that cannot be read or exported is skipped (``skipped_episodes``), never
+the run. Every export returns an ``ExportResult`` with the counts. Keys, columns and the upstream
+versions they follow: docs/exports.md; groups: docs/store.md.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ capture holds them before the sanitizer (``escaped`` counts them)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -65,3 +66,27 @@ def test_guard_note_names_the_argv_shown(shell: Shell, b: bytes) -> None:
     assert not RAW.search(r.output), repr(r.output)
     named = visible((b + b" 60").decode("utf-8", "replace").strip()[:80])  # as the guard reads /proc/PID/cmdline
     assert f"({named})" in r.output, (r.output, named)  # positive control: the agent's argv reached the note
+
+
+@pytest.mark.apptainer
+@pytest.mark.parametrize("b", [b"m\x1b]0;pwned\x07\x1b[2J\xc2\x9b31m\xff"], ids=["osc-csi-c1-bad-utf8"])
+def test_watchdog_note_names_the_mount_point_shown(task_sif: Path, tmp_path: Path, b: bytes) -> None:
+    """A tmpfs in a nested mount namespace, mounted at a directory named with hostile bytes and
+    filled past the ceiling: the watchdog's line names the mount point (raw in its own ``events``:
+    the positive control), the command's result shows it escaped."""
+    from et_hpc.sandbox.sandbox import Sandbox
+    from et_hpc.sandbox.watchdog import Watchdog
+
+    with Sandbox(task_sif, run_prefix="t-hwd", scratch=tmp_path) as sb:
+        sh = sb.shell()
+        assert sb.wait_warmup()
+        mount = 'unshare -rm sh -c \'mount -t tmpfs t "$d" && head -c 400M /dev/zero > "$d/f" && sleep 60\''
+        fill = f'v={_printf(b)}; d="/tmp/${{v%x}}"; mkdir -p "$d"; export d; {mount}'
+        with Watchdog(sb, protect=lambda: {sh.host_pid}, on_event=sh.add_note, memory_mb=250) as wd:
+            r = sh.run(fill, timeout=60)
+        assert "the sandbox's processes were killed" in r.output, r.output
+    mount_point = "/tmp/" + b.decode("utf-8", "surrogateescape")
+    assert mount_point in wd.events[0], wd.events  # positive control: the agent's bytes reach the note raw
+    assert RAW.search(wd.events[0])
+    assert visible(mount_point) in r.output, r.output  # the same note, shown
+    assert not RAW.search(r.output), repr(r.output)
