@@ -19,6 +19,8 @@ from typing import Any, Literal, get_args
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from et_hpc.text import storable, visible_all
+
 SCHEMA_VERSION = 5  # 4: group_id names the sampled group (et_hpc.runs.store.groups_of); 5: version_source
 SOLVED_REWARD = 1.0 - 1e-9  # Endless Terminals rewards are 0/1: an episode is solved at full reward
 
@@ -310,9 +312,15 @@ class EpisodeRecord(BaseModel):
         decoded with ``surrogateescape``, a ``\\udc80`` escape in a replayed transcript). The JSON
         fields then use ASCII escapes (lossless: reading them back gives the same strings); every
         other string has such characters replaced by their ``\\uXXXX`` text, and one event says
-        which fields were escaped.
+        which fields were escaped. The texts that quote a sandbox (``SHOWN_FIELDS``) go through
+        ``et_hpc.text.visible``; an event names those it changed.
         """
         row = self.model_dump()
+        shown = []
+        for f in SHOWN_FIELDS:
+            row[f], n = visible_all(row[f])
+            if n:
+                shown.append(f)
         escaped: list[str] = []
         for f in _JSON_FIELDS:
             text = json.dumps(row[f], ensure_ascii=False, separators=(",", ":"))
@@ -325,6 +333,8 @@ class EpisodeRecord(BaseModel):
                 row[k] = _escape(v, k, escaped)
         if escaped:
             row["events"] = [*(row["events"] or []), _escaped_event(escaped)]
+        if shown:
+            row["events"] = [*(row["events"] or []), f"{SHOWN_EVENT} {', '.join(shown)}"]
         return row
 
     @classmethod
@@ -337,6 +347,9 @@ class EpisodeRecord(BaseModel):
         return cls.model_validate(data)
 
 
+# text fields that quote what a sandbox printed or named (agent file names, argv, mount points)
+SHOWN_FIELDS = ("score_note", "events", "error", "final_state", "token_drift")
+SHOWN_EVENT = "record: control characters were shown as visible escapes in"
 ESCAPED_EVENT = "record: text that is not valid Unicode (lone surrogates) was stored as \\uXXXX escapes in"
 
 
@@ -360,16 +373,10 @@ def escape_text(s: str) -> str:
 def _escape(v: Any, name: str, escaped: list[str]) -> Any:
     """``v`` (a row value: str, list, dict, scalar) with its strings escaped; ``name`` goes into
     ``escaped`` when something had to be."""
-    if isinstance(v, str):
-        if _encodable(v):
-            return v
+    out, changed = storable(v)
+    if changed:
         escaped.append(name)
-        return escape_text(v)
-    if isinstance(v, list):
-        return [_escape(x, name, escaped) for x in v]
-    if isinstance(v, dict):
-        return {k: _escape(x, name, escaped) for k, x in v.items()}
-    return v
+    return out
 
 
 def write_failed_record(rec: EpisodeRecord | dict[str, Any], cause: str) -> EpisodeRecord:
@@ -408,7 +415,45 @@ def records_to_table(records: list[EpisodeRecord]) -> pa.Table:
 
 
 def records_from_table(table: pa.Table) -> list[EpisodeRecord]:
-    return [EpisodeRecord.from_row(r) for r in table.to_pylist()]
+    return [EpisodeRecord.from_row(r) for r in table_rows(table)]
+
+
+def table_rows(table: pa.Table) -> list[dict[str, Any]]:
+    """``table.to_pylist()``, also when a string holds invalid UTF-8 (a shard another writer made):
+    such a column is read as bytes and decoded with ``surrogateescape``, so the bad bytes become
+    lone surrogates that ``to_row`` and the exports write as ``\\udcHH`` escapes."""
+    try:
+        return table.to_pylist()
+    except UnicodeDecodeError:
+        cols = {}
+        for name in table.column_names:
+            col = table.column(name)
+            try:
+                cols[name] = col.to_pylist()
+            except UnicodeDecodeError:
+                cols[name] = _decoded(col.cast(_as_binary(col.type)).to_pylist())
+        return [dict(zip(cols, vals)) for vals in zip(*cols.values())] if cols else []
+
+
+def _as_binary(t: pa.DataType) -> pa.DataType:
+    """``t`` with every string type in it made binary (a cast that does not check UTF-8)."""
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return pa.binary()
+    if pa.types.is_list(t):
+        return pa.list_(_as_binary(t.value_type))
+    if pa.types.is_struct(t):
+        return pa.struct([pa.field(f.name, _as_binary(f.type)) for f in t])
+    return t
+
+
+def _decoded(v: Any) -> Any:
+    if isinstance(v, bytes):
+        return v.decode("utf-8", "surrogateescape")
+    if isinstance(v, list):
+        return [_decoded(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _decoded(x) for k, x in v.items()}
+    return v
 
 
 def prompt_deltas(prompts: list[list[int]], completions: list[list[int]]) -> list[list[int]]:

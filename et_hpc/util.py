@@ -134,4 +134,7 @@ def progress_bar(items: Any = None, *, desc: str, unit: str, show: bool | None =
     never, None only when stderr is a terminal. Other keywords go to tqdm."""
     from tqdm import tqdm
 
-    return tqdm(items, desc=desc, unit=unit, file=sys.stderr, disable=None if show is None else not show, **kw)
+    from et_hpc.text import unescaped
+
+    # the bar is our own text and redraws with carriage returns: it writes to the stream itself
+    return tqdm(items, desc=desc, unit=unit, file=unescaped(sys.stderr), disable=None if show is None else not show, **kw)

@@ -22,6 +22,7 @@ LAYERS: dict[str, int] = {
     "et_hpc.errors": 0,
     "et_hpc.paths": 0,
     "et_hpc.record": 0,
+    "et_hpc.text": 0,
     "et_hpc.util": 0,
     # L1 thin wrappers over the host's tools; the run store and what reads it
     "et_hpc.host": 1,

@@ -24,8 +24,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from et_hpc.record import ESCAPED_EVENT, EpisodeRecord, TestResult, escape_text
+from et_hpc.record import ESCAPED_EVENT, SHOWN_EVENT, EpisodeRecord, TestResult, escape_text
 from et_hpc.runs.store import RunStore, StoreWriteError
+from et_hpc.text import hidden_count, visible
 
 # Every code point, surrogates included (categories=() would exclude nothing either way).
 ANY_CHAR = st.characters(blacklist_categories=())
@@ -74,16 +75,18 @@ def test_any_text_is_stored_and_read_back(text: str, other: str) -> None:
     # JSON columns are lossless: the very same strings come back
     assert back.messages == rec.messages
     assert back.sampling_params == rec.sampling_params and back.versions == rec.versions
-    # plain columns hold the text with what UTF-8 cannot encode escaped
-    assert back.error == escape_text(text) and back.stop_reason == escape_text(text)
-    assert back.score_note == escape_text(other) and back.tests[0].name == escape_text(other)
-    clean = _encodable(text) and _encodable(other)
-    assert back.events[:2] == [escape_text(text), escape_text(other)]
-    if clean:
+    # plain columns hold the text with what UTF-8 cannot encode escaped; the texts that quote a
+    # sandbox (error, score_note, events) are shown: controls and surrogates as visible escapes
+    assert back.error == visible(text) and back.stop_reason == escape_text(text)
+    assert back.score_note == visible(other) and back.tests[0].name == escape_text(other)
+    assert back.events[:2] == [visible(text), visible(other)]
+    escaped = [e for e in back.events[2:] if e.startswith(ESCAPED_EVENT)]
+    shown = [e for e in back.events[2:] if e.startswith(SHOWN_EVENT)]
+    assert len(back.events) == 2 + len(escaped) + len(shown) and len(escaped) <= 1 and len(shown) <= 1
+    assert bool(escaped) == (not (_encodable(text) and _encodable(other)))  # the fact is recorded
+    assert bool(shown) == bool(hidden_count(text) or hidden_count(other)), back.events
+    if not escaped and not shown:
         assert back.events == rec.events
-    else:  # the fact is recorded
-        assert len(back.events) == 3 and back.events[2].startswith(ESCAPED_EVENT), back.events
-        assert "error" in back.events[2] or "score_note" in back.events[2]
 
 
 def test_escaping_is_visible_and_clean_records_are_unchanged(tmp_path: Path) -> None:
@@ -93,7 +96,10 @@ def test_escaping_is_visible_and_clean_records_are_unchanged(tmp_path: Path) -> 
     assert recs[0].events == ["plain", "é💥"] and recs[0].error == "plain"
     assert recs[1].error == "a\\udc80b" and recs[1].score_note == "\\ud800"
     assert recs[1].messages[0]["content"] == "<command>a\udc80b</command>"
-    assert recs[1].events[-1] == f"{ESCAPED_EVENT} error, events, messages, sampling_params, score_note, stop_reason, tests, versions"
+    assert recs[1].events[-2:] == [
+        f"{ESCAPED_EVENT} messages, sampling_params, stop_reason, tests, versions",
+        f"{SHOWN_EVENT} score_note, events, error",
+    ]
 
 
 def test_write_that_keeps_failing_is_retried_then_stored_as_an_error(tmp_path: Path, caplog) -> None:
@@ -135,7 +141,7 @@ def test_local_executor_survives_a_record_it_cannot_write(tmp_path: Path) -> Non
     assert sorted(recs) == [0, 1, 2], res  # one thread did all three: it outlived the failing write
     assert recs[0].status == "infra_error" and "could not write" in (recs[0].error or "")
     assert recs[1].status == "ok" and recs[1].messages[0]["content"] == "<command>echo \udcff</command>"
-    assert recs[1].events[-1].startswith(ESCAPED_EVENT)
+    assert recs[1].events[-2].startswith(ESCAPED_EVENT) and recs[1].events[-1].startswith(SHOWN_EVENT)
     assert recs[2].status == "ok" and recs[2].events == ["echo ok", "ok"]
     assert (res.ok, res.errors, res.crashed) == (2, 1, 0)
 

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from et_hpc.agent.base import DEFAULT_MAX_TOKENS, Action, ContextLengthError, Policy, PolicyError, TokenCapture
 from et_hpc.agent.wire import OUTPUT_LIMIT_CHARS, Mode, default_system_prompt, format_observation
+from et_hpc.text import hidden_count, visible
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class Turn(BaseModel):
     exit_code: int | None = None
     timed_out: bool = False
     shell_restarted: bool = False
+    escaped: int = 0  # control characters of the command's output and notes shown as escapes
     timeout_s: float | None = None  # the timeout the command ran with
     policy_s: float = 0.0
     exec_s: float = 0.0
@@ -148,6 +150,11 @@ def _outcome_events(turns: list[Turn], stop: str | None) -> list[str]:
             out.append(f"repeated_command: the same command on the last {n} turns up to max_turns: {cmds[-1][:200]!r}")
     if stop == "context":
         out.append("context: the conversation outgrew the model's context")
+    escaped = [t for t in turns if t.escaped]
+    if escaped:
+        where = ", ".join(str(t.index) for t in escaped[:20]) + (" ..." if len(escaped) > 20 else "")
+        n = sum(t.escaped for t in escaped)
+        out.append(f"observation: {n} control characters shown as visible escapes (turns {where})")
     return out
 
 
@@ -300,7 +307,7 @@ def run_agent(
                 if shell_blame is not None and _blame(shell_blame, e):
                     log.info("the agent broke its shell: %s", error)
                     stop = "shell_broken"
-                    turn.observation = f"[the shell could not be started again: {e}]"
+                    turn.observation = visible(f"[the shell could not be started again: {e}]")
                     break
                 log.exception("shell failed")
                 stop, status = "shell_error", "shell_error"
@@ -309,13 +316,16 @@ def run_agent(
             turn.exit_code = res.exit_code
             turn.timed_out = bool(getattr(res, "timed_out", False))
             turn.shell_restarted = bool(getattr(res, "shell_restarted", False))
-            turn.observation = format_observation(
+            observation = format_observation(
                 res.output,
                 res.exit_code,
                 timed_out=turn.timed_out,
                 timeout_s=timeout,
                 limit=budgets.output_limit_chars,
             )
+            # the shell's own output is shown already; any other shell's is here (one function)
+            turn.escaped = int(getattr(res, "escaped", 0) or 0) + hidden_count(observation)
+            turn.observation = visible(observation)
             messages.append(_observation_message(mode, action, turn.observation))
         for extra in action.extra_tool_call_ids:
             messages.append({"role": "tool", "tool_call_id": extra, "content": NOT_RUN})

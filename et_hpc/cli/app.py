@@ -3,7 +3,8 @@
 Each area registers its own subcommands through a ``register(subparsers)`` function in a
 module of this package listed in ``_AREAS``; this file only wires them up and turns ``UserError``,
 and an ``OSError`` naming a path (a store or scratch this user cannot write), into one line on
-stderr with exit status 2.
+stderr with exit status 2. Everything a command prints (stdout, stderr, log lines) goes through
+``et_hpc.text.visible``: agent-chosen text in a record never reaches the terminal raw.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import sys
 
 from et_hpc import __version__
 from et_hpc.errors import UserError
+from et_hpc.text import VisibleStream, configure_logging
 
 # Modules that provide ``register(subparsers)``; each adds one or more subcommands.
 _AREAS = [
@@ -63,10 +65,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    out, err = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = VisibleStream(out), VisibleStream(err)
+    try:
+        return _main(argv)
+    finally:
+        sys.stdout, sys.stderr = out, err
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    level = logging.WARNING - 10 * min(args.verbose, 2)
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(logging.WARNING - 10 * min(args.verbose, 2))
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from et_hpc.images.store import ImageStore, ImageStoreConfig
+from et_hpc.text import configure_logging
 
 if TYPE_CHECKING:
     from et_hpc.images.store import Buildable
@@ -41,7 +42,7 @@ class BuildChunk:
         self.tasks, self.retry_failed, self.jobs = tasks, retry_failed, jobs
 
     def __call__(self) -> list[dict]:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        configure_logging(logging.INFO)
         return self.run(threading.Event())
 
     def run(self, stop: threading.Event) -> list[dict]:

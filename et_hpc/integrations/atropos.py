@@ -34,6 +34,7 @@ from et_hpc.record import EpisodeRecord, solved
 from et_hpc.runs.export import atropos_group, validate_atropos_group
 from et_hpc.runs.store import RunStore, Store
 from et_hpc.sandbox.config import DEFAULT_OVERLAY_MB, SandboxConfig
+from et_hpc.text import storable
 
 if TYPE_CHECKING:
     from et_hpc.images.store import ImageResult
@@ -450,7 +451,7 @@ class EndlessTerminalsEnv(BaseEnv):
                 ok[0].task_id,
             )
             return None
-        group = atropos_group(ok)
+        group, _ = storable(atropos_group(ok))  # sent as JSON: lone surrogates as \udcHH text, as exported
         validate_atropos_group(group)
         if not self.config.include_messages:
             group["messages"] = None

@@ -31,6 +31,7 @@ from et_hpc.rollouts.versions import UNVERSIONED, PolicyVersion, VersionReader
 from et_hpc.runner.config import RunConfig
 from et_hpc.runs.store import WRITE_ATTEMPTS, WRITE_RETRY_S
 from et_hpc.runs.version_log import TRAINER
+from et_hpc.text import configure_logging
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -104,7 +105,7 @@ class Worker(Checkpointable):
         from et_hpc.runner.local import stop_on_signals
         from et_hpc.sandbox.reaper import reap_dead
 
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        configure_logging(logging.INFO)
         reap_dead()
         stop = threading.Event()
         with stop_on_signals(stop, (signal.SIGTERM,)):

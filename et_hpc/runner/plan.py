@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from et_hpc.errors import UserError
 from et_hpc.host.runtime import run_record
-from et_hpc.record import EpisodeRecord, solved
+from et_hpc.record import EpisodeRecord, solved, table_rows
 from et_hpc.runner.config import RunConfig
 from et_hpc.runs.shards import RUN_CONFIG, read_run_config, write_run_config
 from et_hpc.runs.store import RunStore
@@ -59,7 +59,7 @@ def open_store(run_dir: Path) -> RunStore:
 
 def store_records(store: RunStore) -> list[dict[str, Any]]:
     """Every unit's record (one per unit, deduped) as plain dicts."""
-    return store.read().to_pylist()
+    return table_rows(store.read())
 
 
 # ---------------------------------------------------------------- plan

@@ -34,6 +34,7 @@ from et_hpc.runner.config import RunConfig
 from et_hpc.runner.local import ExecResult, UnitPool, WorkItem, resolve_runner, stop_on_signals, work_items
 from et_hpc.runner.plan import OK, Plan, open_store
 from et_hpc.runs.store import RunStore
+from et_hpc.text import configure_logging
 from et_hpc.util import atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ class ChunkJob(Checkpointable):
     def __call__(self) -> dict[str, Any]:
         from et_hpc.sandbox.reaper import reap_dead, start_reaping
 
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        configure_logging(logging.INFO)
         reap_dead()
         reaping = threading.Event()
         start_reaping(reaping, REAP_EVERY_S)  # sandboxes of workers on this node that die meanwhile

@@ -5,22 +5,28 @@ system and task prompt steps, one agent step per assistant message with its tool
 observation and, when the ids pair with the turns, token metrics; final metrics with the score).
 ``export_atif`` writes ``DIR/<task_id>.<sample>.json`` per deduped episode and
 ``DIR/index.jsonl``. Prompt ids are left out when they drift from the server's tokenization; the
-document's ``notes`` says so. The field mapping: docs/exports.md.
+document's ``notes`` says so. Text UTF-8 cannot encode (lone surrogates) is written as ``\\udcHH``
+(``extra.escaped_text``); an episode that cannot be exported is skipped and counted, never the
+rest of the run. The field mapping: docs/exports.md.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from et_hpc import __version__
 from et_hpc.errors import UserError
-from et_hpc.record import EpisodeRecord
+from et_hpc.record import EpisodeRecord, table_rows
 from et_hpc.runs.store import RunStore
+from et_hpc.text import storable
 from et_hpc.util import atomic_write_text
+
+log = logging.getLogger(__name__)
 
 ATIF_VERSION = "ATIF-v1.8"
 # the ET text protocol: a reply names its command as <command>...</command>
@@ -221,42 +227,63 @@ def trajectory(rec: EpisodeRecord) -> dict[str, Any]:
     return doc
 
 
+ESCAPED_NOTE = "text UTF-8 cannot encode (lone surrogates, undecodable bytes) written as \\udcHH escapes"
+
+
 @dataclass
 class AtifResult:
     out: Path
     documents: int
     by_status: dict[str, int]
+    escaped: int = 0  # documents holding escaped text
+    skipped: list[str] = field(default_factory=list)  # "<episode>: <why>" per episode not exported
 
     def line(self) -> str:
         st = ", ".join(f"{k} {v}" for k, v in sorted(self.by_status.items()))
-        return f"wrote {self.documents} {ATIF_VERSION} documents to {self.out} ({st}); index: {self.out / 'index.jsonl'}"
+        extra = f"; {self.escaped} with text escaped" if self.escaped else ""
+        if self.skipped:
+            extra += f"; {len(self.skipped)} episodes skipped (could not be exported): {self.skipped[0]}"
+        return f"wrote {self.documents} {ATIF_VERSION} documents to {self.out} ({st}){extra}; index: {self.out / 'index.jsonl'}"
+
+
+def atif_document(rec: EpisodeRecord) -> tuple[str, bool]:
+    """The ATIF JSON text of one episode, and whether text in it had to be escaped."""
+    doc, escaped = storable(trajectory(rec))
+    if escaped:
+        doc["extra"]["escaped_text"] = ESCAPED_NOTE
+    return json.dumps(doc, ensure_ascii=False, indent=1) + "\n", escaped
 
 
 def export_atif(run: RunStore, out: Path | str, ok_only: bool = False) -> AtifResult:
-    """One ATIF document per deduped episode of ``run`` (only ``ok`` ones with ``ok_only``)."""
+    """One ATIF document per deduped episode of ``run`` (only ``ok`` ones with ``ok_only``); an
+    episode whose record cannot be read or exported is skipped and listed in ``skipped``."""
     out = Path(out).expanduser()
     if out.exists() and not out.is_dir():
         raise UserError(f"-o {out} is a file; give a directory (one JSON document per episode goes there)")
     out.mkdir(parents=True, exist_ok=True)
+    res = AtifResult(out=out, documents=0, by_status={})
     index = []
-    counts: dict[str, int] = {}
-    for rec in sorted(run.records(), key=lambda r: (r.task_id, r.sample)):
+    recs = []
+    for i, row in enumerate(table_rows(run.read())):
+        try:
+            recs.append(EpisodeRecord.from_row(row))
+        except Exception as e:  # noqa: BLE001 - one bad row is one episode skipped
+            res.skipped.append(f"{storable(str(row.get('episode_id') or f'row {i}'))[0]}: {type(e).__name__}")
+    for rec in sorted(recs, key=lambda r: (r.task_id, r.sample)):
         if ok_only and rec.status != "ok":
             continue
         name = f"{_SAFE.sub('_', rec.task_id)}.{rec.sample}.json"
-        atomic_write_text(out / name, json.dumps(trajectory(rec), ensure_ascii=False, indent=1) + "\n")
-        counts[rec.status] = counts.get(rec.status, 0) + 1
-        index.append(
-            json.dumps(
-                {
-                    "file": name,
-                    "episode_id": rec.episode_id,
-                    "task_id": rec.task_id,
-                    "sample": rec.sample,
-                    "status": rec.status,
-                    "reward": rec.reward,
-                }
-            )
-        )
+        try:
+            text, escaped = atif_document(rec)
+            atomic_write_text(out / name, text)
+        except (ValueError, TypeError, UnicodeError) as e:
+            log.warning("ATIF: episode %s skipped: %s", rec.episode_id, e)
+            res.skipped.append(f"{rec.episode_id}: {type(e).__name__}: {e}"[:300])
+            continue
+        res.escaped += escaped
+        res.by_status[rec.status] = res.by_status.get(rec.status, 0) + 1
+        entry = {"file": name, "episode_id": rec.episode_id, "task_id": rec.task_id, "sample": rec.sample}
+        index.append(json.dumps({**storable(entry)[0], "status": rec.status, "reward": rec.reward}))
     atomic_write_text(out / "index.jsonl", "".join(line + "\n" for line in index))
-    return AtifResult(out=out, documents=len(index), by_status=counts)
+    res.documents = len(index)
+    return res

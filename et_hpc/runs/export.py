@@ -5,8 +5,10 @@ with an error member, or keeps its ok members; ``drop_zero_variance``). Guarante
 episodes are never exported; no export holds an empty or drifted token list (such a group is
 left out whole, ``dropped_no_tokens``); every Atropos line validates against atroposlib's
 ``ScoredDataGroup`` (``validate_atropos_group``); ``generator_output`` reads a SkyRL file back as
-a complete ``GeneratorOutput``. Every export returns an ``ExportResult`` with the counts. Keys,
-columns and the upstream versions they follow: docs/exports.md; groups: docs/store.md.
+a complete ``GeneratorOutput``. Lone surrogates are written as ``\\udcHH`` (``escaped_episodes``);
+a group with an episode that cannot be read or exported is skipped (``skipped_episodes``), never
+the run. Every export returns an ``ExportResult`` with the counts. Keys, columns and the upstream
+versions they follow: docs/exports.md; groups: docs/store.md.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +25,9 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel
 
 from et_hpc.errors import UserError
-from et_hpc.record import EpisodeRecord
+from et_hpc.record import EpisodeRecord, table_rows
 from et_hpc.runs.store import GROUP_ID_SCHEMA, Group, GroupCounts, RunStore
+from et_hpc.text import storable
 from et_hpc.util import atomic_open, atomic_write_bytes, progress_bar
 
 log = logging.getLogger(__name__)
@@ -111,12 +114,19 @@ class ExportResult(BaseModel):
     with_tokens: int = 0  # Atropos: groups with tokens/masks; SkyRL: rows with token columns
     rows: int = 0  # lines (Atropos) or rows (SkyRL) written
     counts: GroupCounts  # total/complete/masked/zero_variance and what was dropped
+    escaped_episodes: int = 0  # episodes written with text escaped (lone surrogates as \udcHH)
+    skipped_episodes: int = 0  # episodes of skipped groups: a member could not be read or exported
+    skipped: list[str] = []  # "<episode>: <why>", the first few
 
     def line(self) -> str:
         c = self.counts
         what = "groups" if self.format == "atropos" else "episodes"
         n = self.groups if self.format == "atropos" else self.rows
         kept_err = f", {c.dropped_error_episodes} error episodes left out of kept groups" if c.dropped_error_episodes else ""
+        if self.escaped_episodes:
+            kept_err += f"; {self.escaped_episodes} episodes with text escaped"
+        if self.skipped_episodes:
+            kept_err += f"; {self.skipped_episodes} episodes skipped (could not be exported: {'; '.join(self.skipped[:1])})"
         return (
             f"wrote {n} {what} ({self.episodes} ok episodes in {self.groups} groups, {self.with_tokens} "
             f"{'groups' if self.format == 'atropos' else 'rows'} with tokens) to {self.path}; of {c.total} groups "
@@ -139,26 +149,55 @@ def selected_groups(
     (absent, or drifting from the server's tokenization) is left out and counted in
     ``counts.dropped_no_tokens``.
     """
-    groups, counts = _selected(run, on_error, drop_zero_variance, progress, require_tokens)
+    groups, counts, _ = _selected(run, on_error, drop_zero_variance, progress, require_tokens)
     return [recs for _, recs in groups], counts
+
+
+@dataclass
+class _Skips:
+    """Episodes left out because they could not be read or exported: how many, and why (the first few)."""
+
+    episodes: int = 0
+    why: list[str] = field(default_factory=list)
+
+    def add(self, n: int, why: str) -> None:
+        self.episodes += n
+        if len(self.why) < 5:
+            self.why.append(storable(why[:300])[0])
+        log.warning("export: skipped %d episodes: %s", n, why[:300])
+
+
+def _record(row: dict[str, Any]) -> EpisodeRecord | str:
+    try:
+        return EpisodeRecord.from_row(row)
+    except Exception as e:  # noqa: BLE001 - one unreadable row is one episode skipped
+        return f"{row.get('episode_id')}: {type(e).__name__}: {e}"
 
 
 def _selected(
     run: RunStore, on_error: str, drop_zero_variance: bool, progress: bool, require_tokens: bool
-) -> tuple[list[tuple[Group, list[EpisodeRecord]]], GroupCounts]:
+) -> tuple[list[tuple[Group, list[EpisodeRecord]]], GroupCounts, _Skips]:
     table, groups, counts = run.select(on_error, drop_zero_variance)
-    rows = table.to_pylist()
-    recs = [EpisodeRecord.from_row(r) for r in progress_bar(rows, desc="load", unit="ep", show=None if progress else False)]
+    rows = table_rows(table)
+    recs = [_record(r) for r in progress_bar(rows, desc="load", unit="ep", show=None if progress else False)]
     out = []
+    skips = _Skips()
     for g in groups:
-        members = [recs[i] for i in g.rows]
+        got = [recs[i] for i in g.rows]
+        bad = [r for r in got if isinstance(r, str)]
+        if bad:
+            skips.add(len(got), bad[0])
+            counts.selected -= 1
+            counts.episodes -= len(got)
+            continue
+        members = [r for r in got if isinstance(r, EpisodeRecord)]
         if require_tokens and not all(r.has_tokens for r in members):
             counts.dropped_no_tokens += 1
             counts.selected -= 1
             counts.episodes -= len(members)
             continue
         out.append((g, members))
-    return out, counts
+    return out, counts, skips
 
 
 def atropos_message(m: dict[str, Any]) -> dict[str, Any]:
@@ -262,25 +301,34 @@ def export_atropos(
 ) -> ExportResult:
     """Write the selected groups as Atropos ScoredDataGroup JSONL (atomically); returns the counts."""
     out = _check_out(out)
-    groups, counts = selected_groups(run, on_error, drop_zero_variance, progress)
+    found, counts, skips = _selected(run, on_error, drop_zero_variance, progress, True)
     stats: dict[str, int] = {}
-    lines = 0
+    lines = escaped = 0
     with atomic_open(out) as f:  # streamed: a 10k-episode export is hundreds of MB of JSON
-        for g in progress_bar(
-            iter_atropos_groups(groups, stats), total=len(groups), desc="atropos", unit="group", show=None if progress else False
-        ):
-            f.write(json.dumps(g, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n")
+        for g, recs in progress_bar(found, desc="atropos", unit="group", show=None if progress else False):
+            try:
+                group, esc = storable(atropos_group(recs))
+                line = json.dumps(group, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n"
+            except (ValueError, TypeError, UnicodeError) as e:
+                skips.add(len(recs), f"group {g.group_id}: {type(e).__name__}: {e}")
+                continue
+            f.write(line)
             lines += 1
+            escaped += len(recs) if esc else 0
+            stats["with_tokens"] = stats.get("with_tokens", 0) + bool(group["tokens"] and group["tokens"][0])
     return ExportResult(
         path=str(out),
         format="atropos",
         on_error=on_error,
         drop_zero_variance=drop_zero_variance,
-        episodes=counts.episodes,
-        groups=len(groups),
+        episodes=counts.episodes - skips.episodes,
+        groups=lines,
         with_tokens=stats.get("with_tokens", 0),
         rows=lines,
         counts=counts,
+        escaped_episodes=escaped,
+        skipped_episodes=skips.episodes,
+        skipped=skips.why,
     )
 
 
@@ -363,10 +411,21 @@ def export_skyrl(
 ) -> ExportResult:
     """Write the selected groups' ok episodes as SkyRL/verl parquet (atomically); returns the counts."""
     out = _check_out(out)
-    groups, counts = _selected(run, on_error, drop_zero_variance, progress, True)
-    records = [(g, r) for g, recs in groups for r in recs]
-    rows = [skyrl_row(r, g) for g, r in progress_bar(records, desc="skyrl", unit="ep", show=None if progress else False)]
-    table = pa.Table.from_pylist(rows, schema=SKYRL_SCHEMA)
+    found, counts, skips = _selected(run, on_error, drop_zero_variance, progress, True)
+    built: list[tuple[Group, list[tuple[dict[str, Any], bool]]]] = []
+    for g, recs in progress_bar(found, desc="skyrl", unit="group", show=None if progress else False):
+        try:
+            built.append((g, [storable(skyrl_row(r, g)) for r in recs]))
+        except (ValueError, TypeError, UnicodeError) as e:
+            skips.add(len(recs), f"group {g.group_id}: {type(e).__name__}: {e}")
+    try:
+        table = pa.Table.from_pylist([row for _, pairs in built for row, _ in pairs], schema=SKYRL_SCHEMA)
+    except (ValueError, TypeError, UnicodeError, pa.ArrowException):  # find the groups to leave out
+        built = [(g, pairs) for g, pairs in built if _converts(g, pairs, skips)]
+        table = pa.Table.from_pylist([row for _, pairs in built for row, _ in pairs], schema=SKYRL_SCHEMA)
+    rows = [row for _, pairs in built for row, _ in pairs]
+    escaped = sum(esc for _, pairs in built for _, esc in pairs)
+    written = len(built)
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink, compression="zstd")
     atomic_write_bytes(out, sink.getvalue().to_pybytes())
@@ -375,12 +434,24 @@ def export_skyrl(
         format="skyrl",
         on_error=on_error,
         drop_zero_variance=drop_zero_variance,
-        episodes=len(records),
-        groups=len(groups),
+        episodes=len(rows),
+        groups=written,
         with_tokens=sum(r["response_ids"] is not None for r in rows),
         rows=table.num_rows,
         counts=counts,
+        escaped_episodes=escaped,
+        skipped_episodes=skips.episodes,
+        skipped=skips.why,
     )
+
+
+def _converts(g: Group, pairs: list[tuple[dict[str, Any], bool]], skips: _Skips) -> bool:
+    try:
+        pa.Table.from_pylist([row for row, _ in pairs], schema=SKYRL_SCHEMA)
+    except (ValueError, TypeError, UnicodeError, pa.ArrowException) as e:
+        skips.add(len(pairs), f"group {g.group_id}: {type(e).__name__}: {e}")
+        return False
+    return True
 
 
 # The keys of SkyRL 0.4.0's GeneratorOutput TypedDict (skyrl/train/generators/base.py in the

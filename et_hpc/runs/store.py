@@ -27,7 +27,7 @@ from pydantic import BaseModel
 
 from et_hpc.errors import UserError
 from et_hpc.paths import store_dir
-from et_hpc.record import EPISODE_SCHEMA, STATUSES, EpisodeRecord, records_to_table, write_failed_record
+from et_hpc.record import EPISODE_SCHEMA, STATUSES, EpisodeRecord, records_from_table, records_to_table, write_failed_record
 from et_hpc.record import solved as is_solved
 from et_hpc.runs.compaction import CompactResult, compact_run
 from et_hpc.runs.groups import (
@@ -235,7 +235,7 @@ class RunStore:
 
     def records(self) -> list[EpisodeRecord]:
         """The deduped records as ``EpisodeRecord`` objects (convenient for small runs)."""
-        return [EpisodeRecord.from_row(r) for r in self.read().to_pylist()]
+        return records_from_table(self.read())
 
     def units(self) -> dict[tuple[str, int], str]:
         """Status of every unit that has a record: ``{(task_id, sample): status}``; ``ok`` wins."""

@@ -4,7 +4,8 @@ Writes ``OUT/index.html`` (the page of ``viewer.html`` beside this module, with 
 and ``OUT/data/`` (per run, one compact row per deduped episode and the details in chunks loaded
 on demand) as JavaScript calls, so the site opens from ``file://``, any web space or
 ``--serve`` with no network. Guarantees: the page never parses agent data as HTML (every string
-reaches it as a text node), so an episode's output stays inert text. Layout: docs/reports.md.
+reaches it as a text node), and every string in the data went through ``et_hpc.text.visible``
+(control characters shown as escapes), so an episode's output stays inert text. Layout: docs/reports.md.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from et_hpc import __version__
 from et_hpc.errors import UserError
 from et_hpc.record import EPISODE_SCHEMA, TIMING_FIELDS
 from et_hpc.runs.store import RunStore, open_run
+from et_hpc.text import visible, visible_all
 
 PAGE = Path(__file__).with_name("viewer.html")
 MARKER = '<meta name="generator" content="et-hpc view">'
@@ -134,6 +136,7 @@ class _Dict:
         self.codes: list[int] = []
 
     def add(self, v: str | None) -> None:
+        v = None if v is None else visible(v)
         c = self._code.get(v)
         if c is None:
             c = self._code[v] = len(self.values)
@@ -198,17 +201,16 @@ def _index(rs: RunStore) -> tuple[dict[str, Any], list[str]]:
 
 
 def _detail_text(row: dict[str, Any]) -> str:
-    """One episode's details as a JSON object text (the JSON columns copied in as stored)."""
+    """One episode's details as a JSON object text, every string through ``visible``."""
     parts = []
     for c in DETAIL_COLS:
         v = row.get(c)
         if c in _RAW_JSON and isinstance(v, str):
-            try:  # stored by EpisodeRecord.to_row as JSON; check it so a bad row cannot break the file
-                json.loads(v)
-                text = v
+            try:  # stored by EpisodeRecord.to_row as JSON; a bad row is shown as its text
+                v = json.loads(v)
             except ValueError:
-                text = _js(v)
-            parts.append(f"{_js(c)}:{text}")
+                pass
+            parts.append(f"{_js(c)}:{_js(visible_all(v)[0])}")
             continue
         if c in ("logprobs", "turn_s") and v is not None:
             v = [[_num(x, 4) for x in turn] if turn is not None else None for turn in v]
@@ -220,8 +222,7 @@ def _detail_text(row: dict[str, Any]) -> str:
             v = v.astimezone(timezone.utc).isoformat()
         elif isinstance(v, float):
             v = _num(v, 3)
-        parts.append(f"{_js(c)}:{_js(v)}")
-    # JSON columns hold UTF-8 text; escape what a JavaScript string literal must not hold raw
+        parts.append(f"{_js(c)}:{_js(visible_all(v)[0])}")
     return "{" + ",".join(parts) + "}"
 
 
@@ -285,6 +286,7 @@ def _write_run(rs: RunStore, key: str, data_dir: Path) -> RunSite:
         "episodes": len(ids),
         "chunks": n_chunks,
     }
+    meta = visible_all(meta)[0]
     total += _write(data_dir / f"{key}.js", f"ETV.run({_js(key)},{_js(meta)},{_js(index)});\n")
     return RunSite(key=key, name=rs.name, path=str(rs.path), episodes=len(ids), chunks=n_chunks, data_bytes=total)
 
@@ -309,7 +311,7 @@ def page_html(runs: list[RunSite], title: str) -> str:
         "version": __version__,
         "runs": [{"key": r.key, "name": r.name, "path": r.path, "episodes": r.episodes} for r in runs],
     }
-    text = _js(manifest).replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+    text = _js(visible_all(manifest)[0]).replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
     page = PAGE.read_text(encoding="utf-8").replace("/*MANIFEST*/null", text)
     # the page's own script is the only inline script allowed to run (its hash in the page's CSP)
     script = page.split("<script>", 1)[1].split("</script>", 1)[0]

@@ -4,8 +4,9 @@ Started from an argv (a host ``bash`` for tests, ``apptainer exec instance://NAM
 sandbox) and fed one line per command through a pipe that neither the command nor anything it
 starts can read (``shell_guard``), so none can read a pending line or forge an end. Every command
 gets its own process group, killed from the host on timeout; a shell that exited or does not
-answer is started anew, and the result says so. Output is kept as a head and a tail, without
-ANSI escapes or control characters. Specification: docs/shell.md; residuals: SECURITY.md.
+answer is started anew, and the result says so. Output is kept as a head and a tail; it and the
+notes appended to it go through ``et_hpc.text.visible`` (controls shown as escapes, counted in
+``escaped``). Specification: docs/shell.md; residuals: SECURITY.md.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from et_hpc.host.procfs import ns_ids as _ns_ids
 from et_hpc.host.procfs import session_members as _session_members
 from et_hpc.host.procfs import stat as _stat
 from et_hpc.sandbox import shell_guard
+from et_hpc.text import hidden_count, visible
 
 log = logging.getLogger(__name__)
 
@@ -37,28 +39,16 @@ _KILL_GRACE_S = 3.0  # how long to wait for the shell after killing a timed-out 
 _EOF_GRACE_S = 0.5  # how long a closed shell gets to end on its own before its session is killed
 _START_TIMEOUT_S = 60.0
 
-_ANSI_RE = re.compile(
-    r"\x1b\[[0-?]*[ -/]*[@-~]"  # CSI: colours, cursor moves
-    r"|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?"  # OSC: window titles, hyperlinks
-    r"|\x1b[PX^_][^\x1b]*(?:\x1b\\)?"  # DCS/SOS/PM/APC strings
-    r"|\x1b[@-Z\\-_]"  # other two-byte escapes
-)
-_CTRL_RE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
-
 
 @dataclass
 class CommandResult:
-    output: str  # merged stdout+stderr; ANSI and CR stripped; head+tail truncated with a notice
+    output: str  # merged stdout+stderr and notes, through ``visible``; head+tail truncated with a notice
     exit_code: int | None  # None when timed out or the shell died
     timed_out: bool = False
     truncated: bool = False
     duration_s: float = 0.0
     shell_restarted: bool = False  # the shell had died; it was restarted and `output` says so
-
-
-def clean_output(text: str) -> str:
-    """Remove ANSI escapes, carriage returns and control characters other than newline and tab."""
-    return _CTRL_RE.sub("", _ANSI_RE.sub("", text))
+    escaped: int = 0  # control characters (and lone surrogates) in output and notes shown as escapes
 
 
 def bash_quote(s: str) -> str:
@@ -135,7 +125,7 @@ class _Capture:
         return None
 
     def output(self) -> tuple[str, bool]:
-        """The captured text (cleaned, truncated with a notice) and whether anything was cut."""
+        """The captured text (raw: controls still in it; truncated with a notice) and whether anything was cut."""
         head, rest, dropped = bytes(self.head), bytes(self.buf), self.dropped
         if len(head) < self.head_cap:
             take = self.head_cap - len(head)
@@ -147,7 +137,7 @@ class _Capture:
             text = _decode(head) + f"\n[... output truncated: {dropped} bytes omitted from the middle ...]\n" + _decode(rest)
         else:
             text = _decode(head + rest)
-        return clean_output(text), dropped > 0
+        return text, dropped > 0
 
 
 def _decode(b: bytes) -> str:
@@ -272,7 +262,7 @@ class Shell:
         if cap.found is None:
             out = cap.output()[0]
             self._terminate()
-            raise ShellDied(f"the shell did not start: {' '.join(self.argv)}: {out.strip()[-500:]}")
+            raise ShellDied(visible(f"the shell did not start: {' '.join(self.argv)}: {out.strip()[-500:]}"))
         self.ns_pid, _ = _parse_info(cap.found[1].decode("utf-8", "replace"))
         self.host_pid = self._find_host_pid()
         if self.guard:
@@ -473,8 +463,10 @@ class Shell:
             self._spawn()
         except ShellDied as e:
             note = f"[{what} and could not be restarted: {e}]"
+        output, escaped = _shown(out, notes + [note])
         return CommandResult(
-            output=_join(out, notes + [note]),
+            output=output,
+            escaped=escaped,
             exit_code=None,
             timed_out=timed_out,
             truncated=trunc,
@@ -489,8 +481,10 @@ class Shell:
         notes = notes + self.boundary_notes() + self._take_notes()
         if timed_out:
             code = None
+        output, escaped = _shown(out, notes)
         return CommandResult(
-            output=_join(out, notes),
+            output=output,
+            escaped=escaped,
             exit_code=code,
             timed_out=timed_out,
             truncated=trunc,
@@ -542,11 +536,13 @@ def _parse_info(info: str) -> tuple[int | None, set[int]]:
     return num, {int(x) for x in jobs.split() if x.isdigit()}
 
 
-def _join(out: str, notes: list[str]) -> str:
-    if not notes:
-        return out
-    sep = "\n" if out and not out.endswith("\n") else ""
-    return out + sep + "\n".join(notes)
+def _shown(out: str, notes: list[str]) -> tuple[str, int]:
+    """The output with the notes after it (which name agent-chosen argv and mount points), through
+    ``visible``; and how many characters it escaped."""
+    if notes:
+        sep = "\n" if out and not out.endswith("\n") else ""
+        out = out + sep + "\n".join(notes)
+    return visible(out), hidden_count(out)
 
 
 def _new_marker() -> str:

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from et_hpc.sandbox.shell import Shell, bash_quote, clean_output
+from et_hpc.sandbox.shell import Shell, bash_quote
+from helpers.hostile import RAW as HIDDEN
 
 BASH = ["bash", "--noprofile", "--norc"]
 
@@ -119,12 +120,12 @@ def test_shell_death_is_reported_and_recovered(sh: Shell, cmd: str) -> None:
     assert r2.output == "reset\n" and r2.exit_code == 0
 
 
-def test_binary_ansi_and_cr_are_cleaned(sh: Shell) -> None:
-    r = sh.run("printf 'a\\r\\033[1;31mred\\033[0m\\x00\\x01b\\n'; head -c 2000 /dev/urandom")
+def test_binary_ansi_and_cr_are_shown_as_escapes(sh: Shell) -> None:
+    r = sh.run("printf 'a\\r\\033[1;31mred\\033[0m\\x00\\x01b\\302\\2333m\\n'; head -c 2000 /dev/urandom")
     assert r.exit_code == 0
-    assert r.output.startswith("aredb\n")
-    assert "\x1b" not in r.output and "\r" not in r.output and "\x00" not in r.output
-    assert clean_output("\x1b]0;title\x07x\x1b[2Ky") == "xy"
+    assert r.output.startswith("a\\x0d\\x1b[1;31mred\\x1b[0m\\x00\\x01b\\x9b3m\n")
+    assert r.escaped >= 6
+    assert not HIDDEN.search(r.output)
 
 
 def test_output_is_truncated_head_and_tail(tmp_path: Path) -> None:

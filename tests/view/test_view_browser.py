@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from et_hpc.text import visible
 from view.runs import ANSI, BIG_LINE, PAYLOAD, PAYLOAD_IMG, PAYLOAD_SCRIPT
 
 ET_HPC = [sys.executable, "-m", "et_hpc.cli"]
@@ -152,7 +153,8 @@ def test_hostile_output_is_inert(browser, site: Path, view_runs: dict[str, Path]
     assert "reasoningI will print <b>a lot</b>" in browser.eval("document.querySelector('[data-turn=\"1\"]').textContent")
     browser.eval("document.querySelector('button.unfold').click()")
     assert browser.eval("document.querySelector('.folded pre').textContent.length") > BIG_LINE
-    shown = ANSI.replace("\x1b", "\u241b")
+    shown = visible(ANSI)  # the one sanitizer's escapes: \x1b[31mRED\x1b[0m as text
+    assert shown != ANSI and "\\x1b[31m" in shown
     assert shown in browser.eval("document.querySelector('.folded pre').textContent")
     assert shown in browser.eval("document.getElementById('events').textContent")
     assert browser.eval("document.getElementById('events').textContent").count("<script>") == 1
