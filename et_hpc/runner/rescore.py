@@ -32,7 +32,7 @@ from pydantic import ValidationError
 
 from et_hpc.errors import InfraError, UserError
 from et_hpc.record import EpisodeRecord, Status, Timings, records_from_table, solved
-from et_hpc.runner.config import RunConfig, _apply
+from et_hpc.runner.config import RunConfig, apply_setting
 from et_hpc.runner.plan import OK, Plan, image_missing, load_run_tasks, open_store, read_run_json, save_run_json
 from et_hpc.runs import final_state as fs
 from et_hpc.scoring import start_check
@@ -288,7 +288,7 @@ def _rescore_config(
     data["continuous"] = {}
     data["sandbox"]["warm"] = 0
     for keys, val in overrides or []:
-        _apply(data, keys, val, "rescore")
+        apply_setting(data, keys, val, "rescore")
     try:
         cfg = RunConfig.model_validate(data)
     except ValidationError as e:
