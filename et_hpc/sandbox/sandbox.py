@@ -229,7 +229,7 @@ class Sandbox:
         self._warm_pending = False
         if self._warmer is not None:
             if self._warmer.poll() is None:
-                # SIGTERM: the helper kills and reaps its python (see enter_pytest._warm); SIGKILL only
+                # SIGTERM: the helper kills and reaps its python (see et_hpc.scoring.enter_pytest.warm_up); SIGKILL only
                 # if it does not end, which leaves a zombie for the host's init to reap
                 self._warmer.terminate()
                 try:

@@ -108,15 +108,19 @@ def _dfs_bytes(img: Path, cmd: str, limit: int = MB) -> bytes:
 
 
 def test_state_bash_cannot_forge_a_rescore(image: Path, tmp_path: Path) -> None:
-    live, run_dir, value = _live(image, tmp_path, [BASH_FORGE], _final(tmp_path))
+    named = 'pwd.getpwuid(os.getuid()).pw_name == "user"'  # the account is named without a shell too
+    final = _final(tmp_path, named.replace("pwd.", "__import__('pwd')."))
+    live, run_dir, value = _live(image, tmp_path, [BASH_FORGE], final)
     # positive control: a plain exec of `bash` in the kept state runs the agent's, which writes the answer
     img = _kept_image(tmp_path, run_dir, value)
     with Sandbox(image, run_prefix="t-hst", scratch=tmp_path, overlay_image=img, overlay_readonly=True, warm_scoring=False) as sb:
         assert sb.exec(["bash", "-c", "true"]).returncode == 0
         assert sb.exec(["/bin/cat", "/home/user/answer.txt"]).stdout.strip() == b"42"
-    re, events = _rescore(image, run_dir, value, _final(tmp_path))
+    re, events = _rescore(image, run_dir, value, final)
     _same(live, re, events, 0.0)
-    assert {t.name.split("::")[-1]: t.outcome for t in re.tests}["test_answer"] == "failed", re.tests
+    for sc in (live, re):
+        outcomes = {t.name.split("::")[-1]: t.outcome for t in sc.tests}
+        assert outcomes["test_answer"] == "failed" and outcomes["test_planted"] == "passed", (outcomes, sc.output_tail[-800:])
 
 
 # -- a FIFO, non-UTF-8 bytes, a 1 GB sparse file where the start checks read ----------------------
