@@ -158,11 +158,13 @@ RSS_PROBE = textwrap.dedent("""\
     from et_hpc.runner.rescore import score_kept_state
     from et_hpc.tasks.model import Limits
     run_dir, value, final, image, grow = sys.argv[1:6]
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    def kb(key):  # this process's own (ru_maxrss keeps the forking parent's peak across exec)
+        return int(next(ln for ln in open("/proc/self/status") if ln.startswith(key)).split()[1])
+    base = kb("VmRSS:")
     junk = b"x" * (int(grow) << 20)  # the control: an allocation this measure must see, every page written
     task = SimpleNamespace(final_tests=Path(final), limits=Limits())
     sc, ev = score_kept_state(Path(run_dir), value, task, RunConfig(scoring_timeout_s=60), SimpleNamespace(path=Path(image), digest=None))
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = kb("VmHWM:")
     kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     print(json.dumps({"status": sc.status, "reward": sc.reward, "self_kb": peak - base, "child_kb": kids, "events": ev}))
     """)
