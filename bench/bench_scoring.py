@@ -1,4 +1,4 @@
-"""Scoring duration: the host entry path (et_hpc.sandbox.enter), where its time goes, and the old path.
+"""Scoring duration: the host entry path (et_hpc.scoring.enter), where its time goes, and the old path.
 
     python bench/bench_scoring.py [--rounds 10] [--task defs/demo/demo_csv_sum] [--no-legacy]
                                   [--fresh [--agent-s 3]]
@@ -81,8 +81,8 @@ def main() -> None:
     ap.add_argument("--agent-s", type=float, default=3.0, help="with --fresh: seconds between shell and scoring")
     a = ap.parse_args()
     from et_hpc.images.store import ImageStore
-    from et_hpc.sandbox import scoring
     from et_hpc.sandbox.sandbox import Sandbox
+    from et_hpc.scoring import live as scoring
     from et_hpc.tasks.loader import load_task_folder
     from helpers.legacy_scoring import legacy_score
 

@@ -19,6 +19,13 @@ COMPAT: dict[str, tuple[str, str]] = {
     "et_hpc.scripted_tokenizer": ("et_hpc.testing.scripted_tokenizer", REMOVE_IN),
     "et_hpc.tasks.bases": ("et_hpc.tasks.base_names", REMOVE_IN),
     "et_hpc.agent.protocols": ("et_hpc.agent.wire", REMOVE_IN),
+    "et_hpc.sandbox.scoring": ("et_hpc.scoring.live", REMOVE_IN),
+    "et_hpc.sandbox.sweep": ("et_hpc.scoring.sweep", REMOVE_IN),
+    "et_hpc.sandbox.helper_pool": ("et_hpc.scoring.helper_pool", REMOVE_IN),
+    "et_hpc.sandbox.enter": ("et_hpc.scoring.enter", REMOVE_IN),
+    "et_hpc.sandbox.enter_sys": ("et_hpc.scoring.enter_sys", REMOVE_IN),
+    "et_hpc.sandbox.enter_view": ("et_hpc.scoring.enter_view", REMOVE_IN),
+    "et_hpc.sandbox.enter_pytest": ("et_hpc.scoring.enter_pytest", REMOVE_IN),
     # class aliases
     "et_hpc.images.store.StoreSettings": ("et_hpc.images.store.ImageStoreConfig", REMOVE_IN),
     "et_hpc.agent.loop.Budgets": ("et_hpc.agent.loop.BudgetConfig", REMOVE_IN),

@@ -33,6 +33,9 @@ LAYERS: dict[str, int] = {
     # L3 images built from recipes; sandboxes started from images
     "et_hpc.images": 3,
     "et_hpc.sandbox": 3,
+    # ... and scoring, which sandboxes start (the warm-up, the host sweep) and which imports nothing
+    # of them at run time: live scoring, the entry helper, the helper pool, the start checks
+    "et_hpc.scoring": 3,
     # L4 the agent (policies, loop, endpoints) and the scripted server that stands in for a model
     "et_hpc.agent": 4,
     "et_hpc.testing": 4,

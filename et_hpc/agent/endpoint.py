@@ -109,7 +109,7 @@ def check_endpoint_file(path: Path, st: os.stat_result, has_key: bool) -> None:
         )
 
 
-def _parse(text: str) -> dict | None:
+def parse_endpoint(text: str) -> dict | None:
     try:
         data = json.loads(text)
     except json.JSONDecodeError:
@@ -130,7 +130,7 @@ def read_endpoint_file(path: Path) -> dict | None:
             text = f.read()
     except OSError:
         return None
-    data = _parse(text)
+    data = parse_endpoint(text)
     if data is not None:
         check_endpoint_file(path, st, bool(data.get("api_key")))
     return data

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypedDict
 
-from et_hpc.agent.endpoint import NO_KEY, _parse, probe_models, resolve_api_key
+from et_hpc.agent.endpoint import NO_KEY, parse_endpoint, probe_models, resolve_api_key
 from et_hpc.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ class ReplicaSet:
                     "and restart that server job (its key may be known)"
                 )
             text = f.read(MAX_FILE_BYTES).decode("utf-8", errors="replace")
-        data = _parse(text)
+        data = parse_endpoint(text)
         if data is None:
             return None, "is not an endpoint record (JSON with base_url, or host and port)"
         return data, ""

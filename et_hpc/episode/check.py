@@ -185,7 +185,7 @@ class _Checker:
         return box
 
     def start_and_initial(self) -> StageStatus:
-        from et_hpc.sandbox.scoring import run_initial_tests
+        from et_hpc.scoring.live import run_initial_tests
 
         box = self._started()
         try:
@@ -194,6 +194,7 @@ class _Checker:
             if self.task.initial_tests is None:
                 self.res.stages["initial"] = "skipped"
                 return "ok"
+            box.prepare()  # a fresh image, no agent: what an episode's first shell does
             sc = run_initial_tests(box, self.task.initial_tests, timeout_s=self._timeout())
         finally:
             box.stop()
@@ -205,10 +206,11 @@ class _Checker:
         return "ok"
 
     def untouched(self) -> StageStatus:
-        from et_hpc.sandbox.scoring import score
+        from et_hpc.scoring.live import score
 
         box = self._started()
         try:
+            box.prepare()  # a fresh image, no agent: what an episode's first shell does
             sc = score(box, self.task.final_tests, timeout_s=self._timeout())
         finally:
             box.stop()
@@ -224,7 +226,7 @@ class _Checker:
 
     def solution(self) -> StageStatus:
         from et_hpc.agent.policies import OraclePolicy
-        from et_hpc.sandbox.scoring import score
+        from et_hpc.scoring.live import score
 
         if self.task.solution is None:
             return "skipped"

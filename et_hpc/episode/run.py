@@ -29,10 +29,10 @@ from et_hpc.agent.policies import PolicyConfig, make_policy
 from et_hpc.agent.wire import Mode
 from et_hpc.episode.config import EpisodeConfig
 from et_hpc.errors import InfraError, UserError
-from et_hpc.record import EpisodeRecord, Status, TestResult, Timings
-from et_hpc.sandbox.scoring import GONE_NOTE, ScoreResult, score
+from et_hpc.record import EpisodeRecord, Status, Timings
 from et_hpc.sandbox.warm import AGENT_UMASK, Ready, SandboxSpec, Ticket, start_ready  # noqa: F401 - AGENT_UMASK re-exported
 from et_hpc.sandbox.watchdog import PHASE_SCORING, Watchdog
+from et_hpc.scoring.live import GONE_NOTE, ScoreResult, score, score_fields
 from et_hpc.tasks.model import Task
 
 log = logging.getLogger(__name__)
@@ -187,10 +187,7 @@ def _episode_record(
         turn_s=[[round(t.policy_s, 3), round(t.exec_s, 3)] for t in result.turns] if result else None,
         stop_reason=result.stop_reason if result else None,
         status=status,
-        reward=sc.reward if sc is not None and status == "ok" else None,
-        passed=sc.passed if sc is not None else None,
-        total=sc.total if sc is not None else None,
-        tests=[TestResult(name=t.name, outcome=t.outcome) for t in (sc.tests if sc else [])],
+        **score_fields(sc, status),
         prompt_tokens=result.usage.prompt_tokens if result else None,
         completion_tokens=result.usage.completion_tokens if result else None,
         prompt_token_ids=tok.prompt_token_ids if tok else None,
@@ -203,8 +200,6 @@ def _episode_record(
         peak_mem_mb=timings.get("peak_mem_mb"),
         peak_pids=None if peak_pids is None else int(peak_pids),
         error=error,
-        score_note=sc.note if sc is not None and status == "ok" else None,
-        interpreter=sc.interpreter if sc is not None else None,
         events=[*(result.events if result else []), *(events or []), *((sc.notes or []) if sc is not None else [])],
     )
 

@@ -40,11 +40,11 @@ def ns_ids(pid: int) -> tuple[int | None, int | None]:
     """(pid, pgid) of a host pid as seen in its innermost PID namespace."""
     ns_pid = ns_pgid = None
     try:
-        with open(f"/proc/{pid}/status") as f:
+        with open(f"/proc/{pid}/status", "rb") as f:  # bytes: its Name: line is the process's choice
             for line in f:
-                if line.startswith("NSpid:"):
+                if line.startswith(b"NSpid:"):
                     ns_pid = int(line.split()[-1])
-                elif line.startswith("NSpgid:"):
+                elif line.startswith(b"NSpgid:"):
                     ns_pgid = int(line.split()[-1])
     except (OSError, ValueError):
         pass

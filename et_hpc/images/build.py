@@ -163,11 +163,11 @@ def retarget_files(text: str, mapping: dict[str, Path]) -> str:
     return "\n".join(out) + ("\n" if text.endswith("\n") else "")
 
 
-def _now() -> str:
+def now_utc() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def _fsync_file(path: Path) -> None:
+def fsync_file(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -234,7 +234,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
             continue
 
 
-def _rmtree(path: Path) -> None:
+def remove_tree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
     if path.exists():  # files owned by mapped ids (fakeroot): remove inside a user namespace
         subprocess.run(["unshare", "--map-auto", "--map-root-user", "rm", "-rf", str(path)], capture_output=True)

@@ -76,7 +76,7 @@ def images_dir(scratch: Path | None = None) -> Path:
     return d
 
 
-def _norm_digest(digest: str) -> str:
+def norm_digest(digest: str) -> str:
     d = digest.strip().lower()
     if d.startswith("sha256:"):
         d = d[7:]
@@ -357,7 +357,7 @@ def local_image(
     Raises ``NoRoom``, ``DigestMismatch``, ``InfraError`` (node lock timeout) or ``OSError``.
     """
     src = Path(sif_path)
-    digest = _norm_digest(digest) if digest else sha256_file(src)
+    digest = norm_digest(digest) if digest else sha256_file(src)
     d = images_dir(scratch)
     sif, meta_p, lease = _paths(d, digest)
 
@@ -492,7 +492,7 @@ def local_tree(
     timeout) or ``OSError``.
     """
     src = Path(sif_path)
-    digest = _norm_digest(digest) if digest else sha256_file(src)
+    digest = norm_digest(digest) if digest else sha256_file(src)
     d = images_dir(scratch)
     root, meta_p, lease = _paths(d, digest, TREE)
 

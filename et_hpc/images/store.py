@@ -34,12 +34,12 @@ from et_hpc.images import keys
 from et_hpc.images.build import (  # noqa: F401  (failure_reason, interrupted, retarget_files: re-exported)
     BUILD_CA_PATH,
     HOST_CA_BUNDLE,
-    _fsync_file,
-    _now,
-    _rmtree,
     default_jobs,
     failure_reason,
+    fsync_file,
     interrupted,
+    now_utc,
+    remove_tree,
     retarget_files,
     run_build,
     stage,
@@ -352,7 +352,7 @@ class ImageStore:
             try:
                 if d.stat().st_mtime < limit:
                     log.info("removing leftover build dir %s", d)
-                    _rmtree(d)
+                    remove_tree(d)
             except OSError:
                 continue
 
@@ -367,7 +367,7 @@ class ImageStore:
         tmp_out = sif.parent / f".tmp-{key}-{uuid.uuid4().hex[:12]}.sif"
         host = socket.gethostname()
         t0 = time.monotonic()
-        header = [f"# et-hpc build of {tid} key {key}", f"# host {host} pid {os.getpid()} at {_now()}"]
+        header = [f"# et-hpc build of {tid} key {key}", f"# host {host} pid {os.getpid()} at {now_utc()}"]
         header += [f"# rewrite: {r}" for r in (getattr(recipe, "rewrites", None) or [])]
         if self.settings.build_ca() is not None:
             header.append(
@@ -389,7 +389,7 @@ class ImageStore:
                 if reason is None:
                     rc, reason = run_build(self.settings, work, tmp_out, lf, self.scratch)
             if reason is None and rc == 0:
-                _fsync_file(tmp_out)
+                fsync_file(tmp_out)
                 digest = sha256_file(tmp_out)
                 os.replace(tmp_out, sif)
                 fsync_dir(sif.parent)
@@ -399,7 +399,7 @@ class ImageStore:
                     "key": key,
                     "format": FORMAT,
                     "task_ids": [tid],
-                    "built_at": _now(),
+                    "built_at": now_utc(),
                     "host": host,
                     "seconds": round(seconds, 2),
                     "digest": digest,
@@ -431,7 +431,7 @@ class ImageStore:
                 "task_id": tid,
                 "reason": reason,
                 "exit_code": rc,
-                "failed_at": _now(),
+                "failed_at": now_utc(),
                 "failed_at_epoch": time.time(),
                 "host": host,
                 "seconds": round(time.monotonic() - t0, 2),
@@ -442,7 +442,7 @@ class ImageStore:
             return ImageResult(task_id=tid, key=key, status="failed", reason=reason, log_path=logf)
         finally:
             tmp_out.unlink(missing_ok=True)
-            _rmtree(work)
+            remove_tree(work)
 
     def ensure_many(
         self, tasks: Iterable[Buildable], *, jobs: int | None = None, progress: bool = True, retry_failed: bool = False, build: bool = True

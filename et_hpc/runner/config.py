@@ -157,7 +157,7 @@ def parse_set(items: list[str] | None) -> list[tuple[list[str], Any]]:
     return out
 
 
-def _apply(data: dict, path: list[str], value: Any, origin: str) -> None:
+def apply_setting(data: dict, path: list[str], value: Any, origin: str) -> None:
     cur = data
     for k in path[:-1]:
         nxt = cur.get(k)
@@ -194,7 +194,7 @@ def load_config(path: Path | str | None = None, overrides: list[tuple[list[str],
             raise UserError(f"{p}: expected a mapping of settings at the top level, got {type(loaded).__name__}")
         data = loaded
     for keys, val in overrides or []:
-        _apply(data, keys, val, origin)
+        apply_setting(data, keys, val, origin)
     try:
         return RunConfig.model_validate(data)
     except ValidationError as e:

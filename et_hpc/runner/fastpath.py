@@ -37,13 +37,13 @@ def _cores(cfg: RunConfig) -> int:
 
 def _tree_exists(img: Any, scratch: Path | None) -> bool:
     """True when this node already holds ``img`` unpacked (a later run pays nothing for it)."""
-    from et_hpc.images.local_copy import TREE, _norm_digest, images_dir
+    from et_hpc.images.local_copy import TREE, images_dir, norm_digest
 
     digest = getattr(img, "digest", None)
     if not digest:
         return False
     try:
-        return (images_dir(scratch) / f"{_norm_digest(digest)}{TREE}").is_dir()
+        return (images_dir(scratch) / f"{norm_digest(digest)}{TREE}").is_dir()
     except (ValueError, OSError):
         return False
 

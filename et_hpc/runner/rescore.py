@@ -31,18 +31,18 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from et_hpc.errors import InfraError, UserError
-from et_hpc.record import EpisodeRecord, Status, TestResult, Timings, records_from_table, solved
-from et_hpc.runner.config import RunConfig, _apply
+from et_hpc.record import EpisodeRecord, Status, Timings, records_from_table, solved
+from et_hpc.runner.config import RunConfig, apply_setting
 from et_hpc.runner.plan import OK, Plan, image_missing, load_run_tasks, open_store, read_run_json, save_run_json
 from et_hpc.runs import final_state as fs
+from et_hpc.scoring import start_check
 from et_hpc.util import atomic_write_text
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from et_hpc.images.store import ImageResult
-    from et_hpc.sandbox.sandbox import Sandbox
-    from et_hpc.sandbox.scoring import ScoreResult
+    from et_hpc.scoring.live import ScoreResult
     from et_hpc.tasks.model import Task
 
 log = logging.getLogger(__name__)
@@ -97,19 +97,15 @@ def rescore_unit(
     timings: dict[str, float] = {}
 
     def record(status: Status, *, sc: ScoreResult | None = None, error: str | None = None) -> EpisodeRecord:
-        ok = sc if status == OK else None  # the score that counts
+        from et_hpc.scoring.live import score_fields  # the episode's own record fields of a score
+
         t = src.timings.model_copy(update={"score_s": timings.get("score_s")})
         return src.model_copy(
             update={
                 "episode_id": str(uuid.uuid4()),
                 "run_name": cfg.run_name(),
                 "status": status,
-                "reward": ok.reward if ok is not None else None,
-                "passed": sc.passed if sc is not None else None,
-                "total": sc.total if sc is not None else None,
-                "tests": [TestResult(name=x.name, outcome=x.outcome) for x in (sc.tests if sc is not None else [])],
-                "score_note": ok.note if ok is not None else None,
-                "interpreter": sc.interpreter if sc is not None else None,
+                **score_fields(sc, status),
                 "error": error,
                 "events": [
                     *src.events,
@@ -142,7 +138,7 @@ def rescore_unit(
         log.exception("rescoring %s#%s failed", task.id, sample)
         return record("infra_error", error=f"{type(e).__name__}: {e}")
     events += wd_events
-    from et_hpc.sandbox.scoring import GONE_NOTE
+    from et_hpc.scoring.live import GONE_NOTE
 
     if stop.is_set() and (sc.status != "ok" or sc.note == GONE_NOTE):
         return record("infra_error", error="interrupted by the run")
@@ -175,13 +171,13 @@ def score_kept_state(
         raise InfraError(f"kept state {archive}: {e}") from None
     timings["extract_s"] = time.monotonic() - t
     try:
-        refused, left_out = fs.check_start(img)
+        refused, left_out = start_check.check_start(img)
     except BaseException:
         img.unlink(missing_ok=True)
         raise
     if refused:  # the agent changed what starting its state would run: not started, the agent's 0
         img.unlink(missing_ok=True)
-        from et_hpc.sandbox.scoring import ScoreResult
+        from et_hpc.scoring.live import ScoreResult
 
         note = "the kept state changes what starts a sandbox (" + ", ".join(refused[:5]) + "): it is not started again, and scores 0"
         return ScoreResult(status="ok", reward=0.0, note=note, interpreter="none"), []
@@ -195,13 +191,13 @@ def score_kept_state(
         nproc=spec.nproc,
         vmem_mb=spec.vmem_mb,
         fsize_mb=spec.fsize_mb,
+        prepare_home=False,  # never the state's bash: the entry helper names the account (scoring.run_tests)
         warm_scoring=False,
     )
     wd = None
     t = time.monotonic()
     try:
         sb.start()  # owns the image from here: its stop deletes it
-        prepare_accounts(sb)
         if spec.watchdog_interval_s:
             wd = Watchdog(sb, memory_mb=spec.memory_mb, max_pids=spec.max_pids, interval_s=spec.watchdog_interval_s)
             wd.prepare()
@@ -217,62 +213,6 @@ def score_kept_state(
         sb.stop()
         img.unlink(missing_ok=True)
     return sc, events
-
-
-# The account naming of et_hpc.sandbox.sandbox.PREPARE_SCRIPT (the agent's uid named `user` in the
-# instance's /etc/passwd and /etc/group, which apptainer writes per instance), run by the image's
-# pristine Python through its pristine loader: in a kept state the instance's bash is the agent's.
-PREPARE_PY = r"""
-import os
-me, mg = str(os.getuid()), str(os.getgid())
-def fix(path, name, drop, new):
-    try:
-        lines = open(path).read().splitlines()
-    except OSError:
-        return False
-    out, found = [], False
-    for ln in lines:
-        f = ln.split(":")
-        if f[0] == name:
-            found = True
-            f[2:2 + len(new)] = new
-            out.append(":".join(f))
-        elif len(f) > 2 and f[2] == drop:
-            continue
-        else:
-            out.append(ln)
-    if found:
-        nl = chr(10)
-        open(path, "w").write(nl.join(out) + nl)
-    return found
-names = [ln.split(":") for ln in open("/etc/passwd").read().splitlines()]
-n = "user" if any(f[0] == "user" for f in names) else next((f[0] for f in names if len(f) > 2 and f[2] == "1000"), None)
-if n and fix("/etc/passwd", n, me, [me, mg]):
-    fix("/etc/group", n, mg, [mg])
-"""
-
-
-def prepare_accounts(sb: Sandbox) -> None:
-    """Name the agent's uid ``user`` in the instance (as a live episode's first shell does), with the
-    image's pristine Python: nothing of the kept state runs."""
-    from et_hpc.sandbox.scoring import pristine_layout
-
-    loader, libdirs = pristine_layout()
-    argv = [
-        loader,
-        "--inhibit-cache",
-        "--library-path",
-        ":".join(libdirs),
-        "/.et-pristine/usr/bin/python3",
-        "-I",
-        "-S",
-        "-B",
-        "-c",
-        PREPARE_PY,
-    ]
-    cp = sb.exec(argv, timeout=60, pwd="/")
-    if cp.returncode != 0:
-        log.warning("naming the account in %s failed: %s", sb.name, cp.stdout[-300:])
 
 
 # ---------------------------------------------------------------- planning
@@ -348,7 +288,7 @@ def _rescore_config(
     data["continuous"] = {}
     data["sandbox"]["warm"] = 0
     for keys, val in overrides or []:
-        _apply(data, keys, val, "rescore")
+        apply_setting(data, keys, val, "rescore")
     try:
         cfg = RunConfig.model_validate(data)
     except ValidationError as e:

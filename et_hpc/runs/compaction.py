@@ -23,7 +23,7 @@ from pydantic import BaseModel
 
 from et_hpc.errors import UserError
 from et_hpc.record import EPISODE_SCHEMA
-from et_hpc.runs.shards import DEFAULT_TARGET_ROWS, STALE_TMP_S, TMP_PREFIX, _first_per_key, write_table_atomic
+from et_hpc.runs.shards import DEFAULT_TARGET_ROWS, STALE_TMP_S, TMP_PREFIX, first_per_key, write_table_atomic
 from et_hpc.util import fsync_dir, progress_bar
 
 if TYPE_CHECKING:
@@ -141,4 +141,4 @@ def _plan_batches(files: list[Path], sizes: dict[Path, int], target_rows: int) -
 def _drop_same_episode(table: pa.Table) -> pa.Table:
     if pc.count_distinct(table.column("episode_id")).as_py() == table.num_rows:
         return table
-    return _first_per_key(table, ["episode_id"])
+    return first_per_key(table, ["episode_id"])

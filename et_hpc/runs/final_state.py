@@ -4,8 +4,8 @@ With ``sandbox.keep_final_state`` an episode's sparse overlay image is archived 
 without root, after the instance stopped and before it is deleted, as
 ``<run_dir>/final-state/<sha256>.tar.gz`` (content-addressed; readers check the digest). The
 record's ``final_state`` is ``sha256:<hex>``, ``not kept: <why>`` (too large, or failed: never
-the episode's failure) or null. Also offers reading a kept state back (``kept_tests``,
-``check_start``: what a start would run, read with ``debugfs``, no mount). Format, what it does
+the episode's failure) or null. Also offers reading a kept state back (``kept_tests``; what
+a start would run is checked by ``et_hpc.scoring.start_check``). Format, what it does
 not hold, how to look inside: docs/rescore.md; its security: SECURITY.md.
 """
 
@@ -272,101 +272,3 @@ def kept_tests(run_dir: Path, digest: str | None) -> str | None:
         return (Path(run_dir) / DIR / TESTS_DIR / hx).read_text(errors="replace")
     except OSError:
         return None
-
-
-# -- before a kept state is started again ------------------------------------------------------
-# Starting an instance runs the image's /.singularity.d/startscript (#!/bin/sh) and sources its
-# env scripts, and every `apptainer exec` sources them too: in a kept state those would be the
-# agent's files. A state whose upper layer changes what that start runs is not started; one that
-# only changes the loader's /etc/ld.so.preload or /etc/ld.so.cache has them left out of the
-# private copy (the image's own apply), and scoring is as in a live episode.
-_ARCH = "x86_64-linux-gnu"
-REFUSED = {
-    "/upper": {".singularity.d", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "environment", "singularity"},
-    "/upper/usr": {"lib64", "sbin"},
-    "/upper/usr/bin": {"sh", "dash"},
-    "/upper/usr/lib": set(),
-    f"/upper/usr/lib/{_ARCH}": {"libc.so.6", "ld-linux-x86-64.so.2", "libnss_files.so.2", "libnss_dns.so.2", "libnss_compat.so.2"},
-    "/upper/etc": set(),
-}
-LEFT_OUT = ("/upper/etc/ld.so.preload", "/upper/etc/ld.so.cache")
-_MUST_BE_DIRS = {"/upper": ("usr", "etc"), "/upper/usr": ("bin", "lib"), "/upper/usr/lib": (_ARCH,)}
-# NSS modules glibc and Debian's base ship; an /etc/nsswitch.conf naming others is left out (apptainer
-# looks accounts up inside the instance when it starts one and at every exec)
-NSS_MODULES = {"files", "dns", "compat", "db", "nis", "nisplus", "hesiod", "systemd", "myhostname", "mymachines", "resolve"}
-
-
-def _foreign_nss(text: str) -> bool:
-    for ln in text.splitlines():
-        ln = ln.split("#", 1)[0]
-        if ":" not in ln:
-            continue
-        toks = re.sub(r"\[[^]]*\]", " ", ln.split(":", 1)[1]).split()
-        if any(t not in NSS_MODULES for t in toks):
-            return True
-    return False
-
-
-_OPAQUE = ".wh..wh..opq"
-
-
-def _is_dir(mode: str) -> bool:
-    try:
-        return int(mode, 8) & 0o170000 == 0o040000
-    except ValueError:
-        return False
-
-
-def _debugfs() -> str:
-    found = shutil.which("debugfs") or shutil.which("debugfs", path="/usr/sbin:/sbin")
-    if not found:
-        raise InfraError("debugfs (e2fsprogs) is needed to check a kept state before it is started")
-    return found
-
-
-def _dfs(img: Path, cmd: str, write: bool = False) -> str:
-    argv = [_debugfs(), *(["-w"] if write else []), "-R", cmd, str(img)]
-    cp = subprocess.run(argv, capture_output=True, text=True, timeout=60)
-    return cp.stdout + ("\n" + cp.stderr if "not found" in cp.stderr or write else "")
-
-
-def check_start(img: Path) -> tuple[list[str], list[str]]:
-    """Check the kept overlay ``img`` (a private copy) before it is started: returns (paths that
-    change what a start runs: refuse the state, paths left out of the copy). Reads and edits the
-    image with debugfs, from the host: nothing of the state runs."""
-    refused: list[str] = []
-    for d, names in REFUSED.items():
-        listing = _dfs(img, f"ls -p {d}")
-        modes = {parts[5]: parts[2] for ln in listing.splitlines() if (parts := ln.split("/")) and len(parts) > 6}
-        entries = set(modes)
-        path = d.removeprefix("/upper") or "/"
-        for sub in _MUST_BE_DIRS.get(d, ()):  # e.g. /usr/bin made a link elsewhere
-            if sub in modes and not _is_dir(modes[sub]):
-                refused.append(f"{path.rstrip('/')}/{sub} (no longer a directory)")
-        for e in sorted(entries):
-            base = e.removeprefix(".wh.")
-            if (
-                e in names
-                or base in names
-                or e == _OPAQUE
-                or (e.startswith(".wh.") and base in {"usr", "etc", "bin", "lib", "lib64", _ARCH})
-            ):
-                refused.append(f"{path.rstrip('/')}/{base}")
-        if entries and "opaque" in _dfs(img, f"ea_list {d}"):
-            refused.append(f"{path} (made opaque)")
-    left: list[str] = []
-    if refused:
-        return refused, left
-    nss = "/upper/etc/nsswitch.conf"
-    drop = list(LEFT_OUT)
-    if "not found" not in _dfs(img, f"stat {nss}") and _foreign_nss(_dfs(img, f"cat {nss}")):
-        drop.append(nss)
-    for p in drop:
-        if "not found" in _dfs(img, f"stat {p}"):
-            continue
-        out = _dfs(img, f"rm {p}", write=True)
-        if "not found" not in _dfs(img, f"stat {p}"):
-            refused.append(f"{p.removeprefix('/upper')} (cannot be left out: {out.strip()[-120:]})")
-        else:
-            left.append(p.removeprefix("/upper"))
-    return refused, left

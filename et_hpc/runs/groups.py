@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 OnError = Literal["mask", "keep-ok"]
 ON_ERROR: tuple[str, ...] = get_args(OnError)
 GROUP_COLS = ["run_name", "group_id", "task_id", "policy_version", "schema_version"]
-_GROUP_READ_COLS = GROUP_COLS + ["sample", "status", "reward"]
+GROUP_READ_COLS = GROUP_COLS + ["sample", "status", "reward"]
 GroupKey = tuple[str, str, str] | tuple[str, str, str, str | None]  # (run, "g", group_id) | (run, "t", task, version)
 GROUP_ID_SCHEMA = 4  # rows written with this schema version or later are grouped by group_id
 
@@ -91,10 +91,10 @@ def groups_of(table: pa.Table) -> list[Group]:
 
     Order: by first appearance of the key in the table; members in sample order.
     """
-    missing = [c for c in _GROUP_READ_COLS if c not in table.column_names]
+    missing = [c for c in GROUP_READ_COLS if c not in table.column_names]
     if missing:
         raise ValueError(f"groups_of needs columns {missing}")
-    cols = {c: table.column(c).to_pylist() for c in _GROUP_READ_COLS}
+    cols = {c: table.column(c).to_pylist() for c in GROUP_READ_COLS}
     by_key: dict[GroupKey, list[int]] = {}
     for i, (run, gid, task, version, sv) in enumerate(
         zip(cols["run_name"], cols["group_id"], cols["task_id"], cols["policy_version"], cols["schema_version"])

@@ -40,9 +40,9 @@ _DICT_COLS = [
     for n in EPISODE_SCHEMA.names
     if n not in ("episode_id", "messages", "prompt_token_ids", "token_ids", "logprobs", "error", "created_at")
 ]
-_UNIT_COLS = ["task_id", "sample", "status"]
-_UNIT_SCHEMA = pa.schema([EPISODE_SCHEMA.field(c) for c in _UNIT_COLS])
-_DEDUPE_COLS = ("task_id", "sample", "status", "created_at", "episode_id")
+UNIT_COLS = ["task_id", "sample", "status"]
+UNIT_SCHEMA = pa.schema([EPISODE_SCHEMA.field(c) for c in UNIT_COLS])
+DEDUPE_COLS = ("task_id", "sample", "status", "created_at", "episode_id")
 WRITE_ATTEMPTS = 3  # tries of one shard write before it is reported as failed
 WRITE_RETRY_S = 0.2  # pause before the 2nd try (twice that before the 3rd)
 
@@ -87,10 +87,10 @@ def read_run_config(run_dir: Path) -> dict[str, Any] | None:
 
 def dedupe_units(table: pa.Table) -> pa.Table:
     """One row per ``(task_id, sample)``: ``ok`` first, then newest ``created_at``, then ``episode_id``."""
-    return _first_per_key(table, ["task_id", "sample"])
+    return first_per_key(table, ["task_id", "sample"])
 
 
-def _first_per_key(table: pa.Table, keys: list[str]) -> pa.Table:
+def first_per_key(table: pa.Table, keys: list[str]) -> pa.Table:
     """The best row of each key (``ok`` first, newest ``created_at`` next), in storage order."""
     if table.num_rows <= 1:
         return table

@@ -30,35 +30,35 @@ from et_hpc.paths import store_dir
 from et_hpc.record import EPISODE_SCHEMA, STATUSES, EpisodeRecord, records_from_table, records_to_table, write_failed_record
 from et_hpc.record import solved as is_solved
 from et_hpc.runs.compaction import CompactResult, compact_run
+from et_hpc.runs.groups import GROUP_COLS as GROUP_COLS  # the names' old home: re-exported
+from et_hpc.runs.groups import GROUP_ID_SCHEMA as GROUP_ID_SCHEMA
 from et_hpc.runs.groups import (
-    _GROUP_READ_COLS,
+    GROUP_READ_COLS,
     Group,
     GroupCounts,
     count_groups,
     groups_of,
     select_groups,
 )
-from et_hpc.runs.groups import GROUP_COLS as GROUP_COLS  # the names' old home: re-exported
-from et_hpc.runs.groups import GROUP_ID_SCHEMA as GROUP_ID_SCHEMA
 from et_hpc.runs.groups import ON_ERROR as ON_ERROR
 from et_hpc.runs.groups import OnError as OnError
 from et_hpc.runs.groups import group_key as group_key
 from et_hpc.runs.groups import legacy_group as legacy_group
 from et_hpc.runs.shards import (  # noqa: F401  (re-exported: the names' old home)
-    _DEDUPE_COLS,
-    _UNIT_COLS,
-    _UNIT_SCHEMA,
     COMPRESSION,
+    DEDUPE_COLS,
     DEFAULT_TARGET_ROWS,
     PART_PREFIX,
     RUN_CONFIG,
     STALE_TMP_S,
     TMP_PREFIX,
+    UNIT_COLS,
+    UNIT_SCHEMA,
     WRITE_ATTEMPTS,
     WRITE_RETRY_S,
     StoreWriteError,
-    _first_per_key,
     dedupe_units,
+    first_per_key,
     read_run_config,
     write_run_config,
     write_table_atomic,
@@ -186,7 +186,7 @@ class RunStore:
         if not dedupe:
             return self._read_raw(columns)
         want = list(columns) if columns is not None else list(EPISODE_SCHEMA.names)
-        extra = [c for c in _DEDUPE_COLS if c not in want]
+        extra = [c for c in DEDUPE_COLS if c not in want]
         table = self._read_raw(want + extra)
         return dedupe_units(table).select(want)
 
@@ -213,7 +213,7 @@ class RunStore:
             def one(f: Path) -> tuple[str, pa.Table | None]:
                 try:
                     with pq.ParquetFile(f) as pf:
-                        return f.name, pf.read(columns=_UNIT_COLS, use_threads=False)
+                        return f.name, pf.read(columns=UNIT_COLS, use_threads=False)
                 except FileNotFoundError:
                     return f.name, None
                 except (OSError, pa.ArrowException) as e:
@@ -226,10 +226,10 @@ class RunStore:
                     if t is None:
                         missing = True
                     else:
-                        cache[name] = t.cast(_UNIT_SCHEMA)
+                        cache[name] = t.cast(UNIT_SCHEMA)
             if not missing:
                 parts = [cache[f.name] for f in files]
-                return pa.concat_tables(parts) if parts else _UNIT_SCHEMA.empty_table()
+                return pa.concat_tables(parts) if parts else UNIT_SCHEMA.empty_table()
             time.sleep(0.05 * (attempt + 1))  # a compaction replaced shards under us: relist
         raise RuntimeError(f"shards of {self.path} kept vanishing while reading")
 
@@ -261,7 +261,7 @@ class RunStore:
         sample), the selected groups (``rows`` index into the returned table) and the counts.
         """
         want = list(columns) if columns is not None else list(EPISODE_SCHEMA.names)
-        table = self.read(list(dict.fromkeys(want + _GROUP_READ_COLS)))
+        table = self.read(list(dict.fromkeys(want + GROUP_READ_COLS)))
         kept, counts = select_groups(groups_of(table), on_error, drop_zero_variance)
         order = [r for g in kept for r in g.rows]
         out = table.take(pa.array(order, type=pa.int64())).select(want)
@@ -274,7 +274,7 @@ class RunStore:
         return out, renumbered, counts
 
     def summary(self) -> RunSummary:
-        raw = self._read_raw(list(dict.fromkeys(list(_DEDUPE_COLS) + _GROUP_READ_COLS + ["passed", "total"])))
+        raw = self._read_raw(list(dict.fromkeys(list(DEDUPE_COLS) + GROUP_READ_COLS + ["passed", "total"])))
         t = dedupe_units(raw)
         statuses = t.column("status").to_pylist()
         by_status = {s: 0 for s in STATUSES}

@@ -264,9 +264,9 @@ def _dev(st: os.stat_result) -> str:
 
 def _maps_any(pid: int, files: dict[tuple[int, int], int]) -> bool:
     """``pid`` maps one of ``files`` ((st_dev, inode) keys)."""
-    want = {(f"{os.major(d):02x}:{os.minor(d):02x}", str(i)) for d, i in files}
+    want = {(f"{os.major(d):02x}:{os.minor(d):02x}".encode(), str(i).encode()) for d, i in files}
     try:
-        with open(f"/proc/{pid}/maps") as f:
+        with open(f"/proc/{pid}/maps", "rb") as f:  # bytes: mapped file names are the agent's
             for line in f:
                 p = line.split(maxsplit=5)
                 if len(p) >= 5 and (p[3], p[4]) in want:

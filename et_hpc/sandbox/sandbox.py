@@ -36,7 +36,7 @@ from et_hpc.sandbox.shell import Shell, kill_session
 log = logging.getLogger(__name__)
 
 HOME = "/home/user"
-PRISTINE = "/.et-pristine"  # where the image is bound read-only (see et_hpc.sandbox.scoring)
+PRISTINE = "/.et-pristine"  # where the image is bound read-only (see et_hpc.scoring.live)
 # Shell limits: contain fork bombs and memory hogs without cgroups (rootless, no systemd here).
 DEFAULT_NPROC = 512
 DEFAULT_VMEM_MB = 8192
@@ -197,8 +197,14 @@ class Sandbox:
         ours = f"[ -O {PRISTINE} ]" if self.pristine_bound else "false"
         return PREPARE_SCRIPT.replace("__HOME__", shlex.quote(self.home)).replace("__IMAGE_IS_OURS__", ours)
 
+    @property
+    def prepared(self) -> bool:
+        """Whether ``PREPARE_SCRIPT`` ran (the first shell's startup, or ``prepare``)."""
+        return self._prepared
+
     def prepare(self) -> None:
-        """Apply ``PREPARE_SCRIPT`` once (no-op when a shell already did it)."""
+        """Apply ``PREPARE_SCRIPT`` once (no-op when a shell already did it). It runs the instance's
+        ``bash``: only for a state no agent touched (a fresh image); scoring never calls it."""
         if self._prepared or not self.prepare_home:
             return
         cp = self.exec(["bash", "-c", self._prepare_script()], timeout=120)
@@ -223,7 +229,7 @@ class Sandbox:
         self._warm_pending = False
         if self._warmer is not None:
             if self._warmer.poll() is None:
-                # SIGTERM: the helper kills and reaps its python (see enter_pytest._warm); SIGKILL only
+                # SIGTERM: the helper kills and reaps its python (see et_hpc.scoring.enter_pytest.warm_up); SIGKILL only
                 # if it does not end, which leaves a zombie for the host's init to reap
                 self._warmer.terminate()
                 try:
@@ -236,9 +242,9 @@ class Sandbox:
     def end_agent(self):
         """End everything of the agent's before scoring, in this order: the scoring warm-up (ours),
         then every process of the instance but init, stopped and killed from the host
-        (``et_hpc.sandbox.sweep``), and only then the agent's shells, so that nothing armed on a
+        (``et_hpc.scoring.sweep``), and only then the agent's shells, so that nothing armed on a
         shell's exit is still alive to act. Returns the ``SweepResult``."""
-        from et_hpc.sandbox.sweep import SweepResult, sweep
+        from et_hpc.scoring.sweep import SweepResult, sweep
 
         self.stop_warmup()
         if self._init is None or self._stopped:
@@ -347,7 +353,7 @@ class Sandbox:
     def init_process(self) -> tuple[int, str]:
         """(host pid, start time in ticks) of the instance's init (``appinit``), found once per start.
 
-        Scoring enters the instance through it (``et_hpc.sandbox.enter``); the start time tells a
+        Scoring enters the instance through it (``et_hpc.scoring.enter``); the start time tells a
         reused pid apart. Raises ``InfraError`` when the instance is not listed.
         """
         if self._init is None:
@@ -359,11 +365,10 @@ class Sandbox:
                 if not found:
                     raise InfraError(f"instance {self.name} is not running")
                 pid = found[0].pid
-            try:
-                st = Path(f"/proc/{pid}/stat").read_text()
-            except OSError as e:
-                raise InfraError(f"instance {self.name}: init {pid} is gone: {e}") from None
-            self._init = (pid, st[st.rfind(")") + 2 :].split()[19])
+            start = procfs.start_time(pid)  # bytes-safe: a command name is any bytes
+            if start is None:
+                raise InfraError(f"instance {self.name}: init {pid} is gone")
+            self._init = (pid, start)
         return self._init
 
     def health(self) -> str:
@@ -380,8 +385,9 @@ class Sandbox:
         if self._init is not None:
             pid, start = self._init
             try:
-                st = Path(f"/proc/{pid}/stat").read_text()
-                return "alive" if st[st.rfind(")") + 2 :].split()[19] == start else "gone"
+                with open(f"/proc/{pid}/stat", "rb") as f:
+                    st = f.read()
+                return "alive" if st[st.rfind(b")") + 2 :].split()[19].decode() == start else "gone"
             except FileNotFoundError:
                 return "gone"
             except OSError as e:
@@ -454,8 +460,8 @@ class Sandbox:
 
     def _start_warmup(self) -> None:
         """Load the pristine python and pytest in the background while the agent works
-        (``et_hpc.sandbox.scoring.start_warmup``): the final tests then find them in the page cache."""
-        from et_hpc.sandbox.scoring import start_warmup  # scoring imports enter, which this module loads lazily too
+        (``et_hpc.scoring.live.start_warmup``): the final tests then find them in the page cache."""
+        from et_hpc.scoring.live import start_warmup  # scoring imports enter, which this module loads lazily too
 
         try:
             self._warmer = start_warmup(self)

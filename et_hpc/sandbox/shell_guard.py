@@ -17,7 +17,7 @@ import signal
 import time
 
 from et_hpc.host import procfs
-from et_hpc.sandbox.sweep import _open, _signal, _wait_exited
+from et_hpc.scoring.sweep import pidfd_of, pidfd_signal, wait_exited
 
 COPY_FAILED = "ET_SHELL_NOT_PRIVATE"
 
@@ -159,18 +159,18 @@ def boundary_sweep(shell: int, session: int, link: str, rounds: int = 10) -> lis
             break
         for pid, why in new.items():
             start = procfs.start_time(pid)
-            fd = _open(pid, start) if start is not None else None
+            fd = pidfd_of(pid, start) if start is not None else None
             if fd is None:
                 continue
-            _signal(fd, signal.SIGSTOP)
+            pidfd_signal(fd, signal.SIGSTOP)
             stopped[pid] = (fd, f"[ended background process {_describe(pid)}: {why}]")
     if not stopped:
         return []
     fds = [fd for fd, _ in stopped.values()]
     try:
         for fd in fds:
-            _signal(fd, signal.SIGKILL)
-        _wait_exited(fds, float("inf"))
+            pidfd_signal(fd, signal.SIGKILL)
+        wait_exited(fds, float("inf"))
     finally:
         for fd in fds:
             os.close(fd)

@@ -9,8 +9,8 @@ import secrets
 import subprocess
 from pathlib import Path
 
-from et_hpc.sandbox import scoring
 from et_hpc.sandbox.sandbox import Sandbox
+from et_hpc.scoring import live as scoring
 
 # The old scoring driver (entered through apptainer exec): only the positive controls use it.
 LEGACY_DRIVER = r"""

@@ -1,4 +1,4 @@
-"""The blame table (``et_hpc.sandbox.scoring.BLAME``): one example per row, and a sweep of every
+"""The blame table (``et_hpc.scoring.live.BLAME``): one example per row, and a sweep of every
 combination of facts showing that no state an agent can leave yields an error."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import itertools
 
 import pytest
 
-from et_hpc.sandbox import scoring
-from et_hpc.sandbox.scoring import BLAME, Facts, blame
+from et_hpc.scoring import live as scoring
+from et_hpc.scoring.live import BLAME, Facts, blame
 
 JUNIT = '<testsuite><testcase classname="t" name="test_a"/></testsuite>'
 

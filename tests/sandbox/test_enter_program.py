@@ -6,7 +6,7 @@ import ast
 import json
 import subprocess
 
-from et_hpc.sandbox import enter
+from et_hpc.scoring import enter
 
 
 def _program() -> str:

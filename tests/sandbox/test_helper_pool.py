@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from et_hpc.sandbox import helper_pool
+from et_hpc.scoring import helper_pool
 
 
 def test_an_unused_helper_exits_when_its_pipe_closes() -> None:

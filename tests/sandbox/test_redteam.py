@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from et_hpc.sandbox import scoring
 from et_hpc.sandbox.sandbox import Sandbox
+from et_hpc.scoring import live as scoring
 
 FINAL_TEST = textwrap.dedent('''\
     """Final test. Unique token: ET-REDTEAM-7f3c9a1e."""

@@ -20,8 +20,8 @@ import pytest
 
 from et_hpc.agent.loop import BudgetConfig, run_agent
 from et_hpc.agent.policies import Action
-from et_hpc.sandbox import scoring
 from et_hpc.sandbox.sandbox import Sandbox
+from et_hpc.scoring import live as scoring
 from helpers import IN_CI
 from helpers.legacy_scoring import legacy_score
 

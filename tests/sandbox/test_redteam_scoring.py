@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 
 from et_hpc.host import procfs
-from et_hpc.sandbox import scoring, sweep
 from et_hpc.sandbox.sandbox import Sandbox
+from et_hpc.scoring import live as scoring
+from et_hpc.scoring import sweep
 from helpers import IN_CI
 
 ARCH = "x86_64-linux-gnu" if os.uname().machine == "x86_64" else "aarch64-linux-gnu"

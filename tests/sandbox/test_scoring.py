@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from et_hpc.sandbox import scoring
 from et_hpc.sandbox.sandbox import Sandbox
+from et_hpc.scoring import live as scoring
 from helpers import until
 from helpers.legacy_scoring import legacy_score
 
