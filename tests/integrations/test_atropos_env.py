@@ -524,13 +524,60 @@ def test_env_settings_epochs_rewards_and_runs(tokenizer_dir, tmp_path, monkeypat
         assert env.eval_run_name == "atropos-endless-eval"
         assert env.run_config(env.eval_run_name).run_name() == "atropos-endless-eval"
         four = _rec(0, 0.0).model_copy(update={"passed": 3, "total": 4})
-        assert env.score(four).reward == 0.75  # the seed's rule: passed / total
+        assert env.score(four).reward == 0.0 and env.score(four).reward_rule == "binary"  # every run's default
         assert env.score(_rec(1, None, "infra_error")).reward is None
     finally:
         env.close()
-    binary = _offline_env(tokenizer_dir, tmp_path, reward="binary")
+    fraction = _offline_env(tokenizer_dir, tmp_path, reward="fraction")
     try:
-        assert binary.score(_rec(0, 0.0).model_copy(update={"passed": 3, "total": 4})).reward == 0.0
-        assert binary.run_config().policy.base_url == "http://127.0.0.1:9/v1"
+        scored = fraction.score(_rec(0, 0.0).model_copy(update={"passed": 3, "total": 4}))
+        assert (scored.reward, scored.reward_rule) == (0.75, "fraction")  # the seed's rule: passed / total
+        assert fraction.run_config().policy.base_url == "http://127.0.0.1:9/v1"
     finally:
-        binary.close()
+        fraction.close()
+
+
+def _writer(tokenizer_dir: str, root: str, out: str, start) -> None:
+    """One env process writing two groups of task t into the shared run (episodes stand in)."""
+    import asyncio
+
+    from et_hpc.runs.store import Store
+    from et_hpc.tasks.model import Recipe, Task
+
+    env = _offline_env(Path(tokenizer_dir), Path(root))
+    env.run_store = Store(Path(root) / "store").run("atropos-endless")
+    env.eval_store = Store(Path(root) / "store").run("atropos-endless-eval")
+    env._episode = lambda task, sample, cfg: _rec(sample, float(sample % 2)).model_copy(update={"run_name": "atropos-endless"})
+    task = Task(id="t", prompt="p", recipe=Recipe(kind="sif", path=Path(root) / "x.sif", context_dir=Path(root)), source=Path(root))
+    start.wait(60)
+
+    async def two() -> list:
+        return [await env.run_episodes(task, 3) for _ in range(2)]
+
+    groups = asyncio.run(two())
+    env.close()
+    Path(out).write_text(json.dumps([[r.group_id for r in g] for g in groups]))
+
+
+def test_two_env_processes_on_one_run_never_share_a_group(tokenizer_dir, tmp_path, monkeypatch):
+    import multiprocessing as mp
+
+    from et_hpc.runs.store import RunStore
+
+    for k, v in OFFLINE.items():
+        monkeypatch.setenv(k, v)
+    ctx = mp.get_context("spawn")
+    start = ctx.Event()
+    procs = [ctx.Process(target=_writer, args=(str(tokenizer_dir), str(tmp_path), str(tmp_path / f"w{i}.json"), start)) for i in range(2)]
+    for p in procs:
+        p.start()
+    start.set()
+    for p in procs:
+        p.join(300)
+        assert p.exitcode == 0
+    sent = [gid for i in range(2) for g in json.loads((tmp_path / f"w{i}.json").read_text()) for gid in set(g)]
+    assert len(sent) == len(set(sent)) == 4  # four groups, four ids
+    rs = RunStore(tmp_path / "store" / "atropos-endless")
+    _, groups = rs.groups()
+    assert sorted(g.group_id for g in groups) == sorted(sent)  # none hidden by the dedupe
+    assert all(len(g.rows) == 3 == g.group_size for g in groups)
