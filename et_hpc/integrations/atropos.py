@@ -13,7 +13,6 @@ processes' sandboxes are reaped at setup and by a thread. Run it with atropos' s
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 import secrets
@@ -34,11 +33,10 @@ from et_hpc.episode.config import EpisodeConfig
 from et_hpc.errors import UserError
 from et_hpc.record import CANCELLED_EVENT, DEFAULT_REWARD_RULE, EpisodeRecord, apply_reward_rule, solved
 from et_hpc.runs.export import atropos_group, validate_atropos_group
-from et_hpc.runs.groups import group_of_records, untrainable
+from et_hpc.runs.groups import group_of_records, take_samples, untrainable
 from et_hpc.runs.store import RunStore, Store
 from et_hpc.sandbox.config import DEFAULT_OVERLAY_MB, SandboxConfig
 from et_hpc.text import storable
-from et_hpc.util import atomic_write_text
 
 if TYPE_CHECKING:
     from et_hpc.images.store import ImageResult
@@ -47,7 +45,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SEED_DATASET = "obiwan96/endless-terminals-train"
-SAMPLES_FILE = ".samples.json"  # in the run directory: the next free sample per task, for every env process
 REAP_EVERY_S = 30.0  # the reaper thread's period: dead env processes' sandboxes on this node go within it
 
 
@@ -304,23 +301,12 @@ class EndlessTerminalsEnv(BaseEnv):
         )
 
     def _samples(self, store: RunStore, task_id: str, n: int) -> list[int]:
-        """``n`` samples of ``task_id`` no other process of this run gets: a counter per task in
-        ``<run>/.samples.json``, taken under a file lock every env process of the run shares."""
-        import filelock
-
+        """``n`` samples of ``task_id`` no other process of this run gets (``take_samples``)."""
         key = (str(store.path), task_id)
-        store.path.mkdir(parents=True, exist_ok=True)
-        path = store.path / SAMPLES_FILE
-        with self._sample_lock, filelock.FileLock(str(store.path / f"{SAMPLES_FILE}.lock")):
-            try:
-                taken = json.loads(path.read_text())
-            except (FileNotFoundError, ValueError):
-                taken = {}
-            first = max(int(taken.get(task_id, 0)), self._next_sample.get(key, 0))
-            taken[task_id] = first + n
-            atomic_write_text(path, json.dumps(taken) + "\n")
-            self._next_sample[key] = first + n
-        return list(range(first, first + n))
+        with self._sample_lock:
+            got = take_samples(store.path, task_id, n, self._next_sample.get(key, 0))
+            self._next_sample[key] = got[-1] + 1
+        return got
 
     def _episode(self, task: Task, sample: int, cfg: EpisodeConfig) -> EpisodeRecord:
         from et_hpc.episode.run import run_episode

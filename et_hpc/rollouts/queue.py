@@ -51,7 +51,7 @@ def new_worker_id() -> str:
 @dataclass
 class Unit:
     """One queued group: task ``task_id``, epoch ``epoch``, ``samples`` episodes numbered from
-    ``base`` (the epoch's first sample; older units: ``epoch * samples``)."""
+    ``base`` (taken from the run's sample counter; older units: ``epoch * samples``)."""
 
     uid: str
     task_id: str
@@ -130,22 +130,22 @@ class WorkQueue:
     def enqueue_epoch(self, task_ids: list[str], samples: int, seed: int = 0, min_sample: int = 0) -> int:
         """Queue the next epoch: every task once, in an order shuffled by (seed, epoch).
 
-        Its units' samples start at ``next_sample`` of the state (at least ``min_sample``: the
-        store's highest sample + 1), so a restart with another ``samples`` never reuses a unit
-        key. Idempotent under a controller crash: the epoch is marked as being enqueued first,
-        and a restarted controller re-enqueues only the units of that epoch that exist nowhere.
+        Each unit's samples come from the run's shared counter (``et_hpc.runs.groups.take_samples``,
+        at least ``min_sample``: the store's highest sample + 1), so a restart with another
+        ``samples``, or another writer of the run, never reuses a unit key. Idempotent under a
+        controller crash: the epoch is marked as being enqueued first, and a restarted controller
+        re-enqueues only the units of that epoch that exist nowhere.
         """
+        from et_hpc.runs.groups import take_samples
+
         state = self.read_state()
         epoch = state["enqueuing"] if state.get("enqueuing") is not None else state["next_epoch"]
         recovering = state.get("enqueuing") is not None
-        if recovering and state.get("base") is not None:
-            base = int(state["base"])
-        else:
-            older = state.get("next_sample", state.get("next_epoch", 0) * int(state.get("samples") or 0))
-            base = max(int(older), min_sample)
         if not recovering:
-            state.update(enqueuing=epoch, base=base)
+            state["enqueuing"] = epoch
             self.write_state(state)
+        # units of an older layout (no counter) numbered epoch * samples + i: stay above them
+        floor = max(min_sample, int(state.get("next_epoch", 0)) * int(state.get("samples") or 0))
         order = list(task_ids)
         random.Random(f"{seed}:{epoch}").shuffle(order)
         known = self._known_uids() if recovering else set()
@@ -154,12 +154,13 @@ class WorkQueue:
             uid = unit_uid(epoch, pos)
             if uid in known:
                 continue
+            base = take_samples(self.run_dir, tid, samples, floor)[0]
             u = Unit(uid=uid, task_id=tid, epoch=epoch, pos=pos, samples=samples, enqueued_at=now, base=base)
             tmp = self.pending / f".{uid}.{secrets.token_hex(3)}.tmp"
             tmp.write_text(u.to_json())
             os.rename(tmp, self.pending / f"{uid}.json")
         fsync_dir(self.pending)
-        state = {"next_epoch": epoch + 1, "enqueuing": None, "samples": samples, "tasks": len(order), "next_sample": base + samples}
+        state = {"next_epoch": epoch + 1, "enqueuing": None, "samples": samples, "tasks": len(order)}
         self.write_state(state)
         return epoch
 

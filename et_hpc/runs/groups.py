@@ -14,16 +14,20 @@ lack exact token ids, and (when asked) one atropos cancelled. Specification: doc
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Literal, get_args
 
+import filelock
 import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import BaseModel
 
 from et_hpc.errors import UserError
 from et_hpc.record import CANCELLED_EVENT, EpisodeRecord
+from et_hpc.util import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -280,3 +284,23 @@ def select_groups(
         counts.episodes += len(okg.rows)
         kept.append(okg)
     return kept, counts
+
+
+SAMPLES_FILE = ".samples.json"  # in a run directory: the next free sample per task, for every writer
+
+
+def take_samples(run_dir: Path, task_id: str, n: int, floor: int = 0) -> list[int]:
+    """``n`` samples of ``task_id`` that no other writer of the run gets (processes on any node
+    sharing the run directory): a counter per task in ``<run>/.samples.json`` under a file lock;
+    ``floor``: above every sample already stored."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / SAMPLES_FILE
+    with filelock.FileLock(str(run_dir / f"{SAMPLES_FILE}.lock")):
+        try:
+            taken = json.loads(path.read_text())
+        except (FileNotFoundError, ValueError):
+            taken = {}
+        first = max(int(taken.get(task_id, 0)), floor)
+        taken[task_id] = first + n
+        atomic_write_text(path, json.dumps(taken) + "\n")
+    return list(range(first, first + n))
