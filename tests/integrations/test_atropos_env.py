@@ -211,6 +211,7 @@ def test_serve_to_atropos_api_server_batch(demo_images, tokenizer_dir, model_ser
             env__max_num_workers=2,
             env__max_batches_offpolicy=1,
             env__total_steps=10,
+            env__reward="fraction",
         )
     )
     with open(log_path, "w") as log:
@@ -314,12 +315,17 @@ def test_process_writes_jsonl_groups(demo_images, tokenizer_dir, model_server, t
         _check_group_against_episodes(group, records, tok)
         assert group["scores"] == [1.0, 1.0]
     # three calls of one task: three groups of two in the store (not one of six), as sent
-    assert sorted(g["et_hpc"]["group_id"] for g in sent) == [f"{SOLVED}@s0", f"{SOLVED}@s2", f"{SOLVED}@s4"]
+    import re
+
+    ids = sorted(g["et_hpc"]["group_id"] for g in sent)
+    assert [re.sub(r"@w[0-9a-f]{8}-", "@", i) for i in ids] == [f"{SOLVED}@s0", f"{SOLVED}@s2", f"{SOLVED}@s4"]
+    assert len({i.split("@")[1].split("-")[0] for i in ids}) == 1  # one env process: one writer id
     assert_export_is_what_was_sent(sent, store / "e2e-process")
     group = sent[0]
     assert group["messages"] and group["messages"][0][1]["content"].startswith("Create the file")  # process mode
     assert (tmp_path / "groups.html").exists()  # atropos' own viewer
-    assert json.loads((store / "e2e-process" / "run.json").read_text())["reward"] == "fraction"
+    assert json.loads((store / "e2e-process" / "run.json").read_text())["reward"] == "binary"  # every run's default
+    assert {r.reward_rule for r in records} == {"binary"}
 
 
 class _CountingServer:
@@ -581,3 +587,48 @@ def test_two_env_processes_on_one_run_never_share_a_group(tokenizer_dir, tmp_pat
     _, groups = rs.groups()
     assert sorted(g.group_id for g in groups) == sorted(sent)  # none hidden by the dedupe
     assert all(len(g.rows) == 3 == g.group_size for g in groups)
+
+
+@pytest.mark.apptainer
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_sigkilled_env_leaves_no_sandbox(demo_images, tokenizer_dir, tmp_path):
+    """A real env process SIGKILLed while its episodes' instances run: they outlive it (the positive
+    control) until the next env process on the node starts, whose setup reaps them."""
+    from et_hpc.host import apptainer
+    from et_hpc.testing.scripted_server import ScriptedServer
+    from helpers import until
+
+    scratch = tmp_path / "scratch"
+    env = {**os.environ, **OFFLINE, "ET_HPC_SCRATCH": str(scratch)}
+
+    def env_cmd(srv, run_name: str) -> list[str]:
+        extra = dict(env__total_steps=1, env__ensure_scores_are_not_same="false", env__command_timeout_s=600, env__wall_time_s=900)
+        out = str(tmp_path / f"{run_name}.jsonl")
+        return (
+            ENV_MODULE
+            + ["process"]
+            + _env_flags(tokenizer_dir, srv, tmp_path / "store", run_name, [SOLVED], env__data_path_to_save_groups=out, **extra)
+        )
+
+    def live() -> list[str]:
+        return [json.loads(f.read_text())["name"] for f in (scratch / "live").glob("*.json")]
+
+    def running(names: list[str]) -> list[str]:
+        up = {i.name for i in apptainer.instance_list()}
+        return [n for n in names if n in up]
+
+    with ScriptedServer({"greeting.txt": [{"command": "sleep 600"}, "Done."]}) as slow:
+        log = open(tmp_path / "killed.log", "w")
+        p = subprocess.Popen(env_cmd(slow, "killed"), stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, env=env)
+        names = until("the env's two sandboxes to run", lambda: len(running(live())) == 2 and live(), 600)
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(30)
+        log.close()
+    time.sleep(5)
+    assert running(names) == names  # nothing of the killed env stopped them
+    with ScriptedServer(SCRIPT) as srv:
+        q = subprocess.run(env_cmd(srv, "next"), capture_output=True, text=True, cwd=tmp_path, env=env, timeout=900)
+    assert q.returncode == 0, (q.stdout + q.stderr)[-4000:]
+    assert running(names) == []
+    assert not any(n in live() for n in names) and not any(n in p.name for p in (scratch / "overlays").glob("*.img") for n in names)
