@@ -191,7 +191,8 @@ class EndlessTerminalsEnv(BaseEnv):
         res = load_tasks(c.dataset_name, tasks_dir=c.tasks_base_dir, ids=ids, split=c.split, progress=False)
         for e in res.errors:
             log.warning("task source %s: %s", c.dataset_name, e)
-        prep = prepare_run(RunConfig(name=c.run_name, tasks={"source": c.dataset_name}), tasks=list(res.tasks), missing="skip")
+        cfg = RunConfig.model_validate({"name": c.run_name, "tasks": {"source": c.dataset_name}})
+        prep = prepare_run(cfg, tasks=list(res.tasks), missing="skip")
         for tid, why in prep.no_image.items():
             log.warning("task %s skipped: image %s (build it with 'et-hpc build %s')", tid, why, c.dataset_name)
         self.images = prep.images

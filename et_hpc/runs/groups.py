@@ -1,15 +1,13 @@
 """Groups of a run: what was sampled together (the one definition; exports and summaries use it).
 
-A group's key is ``(run_name, group_id)``: a batch run's samples of one task, one unit of a
-continuous run (``<task_id>@e<epoch>``), one Atropos ``collect_trajectories`` call
-(``<task_id>@s<first sample>``). Rows from before schema version 4 keep the older key
-``(run_name, task_id, policy_version)`` (``legacy_group``). ``select_groups`` decides what a
-trainer gets: ``on_error="mask"`` leaves out a group with any non-``ok`` member, ``"keep-ok"``
-keeps its ``ok`` members; ``drop_zero_variance`` leaves out groups whose scores are all equal.
-``GroupCounts``: complete (only ``ok``), masked (an error member), zero_variance (complete, equal).
-``untrainable`` is the one rule for what a trainer never gets (exports, stream, env, summary):
-a masked group, an incomplete one (fewer members than its ``group_size``), one whose ok members
-lack exact token ids, and (when asked) one atropos cancelled. Specification: docs/store.md.
+A group's key is ``(run_name, group_id)``, unique to its writer: a batch invocation's units of a
+task (``<task>@i<invocation>``), a continuous unit (``<task>@e<epoch>``), an Atropos env call
+(``<task>@w<writer>-s<first sample>``); ``take_samples`` gives continuous and env writers unit keys
+no other writer gets. Rows before schema 4 keep the key ``(run_name, task_id, policy_version)``
+(``legacy_group``). ``untrainable`` is the one rule for what a trainer never gets (exports,
+stream, env, summary): masked (``on_error``), incomplete (fewer members than ``group_size``),
+without exact token ids, and (asked) cancelled by atropos. ``select_groups`` applies it and
+``drop_zero_variance``; ``GroupCounts`` counts. Specification: docs/store.md ("Groups").
 """
 
 from __future__ import annotations
