@@ -599,8 +599,10 @@ def test_sigkilled_env_leaves_no_sandbox(demo_images, tokenizer_dir, tmp_path):
     from et_hpc.testing.scripted_server import ScriptedServer
     from helpers import until
 
-    scratch = tmp_path / "scratch"
-    env = {**os.environ, **OFFLINE, "ET_HPC_SCRATCH": str(scratch)}
+    import getpass
+
+    env = {**os.environ, **OFFLINE, "ET_HPC_SCRATCH": str(tmp_path / "scratch")}
+    scratch = tmp_path / "scratch" / f"et-hpc-{getpass.getuser()}"  # et_hpc.paths.scratch_dir under it
 
     def env_cmd(srv, run_name: str) -> list[str]:
         extra = dict(env__total_steps=1, env__ensure_scores_are_not_same="false", env__command_timeout_s=600, env__wall_time_s=900)
@@ -612,7 +614,7 @@ def test_sigkilled_env_leaves_no_sandbox(demo_images, tokenizer_dir, tmp_path):
         )
 
     def live() -> list[str]:
-        return [json.loads(f.read_text())["name"] for f in (scratch / "live").glob("*.json")]
+        return sorted(json.loads(f.read_text())["name"] for f in (scratch / "live").glob("*.json"))
 
     def running(names: list[str]) -> list[str]:
         up = {i.name for i in apptainer.instance_list()}
@@ -626,7 +628,7 @@ def test_sigkilled_env_leaves_no_sandbox(demo_images, tokenizer_dir, tmp_path):
         p.wait(30)
         log.close()
     time.sleep(5)
-    assert running(names) == names  # nothing of the killed env stopped them
+    assert running(names) == names and live() == names  # nothing of the killed env stopped them
     with ScriptedServer(SCRIPT) as srv:
         q = subprocess.run(env_cmd(srv, "next"), capture_output=True, text=True, cwd=tmp_path, env=env, timeout=900)
     assert q.returncode == 0, (q.stdout + q.stderr)[-4000:]
