@@ -595,11 +595,11 @@ def test_two_env_processes_on_one_run_never_share_a_group(tokenizer_dir, tmp_pat
 def test_sigkilled_env_leaves_no_sandbox(demo_images, tokenizer_dir, tmp_path):
     """A real env process SIGKILLed while its episodes' instances run: they outlive it (the positive
     control) until the next env process on the node starts, whose setup reaps them."""
+    import getpass
+
     from et_hpc.host import apptainer
     from et_hpc.testing.scripted_server import ScriptedServer
     from helpers import until
-
-    import getpass
 
     env = {**os.environ, **OFFLINE, "ET_HPC_SCRATCH": str(tmp_path / "scratch")}
     scratch = tmp_path / "scratch" / f"et-hpc-{getpass.getuser()}"  # et_hpc.paths.scratch_dir under it
