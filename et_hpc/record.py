@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from et_hpc.text import storable, visible_all
 
-SCHEMA_VERSION = 5  # 4: group_id names the sampled group (et_hpc.runs.store.groups_of); 5: version_source
+SCHEMA_VERSION = 6  # 4: group_id names the sampled group (et_hpc.runs.store.groups_of); 5: version_source; 6: group_size, reward_rule
 SOLVED_REWARD = 1.0 - 1e-9  # Endless Terminals rewards are 0/1: an episode is solved at full reward
 
 
@@ -50,6 +50,23 @@ ERROR_STATUSES: tuple[str, ...] = tuple(s for s in STATUSES if s != "ok")
 # token_drift: None when the concatenation of all turns' prompt deltas and completions equals the
 # server's own tokenization of the final conversation; else where it differs (``check_tokens``).
 TokensSource = Literal["server-exact", "re-tokenized", "absent"]
+
+# reward_rule: binary = 1.0 when every final test passes, else 0.0 (the default everywhere);
+# fraction = passed/total of the final tests (the seed Atropos environment's rule)
+RewardRule = Literal["binary", "fraction"]
+REWARD_RULES: tuple[str, ...] = get_args(RewardRule)
+DEFAULT_REWARD_RULE: RewardRule = "binary"
+# the event on every member of an Atropos env group that atropos cancelled (stored, never sent)
+CANCELLED_EVENT = "collect cancelled: not sent"
+
+
+def apply_reward_rule(rec: EpisodeRecord, rule: str) -> EpisodeRecord:
+    """``rec`` scored under ``rule`` with ``reward_rule`` set; an error record keeps reward None."""
+    upd: dict[str, Any] = {"reward_rule": rule}
+    if rec.status == "ok" and rule == "fraction" and rec.total:
+        upd["reward"] = (rec.passed or 0) / rec.total
+    return rec.model_copy(update=upd)
+
 
 TIMING_FIELDS = (
     "start_s",
@@ -122,6 +139,9 @@ EPISODE_SCHEMA = pa.schema(
         ("turn_s", pa.list_(pa.list_(pa.float32()))),
         # version 5
         ("version_source", pa.string()),
+        # version 6
+        ("group_size", pa.int32()),
+        ("reward_rule", pa.string()),
     ],
     metadata={b"et_hpc.schema_version": str(SCHEMA_VERSION).encode()},
 )
@@ -234,6 +254,10 @@ class EpisodeRecord(BaseModel):
     # version 5: where policy_version(s) came from: "response" (the server's versioned alias in each
     # answer), "endpoint" (the endpoint file around each request), "mixed", or "trainer" (version.json)
     version_source: str | None = None
+    # version 6: how many members the group was sampled with (fewer stored: it is incomplete), and
+    # the rule that turned the tests into ``reward`` (REWARD_RULES); None in older rows
+    group_size: int | None = Field(default=None, ge=1)
+    reward_rule: RewardRule | None = None
 
     def with_queue(self, ready_at: float | None) -> EpisodeRecord:
         """This record with ``timings.queue_s`` = its start minus ``ready_at`` (a Unix time: when
@@ -402,6 +426,7 @@ def write_failed_record(rec: EpisodeRecord | dict[str, Any], cause: str) -> Epis
         task_id=text(get("task_id") or "", 500),
         sample=sample,
         group_id=text(get("group_id") or "", 500),
+        group_size=get("group_size") if isinstance(get("group_size"), int) and get("group_size") > 0 else None,
         status="infra_error",
         error=text(f"the run store could not write this episode's record: {cause}"),
         events=[f"store: the episode ended with {ended}; its record could not be written"],

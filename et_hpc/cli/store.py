@@ -145,6 +145,11 @@ def _export_args(p: argparse.ArgumentParser, output_help: str) -> None:
         default="mask",
         help="a group with an episode that ended in an error: leave it out whole (mask, the default) or keep its ok episodes (keep-ok)",
     )
+    p.add_argument(
+        "--exclude-cancelled",
+        action="store_true",
+        help="leave out the Atropos environment's groups that atropos cancelled (stored, never sent to its trainer)",
+    )
 
 
 def _summary(args: argparse.Namespace) -> int:
@@ -167,7 +172,9 @@ def _summary(args: argparse.Namespace) -> int:
         g = s.groups
         print(
             f"groups {g.total}: {g.complete} complete, {g.masked} masked (an episode ended in an error), "
-            f"{g.zero_variance} zero-variance (complete, all scores equal)"
+            f"{g.zero_variance} zero-variance (complete, all scores equal), {g.incomplete} incomplete (members missing), "
+            f"{g.without_tokens} complete without exact token ids, {g.cancelled} cancelled by atropos; "
+            f"{g.trainable} trainable; reward rule {'/'.join(g.reward_rules) or 'unrecorded'}"
         )
     return 0
 
@@ -203,7 +210,12 @@ def _export_atropos(args: argparse.Namespace) -> int:
     from et_hpc.runs.store import open_run
 
     res = export_atropos(
-        open_run(args.run_dir), args.output, on_error=args.on_error, drop_zero_variance=not args.keep_equal_scores, progress=True
+        open_run(args.run_dir),
+        args.output,
+        on_error=args.on_error,
+        drop_zero_variance=not args.keep_equal_scores,
+        progress=True,
+        exclude_cancelled=args.exclude_cancelled,
     )
     return _report_export(res, args)
 
@@ -213,7 +225,12 @@ def _export_skyrl(args: argparse.Namespace) -> int:
     from et_hpc.runs.store import open_run
 
     res = export_skyrl(
-        open_run(args.run_dir), args.output, on_error=args.on_error, drop_zero_variance=args.drop_zero_variance, progress=True
+        open_run(args.run_dir),
+        args.output,
+        on_error=args.on_error,
+        drop_zero_variance=args.drop_zero_variance,
+        progress=True,
+        exclude_cancelled=args.exclude_cancelled,
     )
     return _report_export(res, args)
 

@@ -1,12 +1,12 @@
 """The Endless Terminals environment for Atropos, on et-hpc: ``EndlessTerminalsEnv`` (an atroposlib ``BaseEnv``).
 
 Configured like the seed environment (hermes-agent's ``endless_terminals_env.py``) plus et-hpc's
-own settings. Each trajectory is one et-hpc episode (``et_hpc.episode.run.run_episode``; build the
-images first with ``et-hpc build``), also written to et-hpc's run store. A group is
-``group_size`` episodes of one task, sent as a validated ``ScoredDataGroup``: a group with an
-error episode is masked (``on_error``), one without token ids is not sent, and the agent's own
-failures are sent with reward 0. No episode is lost to a cancel; a stop stores running episodes
-as ``infra_error``. Run it with atropos' subcommands:
+own settings. Each trajectory is one et-hpc episode (``et_hpc.episode.run.run_episode``), also
+written to et-hpc's run store. A group is ``group_size`` episodes of one task with an id no other
+env process shares, sent as a validated ``ScoredDataGroup`` when ``untrainable`` allows; rewards
+follow ``reward`` (binary by default, as every run). No episode is lost to a cancel (the group is
+stored, marked ``CANCELLED_EVENT``); a stop stores running episodes as ``infra_error``; dead env
+processes' sandboxes are reaped at setup and by a thread. Run it with atropos' subcommands:
 ``python -m et_hpc.integrations.atropos serve|process ...``. Specification: docs/atropos.md.
 """
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import secrets
 import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -30,8 +31,9 @@ from et_hpc.agent.loop import BudgetConfig
 from et_hpc.agent.policies import PolicyConfig
 from et_hpc.episode.config import EpisodeConfig
 from et_hpc.errors import UserError
-from et_hpc.record import EpisodeRecord, solved
+from et_hpc.record import CANCELLED_EVENT, DEFAULT_REWARD_RULE, EpisodeRecord, apply_reward_rule, solved
 from et_hpc.runs.export import atropos_group, validate_atropos_group
+from et_hpc.runs.groups import group_of_records, take_samples, untrainable
 from et_hpc.runs.store import RunStore, Store
 from et_hpc.sandbox.config import DEFAULT_OVERLAY_MB, SandboxConfig
 from et_hpc.text import storable
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SEED_DATASET = "obiwan96/endless-terminals-train"
+REAP_EVERY_S = 30.0  # the reaper thread's period: dead env processes' sandboxes on this node go within it
 
 
 @dataclass
@@ -92,8 +95,9 @@ class EndlessTerminalsEnvConfig(BaseEnvConfig):
     store: str | None = Field(default=None, description="et-hpc store root for the episodes (default $ET_HPC_STORE or ./et-hpc-runs)")
     run_name: str = Field(default="atropos-endless", description="run name inside the store")
     eval_run_name: str | None = Field(default=None, description="run name of evaluate()'s episodes (default <run_name>-eval)")
-    reward: Literal["fraction", "binary"] = Field(
-        default="fraction", description="fraction: passed/total of the final tests (the seed's rule); binary: 1 when all pass"
+    reward: Literal["binary", "fraction"] = Field(
+        default=DEFAULT_REWARD_RULE,
+        description="binary: 1 when all final tests pass (every et-hpc run's default); fraction: passed/total (the seed's rule)",
     )
     endpoint_file: str | None = Field(
         default=None, description="endpoint file of slurm/vllm.sbatch (address, key, model_version); replaces --openai.base_url"
@@ -132,8 +136,10 @@ class EndlessTerminalsEnv(BaseEnv):
         self._order: list[int] = []
         self._pos = 0
         self._epoch = -1
-        self._next_sample: dict[tuple[str, str], int] = {}  # (run dir, task id) -> next free sample
+        self._next_sample: dict[tuple[str, str], int] = {}  # (run dir, task id) -> above every stored sample
         self._sample_lock = threading.Lock()
+        self.writer = secrets.token_hex(4)  # this process's part of its group ids
+        self._reaping = threading.Event()
         self._stop = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=config.max_concurrent_episodes, thread_name_prefix="et-episode")
         self.run_store: RunStore | None = None
@@ -172,28 +178,25 @@ class EndlessTerminalsEnv(BaseEnv):
 
     # --- setup ---------------------------------------------------------------------------------
     async def setup(self) -> None:
-        from et_hpc.images.store import ImageStore
-        from et_hpc.runner.plan import image_missing
+        from et_hpc.runner.config import RunConfig
+        from et_hpc.runner.plan import prepare_run
+        from et_hpc.sandbox.reaper import reap_dead, start_reaping
         from et_hpc.tasks.loader import load_tasks
 
         c = self.config
+        # the sandboxes of env processes (or workers) on this node that died without stopping them
+        reap_dead()
+        start_reaping(self._reaping, REAP_EVERY_S)
         ids = [i.strip() for i in c.task_ids.split(",") if i.strip()] if c.task_ids else None
         res = load_tasks(c.dataset_name, tasks_dir=c.tasks_base_dir, ids=ids, split=c.split, progress=False)
         for e in res.errors:
             log.warning("task source %s: %s", c.dataset_name, e)
-        store = ImageStore()
-        ready = []
-        for task, img in zip(res.tasks, store.lookup_many(res.tasks)):
-            why = image_missing(img)
-            if why:
-                log.warning("task %s skipped: image %s (build it with 'et-hpc build %s')", task.id, why, c.dataset_name)
-                continue
-            self.images[task.id] = img
-            ready.append(task)
-        if not ready:
-            raise UserError(
-                f"{c.dataset_name}: no task with a built image ({len(res.tasks)} tasks loaded); run 'et-hpc build {c.dataset_name}' first"
-            )
+        cfg = RunConfig.model_validate({"name": c.run_name, "tasks": {"source": c.dataset_name}})
+        prep = prepare_run(cfg, tasks=list(res.tasks), missing="skip")
+        for tid, why in prep.no_image.items():
+            log.warning("task %s skipped: image %s (build it with 'et-hpc build %s')", tid, why, c.dataset_name)
+        self.images = prep.images
+        ready = [t for t in res.tasks if t.id in prep.images]
         if c.endpoint_file and c.endpoint_dir:
             raise UserError("set one of --env.endpoint_file and --env.endpoint_dir, not both")
         rng = random.Random(c.shuffle_seed)
@@ -216,6 +219,7 @@ class EndlessTerminalsEnv(BaseEnv):
                 "dataset": c.dataset_name,
                 "group_size": c.group_size,
                 "reward": c.reward,
+                "config": {"reward": c.reward, "samples": c.group_size},
                 "eval_run": self.eval_run_name,
             }
         )
@@ -298,11 +302,12 @@ class EndlessTerminalsEnv(BaseEnv):
         )
 
     def _samples(self, store: RunStore, task_id: str, n: int) -> list[int]:
+        """``n`` samples of ``task_id`` no other process of this run gets (``take_samples``)."""
         key = (str(store.path), task_id)
         with self._sample_lock:
-            first = self._next_sample.get(key, 0)
-            self._next_sample[key] = first + n
-        return list(range(first, first + n))
+            got = take_samples(store.path, task_id, n, self._next_sample.get(key, 0))
+            self._next_sample[key] = got[-1] + 1
+        return got
 
     def _episode(self, task: Task, sample: int, cfg: EpisodeConfig) -> EpisodeRecord:
         from et_hpc.episode.run import run_episode
@@ -310,16 +315,15 @@ class EndlessTerminalsEnv(BaseEnv):
         return run_episode(task, sample, cfg, self.images[task.id], stop=self._stop)
 
     def score(self, rec: EpisodeRecord) -> EpisodeRecord:
-        """``rec`` with its reward under ``config.reward``: ``fraction`` = passed/total of the final
-        tests (the seed environment's rule), ``binary`` = the store's rule (1 when all pass)."""
-        if rec.status != "ok" or self.config.reward != "fraction" or not rec.total:
-            return rec
-        return rec.model_copy(update={"reward": (rec.passed or 0) / rec.total})
+        """``rec`` with its reward under ``config.reward`` (``apply_reward_rule``: ``binary`` = 1
+        when all final tests pass, ``fraction`` = passed/total, the seed's rule), rule recorded."""
+        return apply_reward_rule(rec, self.config.reward)
 
     async def run_episodes(self, task: Task, n: int, store: RunStore | None = None) -> list[EpisodeRecord]:
         """``n`` episodes of ``task`` as one group (threads), stored as one shard when the last ends.
 
-        The group's ``group_id`` is ``<task_id>@s<first sample>``. Episodes run in the pool, not in
+        The group's ``group_id`` is ``<task_id>@w<writer>-s<first sample>`` (``writer``: this
+        process's random id; samples come from ``_samples``). Episodes run in the pool, not in
         the coroutine: when Atropos cancels the coroutine (``worker_timeout``, a full queue, an
         eval), the episodes finish and the group is still stored, with the event
         ``collect cancelled: not sent``. A stop (SIGINT/SIGTERM, ``close``) ends running episodes at
@@ -330,7 +334,7 @@ class EndlessTerminalsEnv(BaseEnv):
         eval_run = store is self.eval_store
         cfg = self.run_config(store.name)
         samples = self._samples(store, task.id, n)
-        group = _GroupRun(task=task, group_id=f"{task.id}@s{samples[0]}", store=store, size=n, eval_run=eval_run)
+        group = _GroupRun(task=task, group_id=f"{task.id}@w{self.writer}-s{samples[0]}", store=store, size=n, eval_run=eval_run)
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
 
@@ -394,7 +398,7 @@ class EndlessTerminalsEnv(BaseEnv):
                 rec = EpisodeRecord(
                     run_name=cfg.run_name(), task_id=task.id, sample=sample, status="infra_error", error=f"{type(e).__name__}: {e}"[:2000]
                 )
-        rec = self.score(rec).model_copy(update={"group_id": group.group_id})
+        rec = self.score(rec).model_copy(update={"group_id": group.group_id, "group_size": group.size})
         if self._stop.is_set() and rec.status != "ok":
             with self._sample_lock:
                 self.counts["episodes_interrupted"] += 1
@@ -413,7 +417,7 @@ class EndlessTerminalsEnv(BaseEnv):
             finished([])
             return
         if cancelled:
-            records = [r.model_copy(update={"events": [*r.events, "collect cancelled: not sent"]}) for r in records]
+            records = [r.model_copy(update={"events": [*r.events, CANCELLED_EVENT]}) for r in records]
         try:
             group.store.write(records)
             with self._sample_lock:
@@ -434,17 +438,18 @@ class EndlessTerminalsEnv(BaseEnv):
             return None
         errors = [r for r in records if r.status != "ok"]
         ok = [r for r in records if r.status == "ok"]
-        if errors and (self.config.on_error == "mask" or not ok):
+        why = untrainable(group_of_records(records), self.config.on_error)
+        if why in ("masked", "incomplete"):
             self.counts["groups_masked"] += 1
             log.warning(
                 "group of %s masked: %d of %d episodes ended in an error (%s)",
                 records[0].task_id,
                 len(errors),
-                len(records),
+                records[0].group_size or len(records),
                 "; ".join(f"{r.status}: {(r.error or '')[:120]}" for r in errors[:3]),
             )
             return None
-        if not all(r.has_tokens for r in ok):
+        if why == "no_tokens":
             self.counts["groups_without_tokens"] += 1
             log.warning(
                 "group of %s not sent: episodes without token ids (serve the model with return_token_ids, e.g. vLLM >= 0.10.2)",
@@ -521,6 +526,7 @@ class EndlessTerminalsEnv(BaseEnv):
             for sig in installed:
                 loop.remove_signal_handler(sig)
             await loop.run_in_executor(None, self._pool.shutdown, True)
+            self._reaping.set()
         log.info("endless_terminals: %s", self.counts)
         c = self.counts
         log.warning(
@@ -538,6 +544,7 @@ class EndlessTerminalsEnv(BaseEnv):
         """Stop running episodes at their next turn and wait for them (their instances stop)."""
         self._stop.set()
         self._pool.shutdown(wait=True)
+        self._reaping.set()
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from et_hpc.errors import UserError
 from et_hpc.rollouts.queue import WorkQueue
 from et_hpc.rollouts.worker import Worker, reap_interval
 from et_hpc.runner.arrays import Array, ArraySpec
@@ -34,27 +33,12 @@ log = logging.getLogger(__name__)
 
 
 def prepare(cfg: RunConfig) -> tuple[dict[str, Task], dict[str, ImageResult], list[str]]:
-    """Tasks by id, their images (UserError when one is missing), task load errors."""
-    from et_hpc.runner.plan import default_image_lookup, image_missing, load_run_tasks
+    """Tasks by id, their images (UserError when one is missing), task load errors
+    (``et_hpc.runner.plan.prepare_run``, as batch runs and the Atropos env prepare theirs)."""
+    from et_hpc.runner.plan import prepare_run
 
-    tasks, errors = load_run_tasks(cfg)
-    if not tasks:
-        raise UserError("no tasks were selected: check the source and the ids/glob/split filters")
-    by_id = {t.id: t for t in tasks}
-    lookup = default_image_lookup()
-    images: dict[str, ImageResult] = {}
-    missing: list[str] = []
-    for tid, t in by_id.items():
-        img = lookup(t)
-        why = image_missing(img)
-        if why:
-            missing.append(f"{tid} ({why})")
-        images[tid] = img
-    if missing:
-        src = cfg.tasks.source or cfg.tasks.tasks_dir or "SOURCE"
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise UserError(f"{len(missing)} task image(s) missing: {shown}; build them first with 'et-hpc build {src}'")
-    return by_id, images, errors
+    prep = prepare_run(cfg, missing="refuse")
+    return prep.tasks, prep.images, prep.load_errors
 
 
 def write_run_json(cfg: RunConfig, run_dir: Path, n_tasks: int, sandbox: dict[str, Any] | None = None) -> None:
@@ -65,6 +49,7 @@ def write_run_json(cfg: RunConfig, run_dir: Path, n_tasks: int, sandbox: dict[st
             "continuous": True,
             "tasks": n_tasks,
             "samples": cfg.samples,
+            "reward": cfg.reward,
             "units_total": 0,
             "sandbox": {**(sandbox or {}), "binds": list(cfg.sandbox.binds)},
         },
@@ -92,6 +77,7 @@ class Controller:
         self.stop = threading.Event()
         self.workers: Array | None = None
         self._asked = -1e9  # when the executor was last asked whether the workers ended
+        self.min_sample = 0  # new epochs' samples start above every stored one (set by run)
 
     def slots(self) -> int:
         per = self.cfg.node_concurrency()
@@ -131,14 +117,16 @@ class Controller:
     def refill(self) -> None:
         low = self.opts.queue_low_water or max(2 * self.slots(), 2)
         if len(self.queue.pending_names()) < low:
-            e = self.queue.enqueue_epoch(sorted(self.tasks), self.cfg.samples, self.cfg.tasks.seed)
+            e = self.queue.enqueue_epoch(sorted(self.tasks), self.cfg.samples, self.cfg.tasks.seed, self.min_sample)
             log.info("epoch %d enqueued (%d units)", e, len(self.tasks))
 
     def run(self, target_groups: int | None = None) -> dict[str, Any]:
         from et_hpc.runner.local import stop_on_signals
+        from et_hpc.runs.store import RunStore
 
         self.queue.init()
         self.queue.clear_stop()
+        self.min_sample = max((s for _, s in RunStore(self.run_dir).units()), default=-1) + 1
         self.refill()
         self.start_workers()
         from et_hpc.sandbox.reaper import start_reaping

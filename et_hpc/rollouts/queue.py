@@ -28,11 +28,12 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from et_hpc.runs.shards import STREAM_SLOT_PREFIX
 from et_hpc.util import atomic_write_text, fsync_dir
 
 log = logging.getLogger(__name__)
 
-SLOT_PREFIX = "part-s"
+SLOT_PREFIX = STREAM_SLOT_PREFIX  # the store never compacts these (et_hpc.runs.shards.is_stream_slot)
 SLOT_DIGITS = 10
 SEP = "~"
 LIST_TTL_S = 5.0
@@ -49,7 +50,8 @@ def new_worker_id() -> str:
 
 @dataclass
 class Unit:
-    """One queued group: task ``task_id``, epoch ``epoch``, ``samples`` episodes."""
+    """One queued group: task ``task_id``, epoch ``epoch``, ``samples`` episodes numbered from
+    ``base`` (taken from the run's sample counter; older units: ``epoch * samples``)."""
 
     uid: str
     task_id: str
@@ -57,13 +59,14 @@ class Unit:
     pos: int
     samples: int
     enqueued_at: float = field(default_factory=time.time)
+    base: int | None = None
 
     @property
     def group_id(self) -> str:
         return f"{self.task_id}@e{self.epoch}"
 
     def sample_index(self, i: int) -> int:
-        return self.epoch * self.samples + i
+        return (self.epoch * self.samples if self.base is None else self.base) + i
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__, separators=(",", ":"))
@@ -71,7 +74,7 @@ class Unit:
     @classmethod
     def from_json(cls, text: str) -> Unit:
         d = json.loads(text)
-        return cls(**{k: d[k] for k in ("uid", "task_id", "epoch", "pos", "samples", "enqueued_at") if k in d})
+        return cls(**{k: d[k] for k in ("uid", "task_id", "epoch", "pos", "samples", "enqueued_at", "base") if k in d})
 
 
 def unit_uid(epoch: int, pos: int) -> str:
@@ -124,18 +127,25 @@ class WorkQueue:
     def write_state(self, state: dict[str, Any]) -> None:
         atomic_write_text(self.root / "state.json", json.dumps(state) + "\n")
 
-    def enqueue_epoch(self, task_ids: list[str], samples: int, seed: int = 0) -> int:
+    def enqueue_epoch(self, task_ids: list[str], samples: int, seed: int = 0, min_sample: int = 0) -> int:
         """Queue the next epoch: every task once, in an order shuffled by (seed, epoch).
 
-        Idempotent under a controller crash: the epoch is marked as being enqueued first, and a
-        restarted controller re-enqueues only the units of that epoch that exist nowhere.
+        Each unit's samples come from the run's shared counter (``et_hpc.runs.groups.take_samples``,
+        at least ``min_sample``: the store's highest sample + 1), so a restart with another
+        ``samples``, or another writer of the run, never reuses a unit key. Idempotent under a
+        controller crash: the epoch is marked as being enqueued first, and a restarted controller
+        re-enqueues only the units of that epoch that exist nowhere.
         """
+        from et_hpc.runs.groups import take_samples
+
         state = self.read_state()
         epoch = state["enqueuing"] if state.get("enqueuing") is not None else state["next_epoch"]
         recovering = state.get("enqueuing") is not None
         if not recovering:
             state["enqueuing"] = epoch
             self.write_state(state)
+        # units of an older layout (no counter) numbered epoch * samples + i: stay above them
+        floor = max(min_sample, int(state.get("next_epoch", 0)) * int(state.get("samples") or 0))
         order = list(task_ids)
         random.Random(f"{seed}:{epoch}").shuffle(order)
         known = self._known_uids() if recovering else set()
@@ -144,7 +154,8 @@ class WorkQueue:
             uid = unit_uid(epoch, pos)
             if uid in known:
                 continue
-            u = Unit(uid=uid, task_id=tid, epoch=epoch, pos=pos, samples=samples, enqueued_at=now)
+            base = take_samples(self.run_dir, tid, samples, floor)[0]
+            u = Unit(uid=uid, task_id=tid, epoch=epoch, pos=pos, samples=samples, enqueued_at=now, base=base)
             tmp = self.pending / f".{uid}.{secrets.token_hex(3)}.tmp"
             tmp.write_text(u.to_json())
             os.rename(tmp, self.pending / f"{uid}.json")

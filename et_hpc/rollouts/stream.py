@@ -3,10 +3,11 @@
 ``RolloutStream(run_dir, consumer=...)`` reads the stream slots the queue publishes. Guarantees:
 a group is handed out again only if its batch was not committed (``commit(state=...)``, or the
 next ``next_batch`` with ``auto_commit``), so the trainer's ``state`` and the cursor move
-together across restarts; one process per consumer name; stale (``max_staleness``) and masked
-(``on_error``) groups are counted in the cursor, never dropped silently; a poll reads only new
-slots. Needs the run directory on a shared filesystem, and no store compaction while consumers
-read. Cursor, filters and telemetry: docs/rollouts.md.
+together across restarts; one process per consumer name; what a trainer must not get (stale,
+masked, incomplete, without exact tokens: ``et_hpc.runs.groups.untrainable``) is counted in the
+cursor, never delivered nor dropped silently; a poll reads only new slots. Slots survive store
+compactions; a slot that went missing anyway is a ``StreamGapError``, never an endless wait.
+Cursor, filters and telemetry: docs/rollouts.md.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from et_hpc.errors import UserError
 from et_hpc.record import EpisodeRecord, records_from_table
 from et_hpc.rollouts.queue import WorkQueue, slot_name
 from et_hpc.rollouts.versions import PolicyVersion, VersionReader, publish_version, version_step
+from et_hpc.runs.groups import group_of_records, untrainable
 from et_hpc.runs.shards import read_run_config
 from et_hpc.util import atomic_write_text
 
@@ -47,6 +49,11 @@ class RolloutGroup:
         return [r.reward for r in self.records]
 
     @property
+    def reward_rule(self) -> str | None:
+        """The rule the rewards follow (``binary`` or ``fraction``; None in records before schema 6)."""
+        return next((r.reward_rule for r in self.records if r.reward_rule), None)
+
+    @property
     def version(self) -> int | None:
         """The number its version label names (``version_step``: the trainer's integer, a step), for
         display; staleness counts places in the version log (``position``)."""
@@ -66,6 +73,7 @@ class RolloutGroup:
             "scores": [],
             "inference_logprobs": [],
             "group_id": self.group_id,
+            "reward_rule": self.reward_rule,
             "dropped_no_tokens": 0,
         }
         ok = [r for r in self.records if r.status == "ok"]
@@ -89,6 +97,15 @@ def run_endpoint(run_dir: Path) -> tuple[str | None, str | None]:
     except (OSError, UserError, AttributeError):
         return None, None
     return pol.get("endpoint_file"), pol.get("endpoint_dir")
+
+
+# the cursor's counts: every slot read is exactly one of them
+COUNTS = ("delivered", "discarded_stale", "discarded_masked", "discarded_incomplete", "discarded_no_tokens")
+
+
+class StreamGapError(UserError):
+    """The consumer's next stream slot is gone while later ones exist (removed by hand, or by an
+    older et-hpc's compaction): the stream cannot go on in order."""
 
 
 def fresh_telemetry() -> dict[str, Any]:
@@ -132,7 +149,7 @@ class RolloutStream:
         saved = self._read_cursor()
         self.committed: dict[str, Any] = saved
         self.next_seq = int(saved["next_seq"])
-        self.counts = {k: int(saved.get(k, 0)) for k in ("delivered", "discarded_stale", "discarded_masked")}
+        self.counts = {k: int(saved.get(k, 0)) for k in COUNTS}
         self.state: Any = saved.get("state")
         self.telemetry = fresh_telemetry()
         self.telemetry.update(saved.get("telemetry") or {})
@@ -184,6 +201,7 @@ class RolloutStream:
             mtime = os.stat(p).st_mtime
             table = pq.read_table(p)
         except FileNotFoundError:
+            self._check_gap(seq)
             return None
         recs = records_from_table(table)
         recs.sort(key=lambda r: r.sample)
@@ -192,15 +210,34 @@ class RolloutStream:
             seq=seq, group_id=first.group_id, task_id=first.task_id, policy_version=first.policy_version, records=recs, committed_at=mtime
         )
 
+    def _check_gap(self, seq: int) -> None:
+        """Slot ``seq`` is absent: fine while it is still to come; a ``StreamGapError`` when the
+        publishers are past it (the head hint, or a later slot, exists: slots are gapless)."""
+        if self.queue.read_head() <= seq and not (self.run_dir / slot_name(seq + 1)).exists():
+            return
+        if (self.run_dir / slot_name(seq)).exists():
+            return  # published between the two looks
+        raise StreamGapError(
+            f"stream slot {slot_name(seq)} of {self.run_dir} is missing while later groups exist "
+            f"(published: {self.queue.read_head()}): it was removed; consumer {self.consumer!r} cannot go on in order. "
+            f"Restore the file, or set next_seq in {self.cursor_path} past it to skip it"
+        )
+
     def current_version(self) -> PolicyVersion | None:
         """The run's current version: the trainer's ``version.json``, else the server's endpoint file."""
         return self._versions.current()
 
     def next_batch(
-        self, n_groups: int, timeout_s: float | None = None, max_staleness: int | None = None, on_error: str = "mask"
+        self,
+        n_groups: int,
+        timeout_s: float | None = None,
+        max_staleness: int | None = None,
+        on_error: str = "mask",
+        require_tokens: bool = True,
     ) -> list[RolloutGroup]:
-        """Up to ``n_groups`` complete groups, oldest first; waits up to ``timeout_s`` (None: until
-        there are ``n_groups``, or the run stopped and the stream is drained). May return fewer."""
+        """Up to ``n_groups`` trainable groups, oldest first; waits up to ``timeout_s`` (None: until
+        there are ``n_groups``, or the run stopped and the stream is drained). May return fewer.
+        ``require_tokens=False`` also delivers groups without exact token ids (for evaluation)."""
         if on_error not in ("mask", "keep-ok"):
             raise UserError(f"on_error {on_error!r}: use mask or keep-ok")
         if n_groups < 1:
@@ -209,7 +246,7 @@ class RolloutStream:
             self.commit()
         called = time.time()
         try:
-            out = self._next(n_groups, timeout_s, max_staleness, on_error)
+            out = self._next(n_groups, timeout_s, max_staleness, on_error, require_tokens)
         finally:
             self._record_call(called, time.time())
         self._record_staleness(out)
@@ -245,7 +282,9 @@ class RolloutStream:
             return False
         return g.position is None or cur.position - g.position > max_staleness
 
-    def _next(self, n_groups: int, timeout_s: float | None, max_staleness: int | None, on_error: str) -> list[RolloutGroup]:
+    def _next(
+        self, n_groups: int, timeout_s: float | None, max_staleness: int | None, on_error: str, require_tokens: bool
+    ) -> list[RolloutGroup]:
         end = None if timeout_s is None else time.monotonic() + timeout_s
         out: list[RolloutGroup] = []
         while len(out) < n_groups:
@@ -260,21 +299,22 @@ class RolloutStream:
             self.next_seq += 1
             self._dirty = True
             g.position = self._place(g)
-            if max_staleness is not None and self._stale(g, max_staleness):
-                self.counts["discarded_stale"] += 1
+            why = self._discard(g, max_staleness, on_error, require_tokens)
+            if why is not None:
+                self.counts[f"discarded_{why}"] += 1
                 continue
-            bad = [r for r in g.records if r.status != "ok"]
-            if bad:
-                if on_error == "mask":
-                    self.counts["discarded_masked"] += 1
-                    continue
+            if any(r.status != "ok" for r in g.records):  # keep-ok: its ok members only
                 g.records = [r for r in g.records if r.status == "ok"]
-                if not g.records:
-                    self.counts["discarded_masked"] += 1
-                    continue
             self.counts["delivered"] += 1
             out.append(g)
         return out
+
+    def _discard(self, g: RolloutGroup, max_staleness: int | None, on_error: str, require_tokens: bool) -> str | None:
+        """Why ``g`` is not delivered (a ``COUNTS`` suffix), or None."""
+        if max_staleness is not None and self._stale(g, max_staleness):
+            return "stale"
+        why = untrainable(group_of_records(g.records), on_error, require_tokens)
+        return None if why is None else str(why)
 
     def _producing(self) -> bool:
         """Leased units may still commit after a stop request was written."""
@@ -286,8 +326,16 @@ class RolloutStream:
             "next_seq": self.next_seq,
             **self.counts,
             "published": self.queue.published(),
+            "reward_rule": self.reward_rule(),
             "telemetry": self.telemetry,
         }
+
+    def reward_rule(self) -> str | None:
+        """The run's reward rule (``reward`` of run.json's config: binary or fraction)."""
+        try:
+            return ((read_run_config(self.run_dir) or {}).get("config") or {}).get("reward")
+        except (UserError, AttributeError):
+            return None
 
     # ------------------------------------------------------------ talking to producers
     def publish_version(self, version: int | None = None, *, model: str | None = None, checkpoint: str | None = None) -> PolicyVersion:

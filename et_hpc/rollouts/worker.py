@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from submitit.helpers import Checkpointable, DelayedSubmission
 
-from et_hpc.record import EpisodeRecord, records_to_table, write_failed_record
+from et_hpc.record import EpisodeRecord, apply_reward_rule, records_to_table, write_failed_record
 from et_hpc.rollouts.queue import Lease, Unit, WorkQueue, new_worker_id
 from et_hpc.rollouts.versions import UNVERSIONED, PolicyVersion, VersionReader
 from et_hpc.runner.config import RunConfig
@@ -282,7 +282,8 @@ class Worker(Checkpointable):
         (``publish_version(model=...)``) do not change the default model's weights and do not count.
         A unit whose version named a model asked for those weights throughout: its version.
         Server-owned runs keep the policy's per-turn record (observed into the log first)."""
-        upd: dict[str, Any] = {"group_id": unit.group_id}
+        rec = apply_reward_rule(rec, self.cfg.reward)  # the run's one reward rule, recorded
+        upd: dict[str, Any] = {"group_id": unit.group_id, "group_size": unit.samples}
         self.versions.observe()
         trainer = [e for e in self.versions.log.entries() if e.source == TRAINER]
         if not trainer:

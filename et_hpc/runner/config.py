@@ -60,6 +60,8 @@ class RunConfig(EpisodeConfig):
     """Where the tasks come from and which of them run."""
     samples: int = Field(default=1, ge=1)
     """Episodes per task (the group size)."""
+    reward: Literal["binary", "fraction"] = "binary"
+    """The reward rule: binary = 1 when every final test passes, else 0; fraction = passed/total."""
     executor: Literal["local", "slurm"] = "local"
     """Where the units run: threads on this node, or Slurm array tasks."""
     concurrency: int | None = Field(default=None, ge=1)

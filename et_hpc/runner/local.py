@@ -28,7 +28,7 @@ from et_hpc.record import EpisodeRecord, write_failed_record
 from et_hpc.runner.arrays import ArraySpec, ArrayTask, LocalArray
 from et_hpc.runner.base import Notify, Outcome, Progress
 from et_hpc.runner.config import RunConfig
-from et_hpc.runner.plan import OK, Plan, Record, Unit, open_store, rec_get, rec_passed
+from et_hpc.runner.plan import OK, GroupTags, Plan, Record, Unit, open_store, rec_get, rec_passed, tag_record
 from et_hpc.runs.store import RunStore
 from et_hpc.util import progress_bar
 
@@ -195,8 +195,10 @@ class UnitPool:
         stop: threading.Event,
         progress: tqdm | None = None,
         ready_at: float | None = None,
+        tags: GroupTags | None = None,
     ):
         self.items = list(items)
+        self.tags = tags  # the invocation's groups (Plan.group_tags): every record gets its task's
         self.ready_at = ready_at  # Unix time the units became runnable: records get queue_s from it
         self.runner, self.cfg, self.store = runner, cfg, store
         self.stop = stop
@@ -261,6 +263,7 @@ class UnitPool:
                 continue
             if retried:
                 rec = _with_events(rec, retried)
+            rec = tag_record(rec, self.tags, self.cfg.reward)
             written = self._write(rec, task.id, sample)
             if written is None:
                 self._tick()
@@ -355,7 +358,7 @@ def run_local(
         scratch_dir()  # a scratch directory we must not use: one line and exit 2 before any episode
         refuse_unusable()  # no container can start on this node (no user namespace, no setuid starter)
     bar = progress_bar(total=len(items), desc=f"run {cfg.run_name()}", unit="ep", show=bool(progress), dynamic_ncols=True)
-    pool = UnitPool(items, runner, cfg, store, cfg.node_concurrency(), stop, bar, ready_at=plan.planned_at)
+    pool = UnitPool(items, runner, cfg, store, cfg.node_concurrency(), stop, bar, ready_at=plan.planned_at, tags=plan.group_tags())
     try:
         with stop_on_signals(stop) if handle_signals else contextlib.nullcontext():
             return pool.run()

@@ -3,14 +3,16 @@
 Tasks without an image never stop a run: a task whose image build failed is left out and each of
 its units gets one ``no_image`` record (re-planned on every run, so it runs once the image
 exists); ``Plan.no_image`` says which and why. Images never built at all refuse the run with the
-build command, as does ``strict`` on any missing or failed image. Also home of ``open_store``
-(the run's :class:`~et_hpc.runs.store.RunStore`) and of ``run.json``, the run's description.
-Specification: docs/runner.md ("Planning").
+build command, as does ``strict`` on any missing or failed image. ``prepare_run`` loads the
+tasks and checks their images for batch, continuous and env runs alike. A batch invocation's
+units of one task are one group (``<task>@i<invocation>``, ``group_size`` = their number;
+``tag_record``). Also home of ``open_store`` and of ``run.json``. Specification: docs/runner.md.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import socket
 import time
 from collections.abc import Callable
@@ -20,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from et_hpc.errors import UserError
 from et_hpc.host.runtime import run_record
-from et_hpc.record import EpisodeRecord, solved, table_rows
+from et_hpc.record import EpisodeRecord, apply_reward_rule, solved, table_rows
 from et_hpc.runner.config import RunConfig
 from et_hpc.runs.shards import RUN_CONFIG, read_run_config, write_run_config
 from et_hpc.runs.store import RunStore
@@ -34,6 +36,7 @@ log = logging.getLogger(__name__)
 
 Unit = tuple[str, int]  # (task_id, sample)
 Record = EpisodeRecord | dict[str, Any]  # what a unit runner returns; a stored row read back
+GroupTags = dict[str, tuple[str, int]]  # task id -> (group_id, group_size) of one invocation's units
 OK: Final = "ok"
 NO_IMAGE: Final = "no_image"
 
@@ -78,6 +81,14 @@ class Plan:
     no_image_new: list[Unit] = field(default_factory=list)  # no_image units without that record yet
     sandbox: dict[str, Any] = field(default_factory=dict)  # the "auto" choices (et_hpc.runner.fastpath), binds
     planned_at: float = field(default_factory=time.time)  # when the units became runnable (queue_s)
+    invocation: str = field(default_factory=lambda: new_invocation())  # names this invocation's groups
+
+    def group_tags(self) -> GroupTags:
+        """Each task's group in this invocation: ``<task>@i<invocation>``, sized by its units."""
+        sizes: dict[str, int] = {}
+        for tid, _ in self.units:
+            sizes[tid] = sizes.get(tid, 0) + 1
+        return {tid: (f"{tid}@i{self.invocation}", n) for tid, n in sizes.items()}
 
     def no_image_units(self) -> int:
         return len(self.no_image) * self.cfg.samples
@@ -91,11 +102,33 @@ class Plan:
             "done_error": self.done_error,
             "to_run": len(self.units),
             "retry_errors": self.cfg.retry_errors,
+            "reward": self.cfg.reward,
+            "invocation": self.invocation,
             "load_errors": len(self.load_errors),
             "no_image": self.no_image_units(),
             "no_image_tasks": dict(sorted(self.no_image.items())),
             "sandbox": self.sandbox,
         }
+
+
+def new_invocation() -> str:
+    """A name unique to one invocation (UTC time and random bits): part of its groups' ids."""
+    return time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3)
+
+
+def tag_record(rec: Record, tags: GroupTags | None, reward_rule: str) -> Record:
+    """``rec`` with its invocation's group (``tags``: none for a unit without one) and scored
+    under ``reward_rule`` (``reward_rule`` recorded); a dict record gets the same keys."""
+    tid = rec_get(rec, "task_id")
+    group = (tags or {}).get(tid)
+    if isinstance(rec, dict):
+        out = {**rec, "reward_rule": reward_rule}
+        if group:
+            out.update(group_id=group[0], group_size=group[1])
+        return out
+    if group:
+        rec = rec.model_copy(update={"group_id": group[0], "group_size": group[1]})
+    return apply_reward_rule(rec, reward_rule)
 
 
 def load_run_tasks(cfg: RunConfig) -> tuple[list[Task], list[str]]:
@@ -141,6 +174,65 @@ def _shown(items: list[str], n: int = 5) -> str:
     return ", ".join(items[:n]) + (f" and {len(items) - n} more" if len(items) > n else "")
 
 
+@dataclass
+class Prepared:
+    """What ``prepare_run`` found: tasks by id, images of the tasks asked about, tasks without one."""
+
+    tasks: dict[str, Any]
+    images: dict[str, ImageResult]
+    no_image: dict[str, str] = field(default_factory=dict)  # task id -> why (recorded or skipped)
+    load_errors: list[str] = field(default_factory=list)
+
+
+def prepare_run(
+    cfg: RunConfig,
+    *,
+    tasks: list[Task] | None = None,
+    image_lookup: Callable[[Task], ImageResult] | None = None,
+    need: list[str] | None = None,
+    missing: str = "record",
+    done_before: int = 0,
+) -> Prepared:
+    """Load the run's tasks (or take ``tasks``) and look up the images of ``need`` (default: all).
+
+    ``missing`` says what a task without an image does: ``record`` (batch) keeps a failed build
+    as ``no_image`` and refuses never-built images (and, ``strict``, any); ``refuse``
+    (continuous) refuses any; ``skip`` (the Atropos env) leaves it out with a warning. A run of
+    which nothing can run is refused (``done_before``: units already stored). UserErrors only.
+    """
+    load_errors: list[str] = []
+    if tasks is None:
+        tasks, load_errors = load_run_tasks(cfg)
+    if not tasks:
+        raise UserError("no tasks were selected: check the source and the ids/glob/split filters")
+    by_id = {t.id: t for t in tasks}
+    images: dict[str, ImageResult] = {}
+    no_image: dict[str, str] = {}
+    unbuilt: list[str] = []
+    todo = list(by_id) if need is None else need
+    if todo:
+        lookup = image_lookup or default_image_lookup()
+        for tid in todo:
+            img = lookup(by_id[tid])
+            why = image_missing(img)
+            if why is None:
+                images[tid] = img
+            elif missing == "skip" or (missing == "record" and build_failed(img) and not cfg.strict):
+                no_image[tid] = why
+            else:
+                unbuilt.append(f"{tid} ({why})")
+        src = cfg.tasks.source or cfg.tasks.tasks_dir or "SOURCE"
+        if unbuilt or (no_image and not images and done_before == 0):
+            # --strict, never-built images, or nothing at all could run: refuse
+            gone = unbuilt + [f"{t} ({w})" for t, w in sorted(no_image.items())]
+            whole = " (no selected task has an image)" if not images and not unbuilt else ""
+            raise UserError(
+                f"{len(gone)} task image(s) missing{whole}: {_shown(gone)}; build them first "
+                f"with 'et-hpc build {src}' (add --slurm to build on the cluster)"
+            )
+    return Prepared(tasks=by_id, images=images, no_image=no_image, load_errors=load_errors)
+
+
 def make_plan(
     cfg: RunConfig,
     *,
@@ -161,12 +253,11 @@ def make_plan(
         tasks, load_errors = load_run_tasks(cfg)
     if not tasks:
         raise UserError("no tasks were selected: check the source and the ids/glob/split filters")
-    by_id = {t.id: t for t in tasks}
     store = store if store is not None else open_store(run_dir)
     done = store.units()
     todo: list[Unit] = []
     ok = err = 0
-    for tid in by_id:
+    for tid in dict.fromkeys(t.id for t in tasks):
         for s in range(cfg.samples):
             st = done.get((tid, s))
             if st == OK:
@@ -177,30 +268,8 @@ def make_plan(
                 if st is not None and st != NO_IMAGE:
                     err += 1
                 todo.append((tid, s))
-    need = sorted({tid for tid, _ in todo})
-    images: dict[str, ImageResult] = {}
-    no_image: dict[str, str] = {}
-    unbuilt: list[str] = []
-    if need:
-        lookup = image_lookup or default_image_lookup()
-        for tid in need:
-            img = lookup(by_id[tid])
-            why = image_missing(img)
-            if why is None:
-                images[tid] = img
-            elif build_failed(img) and not cfg.strict:
-                no_image[tid] = why
-            else:
-                unbuilt.append(f"{tid} ({why})")
-        src = cfg.tasks.source or cfg.tasks.tasks_dir or "SOURCE"
-        if unbuilt or (no_image and not images and ok + err == 0):
-            # --strict, never-built images, or nothing at all could run: refuse, as before
-            missing = unbuilt + [f"{t} ({w})" for t, w in sorted(no_image.items())]
-            whole = " (no selected task has an image)" if not images and not unbuilt else ""
-            raise UserError(
-                f"{len(missing)} task image(s) missing{whole}: {_shown(missing)}; build them first "
-                f"with 'et-hpc build {src}' (add --slurm to build on the cluster)"
-            )
+    prep = prepare_run(cfg, tasks=tasks, image_lookup=image_lookup, need=sorted({tid for tid, _ in todo}), done_before=ok + err)
+    by_id, images, no_image = prep.tasks, prep.images, prep.no_image
     # an error unit whose image is now missing is redone as no_image (--retry-errors): not counted twice
     err -= sum(1 for u in todo if u[0] in no_image and done.get(u) not in (None, NO_IMAGE))
     no_image_new = [u for u in todo if u[0] in no_image and done.get(u) != NO_IMAGE]

@@ -32,7 +32,7 @@ from et_hpc.runner.arrays import ArraySpec, SlurmArray, SubmitDeferred
 from et_hpc.runner.base import Notify, Outcome, Progress
 from et_hpc.runner.config import RunConfig
 from et_hpc.runner.local import ExecResult, UnitPool, WorkItem, resolve_runner, stop_on_signals, work_items
-from et_hpc.runner.plan import OK, Plan, open_store
+from et_hpc.runner.plan import OK, GroupTags, Plan, open_store
 from et_hpc.runs.store import RunStore
 from et_hpc.text import configure_logging
 from et_hpc.util import atomic_write_text
@@ -46,10 +46,11 @@ REAP_EVERY_S = 30.0  # an array task reaps dead workers' sandboxes on its node t
 class ChunkJob(Checkpointable):
     """One array task: run a chunk of units, skipping those the store already has."""
 
-    def __init__(self, cfg: RunConfig, run_dir: Path, items: list[WorkItem], ready_at: float | None = None):
+    def __init__(self, cfg: RunConfig, run_dir: Path, items: list[WorkItem], ready_at: float | None = None, tags: GroupTags | None = None):
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.items = items
+        self.tags = tags  # the invocation's groups (Plan.group_tags)
         self.ready_at = ready_at  # the plan's time: queue_s includes the wait in Slurm's queue
         self._pool: UnitPool | None = None
 
@@ -80,7 +81,14 @@ class ChunkJob(Checkpointable):
         log.info("chunk of %d units, %d to run", len(self.items), len(items))
         stop = threading.Event()
         self._pool = UnitPool(
-            items, resolve_runner(self.cfg.unit_runner), self.cfg, store, self.cfg.node_concurrency(), stop, ready_at=self.ready_at
+            items,
+            resolve_runner(self.cfg.unit_runner),
+            self.cfg,
+            store,
+            self.cfg.node_concurrency(),
+            stop,
+            ready_at=self.ready_at,
+            tags=self.tags,
         )
         try:
             with stop_on_signals(stop, (signal.SIGTERM,)):
@@ -97,7 +105,7 @@ class ChunkJob(Checkpointable):
             pool.stop.set()
             if not pool.join(CHECKPOINT_GRACE_S):
                 log.warning("episodes still running after %.0f s; requeueing anyway", CHECKPOINT_GRACE_S)
-        return DelayedSubmission(ChunkJob(self.cfg, self.run_dir, self.items, self.ready_at))
+        return DelayedSubmission(ChunkJob(self.cfg, self.run_dir, self.items, self.ready_at, self.tags))
 
 
 def _result_dict(r: ExecResult, n: int) -> dict[str, Any]:
@@ -212,7 +220,8 @@ def submit_plan(plan: Plan, *, detach: bool = False) -> SlurmArray:
         record={"attempt": next_attempt(load_jobs(run_dir))},
         task_units=[len(c) for c in chunks],
     )
-    return submit_array([ChunkJob(cfg, run_dir, c, plan.planned_at) for c in chunks], spec)
+    tags = plan.group_tags()  # the invocation's groups, one per task
+    return submit_array([ChunkJob(cfg, run_dir, c, plan.planned_at, tags) for c in chunks], spec)
 
 
 def submit(plan: Plan) -> list[dict[str, Any]]:

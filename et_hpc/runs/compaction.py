@@ -2,7 +2,8 @@
 
 A merged shard is written before its inputs are deleted, so readers never miss an episode; exact
 duplicates (same ``episode_id``) are dropped; stale ``.tmp-`` files are removed; one compaction
-of a run at a time (a file lock).
+of a run at a time (a file lock). A continuous run's stream slots (``part-s<seq>.parquet``, one
+group each, read by ``RolloutStream`` by name) are never merged, moved or deleted.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pydantic import BaseModel
 
 from et_hpc.errors import UserError
 from et_hpc.record import EPISODE_SCHEMA
-from et_hpc.runs.shards import DEFAULT_TARGET_ROWS, STALE_TMP_S, TMP_PREFIX, first_per_key, write_table_atomic
+from et_hpc.runs.shards import DEFAULT_TARGET_ROWS, STALE_TMP_S, TMP_PREFIX, first_per_key, is_stream_slot, write_table_atomic
 from et_hpc.util import fsync_dir, progress_bar
 
 if TYPE_CHECKING:
@@ -61,7 +62,7 @@ def compact_run(rs: RunStore, target_rows: int = DEFAULT_TARGET_ROWS, progress: 
         raise UserError(f"another compaction of {rs.path} is running (lock {lock.lock_file}); wait for it") from e
     try:
         removed_tmp = _remove_stale_tmp(rs.path)
-        files = rs.shards()
+        files = [f for f in rs.shards() if not is_stream_slot(f.name)]
         sizes = _row_counts(files)
         small = [f for f in files if sizes.get(f, 0) < target_rows // 2 or sizes.get(f, 0) == 0]
         batches = _plan_batches(small, sizes, target_rows)

@@ -78,6 +78,7 @@ SKYRL_SCHEMA = pa.schema(
                     ("model", pa.string()),
                     ("policy_kind", pa.string()),
                     ("policy_version", pa.string()),
+                    ("reward_rule", pa.string()),
                 ]
             ),
         ),
@@ -132,7 +133,9 @@ class ExportResult(BaseModel):
             f"{'groups' if self.format == 'atropos' else 'rows'} with tokens) to {self.path}; of {c.total} groups "
             f"({c.complete} complete, {c.masked} with an error member, {c.zero_variance} zero-variance): "
             f"dropped {c.dropped_masked} masked ({self.on_error}), {c.dropped_zero_variance} zero-variance, "
-            f"{c.dropped_no_tokens} without exact token ids{kept_err}"
+            f"{c.dropped_no_tokens} without exact token ids, {c.dropped_incomplete} incomplete"
+            + (f", {c.dropped_cancelled} cancelled by atropos" if c.dropped_cancelled else "")
+            + f"{kept_err}; reward rule {'/'.join(c.reward_rules) or 'unrecorded'}"
         )
 
 
@@ -142,6 +145,7 @@ def selected_groups(
     drop_zero_variance: bool = False,
     progress: bool = False,
     require_tokens: bool = True,
+    exclude_cancelled: bool = False,
 ) -> tuple[list[list[EpisodeRecord]], GroupCounts]:
     """The selected groups as lists of ``EpisodeRecord`` (sample order), and the counts.
 
@@ -149,7 +153,7 @@ def selected_groups(
     (absent, or drifting from the server's tokenization) is left out and counted in
     ``counts.dropped_no_tokens``.
     """
-    groups, counts, _ = _selected(run, on_error, drop_zero_variance, progress, require_tokens)
+    groups, counts, _ = _selected(run, on_error, drop_zero_variance, progress, require_tokens, exclude_cancelled)
     return [recs for _, recs in groups], counts
 
 
@@ -175,9 +179,9 @@ def _record(row: dict[str, Any]) -> EpisodeRecord | str:
 
 
 def _selected(
-    run: RunStore, on_error: str, drop_zero_variance: bool, progress: bool, require_tokens: bool
+    run: RunStore, on_error: str, drop_zero_variance: bool, progress: bool, require_tokens: bool, exclude_cancelled: bool = False
 ) -> tuple[list[tuple[Group, list[EpisodeRecord]]], GroupCounts, _Skips]:
-    table, groups, counts = run.select(on_error, drop_zero_variance)
+    table, groups, counts = run.select(on_error, drop_zero_variance, require_tokens=require_tokens, exclude_cancelled=exclude_cancelled)
     rows = table_rows(table)
     recs = [_record(r) for r in progress_bar(rows, desc="load", unit="ep", show=None if progress else False)]
     out = []
@@ -190,12 +194,7 @@ def _selected(
             counts.selected -= 1
             counts.episodes -= len(got)
             continue
-        members = [r for r in got if isinstance(r, EpisodeRecord)]
-        if require_tokens and not all(r.has_tokens for r in members):
-            counts.dropped_no_tokens += 1
-            counts.selected -= 1
-            counts.episodes -= len(members)
-            continue
+        members = [r for r in got if isinstance(r, EpisodeRecord)]  # select() left out what untrainable refuses
         out.append((g, members))
     return out, counts, skips
 
@@ -297,11 +296,19 @@ def iter_atropos_groups(groups: list[list[EpisodeRecord]], stats: dict[str, int]
 
 
 def export_atropos(
-    run: RunStore, out: Path | str, *, on_error: str = "mask", drop_zero_variance: bool = True, progress: bool = False
+    run: RunStore,
+    out: Path | str,
+    *,
+    on_error: str = "mask",
+    drop_zero_variance: bool = True,
+    progress: bool = False,
+    exclude_cancelled: bool = False,
 ) -> ExportResult:
-    """Write the selected groups as Atropos ScoredDataGroup JSONL (atomically); returns the counts."""
+    """Write the selected groups as Atropos ScoredDataGroup JSONL (atomically); returns the counts
+    (``counts.reward_rules``: the rule the rewards follow). ``exclude_cancelled`` leaves out the
+    Atropos env's groups that atropos cancelled."""
     out = _check_out(out)
-    found, counts, skips = _selected(run, on_error, drop_zero_variance, progress, True)
+    found, counts, skips = _selected(run, on_error, drop_zero_variance, progress, True, exclude_cancelled)
     stats: dict[str, int] = {}
     lines = escaped = 0
     with atomic_open(out) as f:  # streamed: a 10k-episode export is hundreds of MB of JSON
@@ -397,6 +404,7 @@ def skyrl_row(r: EpisodeRecord, group: Group | None = None) -> dict[str, Any]:
             "model": r.model,
             "policy_kind": r.policy_kind,
             "policy_version": r.policy_version,
+            "reward_rule": r.reward_rule,
         },
         "rewards": r.reward,
         "trajectory_ids": {"instance_id": instance_id(r, group), "repetition_id": r.sample},
@@ -407,11 +415,18 @@ def skyrl_row(r: EpisodeRecord, group: Group | None = None) -> dict[str, Any]:
 
 
 def export_skyrl(
-    run: RunStore, out: Path | str, *, on_error: str = "mask", drop_zero_variance: bool = False, progress: bool = False
+    run: RunStore,
+    out: Path | str,
+    *,
+    on_error: str = "mask",
+    drop_zero_variance: bool = False,
+    progress: bool = False,
+    exclude_cancelled: bool = False,
 ) -> ExportResult:
-    """Write the selected groups' ok episodes as SkyRL/verl parquet (atomically); returns the counts."""
+    """Write the selected groups' ok episodes as SkyRL/verl parquet (atomically); returns the
+    counts (as ``export_atropos``); ``extra_info.reward_rule`` names each row's rule."""
     out = _check_out(out)
-    found, counts, skips = _selected(run, on_error, drop_zero_variance, progress, True)
+    found, counts, skips = _selected(run, on_error, drop_zero_variance, progress, True, exclude_cancelled)
     built: list[tuple[Group, list[tuple[dict[str, Any], bool]]]] = []
     for g, recs in progress_bar(found, desc="skyrl", unit="group", show=None if progress else False):
         try:

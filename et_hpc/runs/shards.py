@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 RUN_CONFIG = "run.json"
 PART_PREFIX = "part-"
+STREAM_SLOT_PREFIX = "part-s"  # a continuous run's stream slot part-s<seq>.parquet (never compacted)
 TMP_PREFIX = ".tmp-"
 STALE_TMP_S = 3600.0
 DEFAULT_TARGET_ROWS = 16384
@@ -55,6 +56,11 @@ def _shard_name() -> str:
     now = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
     host = socket.gethostname().split(".")[0].replace("-", "_") or "host"
     return f"{PART_PREFIX}{now}-{host}-{os.getpid()}-{secrets.token_hex(4)}.parquet"
+
+
+def is_stream_slot(name: str) -> bool:
+    """``part-s<digits>.parquet``: a stream slot of a continuous run (other shards start with a date)."""
+    return name.startswith(STREAM_SLOT_PREFIX) and name[len(STREAM_SLOT_PREFIX) : -len(".parquet")].isdigit()
 
 
 def write_table_atomic(directory: Path, table: pa.Table, name: str | None = None) -> Path:

@@ -33,6 +33,7 @@ from et_hpc.runs.compaction import CompactResult, compact_run
 from et_hpc.runs.groups import GROUP_COLS as GROUP_COLS  # the names' old home: re-exported
 from et_hpc.runs.groups import GROUP_ID_SCHEMA as GROUP_ID_SCHEMA
 from et_hpc.runs.groups import (
+    GROUP_EXTRA_COLS,
     GROUP_READ_COLS,
     Group,
     GroupCounts,
@@ -253,7 +254,12 @@ class RunStore:
         return table, groups_of(table)
 
     def select(
-        self, on_error: str = "mask", drop_zero_variance: bool = False, columns: list[str] | None = None
+        self,
+        on_error: str = "mask",
+        drop_zero_variance: bool = False,
+        columns: list[str] | None = None,
+        require_tokens: bool = False,
+        exclude_cancelled: bool = False,
     ) -> tuple[pa.Table, list[Group], GroupCounts]:
         """What a trainer may train on: ok episodes of the selected groups (see ``select_groups``).
 
@@ -261,8 +267,8 @@ class RunStore:
         sample), the selected groups (``rows`` index into the returned table) and the counts.
         """
         want = list(columns) if columns is not None else list(EPISODE_SCHEMA.names)
-        table = self.read(list(dict.fromkeys(want + GROUP_READ_COLS)))
-        kept, counts = select_groups(groups_of(table), on_error, drop_zero_variance)
+        table = self.read(list(dict.fromkeys(want + GROUP_READ_COLS + GROUP_EXTRA_COLS)))
+        kept, counts = select_groups(groups_of(table), on_error, drop_zero_variance, require_tokens, exclude_cancelled)
         order = [r for g in kept for r in g.rows]
         out = table.take(pa.array(order, type=pa.int64())).select(want)
         pos = 0
@@ -274,7 +280,7 @@ class RunStore:
         return out, renumbered, counts
 
     def summary(self) -> RunSummary:
-        raw = self._read_raw(list(dict.fromkeys(list(DEDUPE_COLS) + GROUP_READ_COLS + ["passed", "total"])))
+        raw = self._read_raw(list(dict.fromkeys(list(DEDUPE_COLS) + GROUP_READ_COLS + GROUP_EXTRA_COLS + ["passed", "total"])))
         t = dedupe_units(raw)
         statuses = t.column("status").to_pylist()
         by_status = {s: 0 for s in STATUSES}

@@ -210,6 +210,8 @@ def test_max_staleness_counts_publishes_of_the_checkpoint_dir(tmp_path: Path, wi
                         status="ok",
                         reward=float(i),
                         policy_version=label[step],
+                        prompt_token_ids=[[1]],  # exact tokens: the stream hands out only trainable groups
+                        token_ids=[[2]],
                     )
                     for i in range(2)
                 ]
@@ -240,11 +242,13 @@ def test_trainer_versions_are_the_ones_current_while_each_episode_ran(tmp_path: 
     from et_hpc.rollouts.queue import Lease, Unit
     from et_hpc.rollouts.versions import VersionReader
     from et_hpc.rollouts.worker import UNVERSIONED, Worker, _InFlight
+    from et_hpc.runner.config import RunConfig
 
     run = tmp_path / "run"
     w = Worker.__new__(Worker)
     w.lock = threading.Lock()
     w.versions = VersionReader(run)
+    w.cfg = RunConfig()  # the run's reward rule (binary) is applied with the tags
     unit = Unit(uid="e000000-000000", task_id="t", epoch=0, pos=0, samples=3)
     lease = Lease(unit=unit, attempt="x", path=Path("/nonexistent"))
 

@@ -211,6 +211,7 @@ def test_serve_to_atropos_api_server_batch(demo_images, tokenizer_dir, model_ser
             env__max_num_workers=2,
             env__max_batches_offpolicy=1,
             env__total_steps=10,
+            env__reward="fraction",
         )
     )
     with open(log_path, "w") as log:
@@ -314,12 +315,17 @@ def test_process_writes_jsonl_groups(demo_images, tokenizer_dir, model_server, t
         _check_group_against_episodes(group, records, tok)
         assert group["scores"] == [1.0, 1.0]
     # three calls of one task: three groups of two in the store (not one of six), as sent
-    assert sorted(g["et_hpc"]["group_id"] for g in sent) == [f"{SOLVED}@s0", f"{SOLVED}@s2", f"{SOLVED}@s4"]
+    import re
+
+    ids = sorted(g["et_hpc"]["group_id"] for g in sent)
+    assert [re.sub(r"@w[0-9a-f]{8}-", "@", i) for i in ids] == [f"{SOLVED}@s0", f"{SOLVED}@s2", f"{SOLVED}@s4"]
+    assert len({i.split("@")[1].split("-")[0] for i in ids}) == 1  # one env process: one writer id
     assert_export_is_what_was_sent(sent, store / "e2e-process")
     group = sent[0]
     assert group["messages"] and group["messages"][0][1]["content"].startswith("Create the file")  # process mode
     assert (tmp_path / "groups.html").exists()  # atropos' own viewer
-    assert json.loads((store / "e2e-process" / "run.json").read_text())["reward"] == "fraction"
+    assert json.loads((store / "e2e-process" / "run.json").read_text())["reward"] == "binary"  # every run's default
+    assert {r.reward_rule for r in records} == {"binary"}
 
 
 class _CountingServer:
@@ -524,13 +530,107 @@ def test_env_settings_epochs_rewards_and_runs(tokenizer_dir, tmp_path, monkeypat
         assert env.eval_run_name == "atropos-endless-eval"
         assert env.run_config(env.eval_run_name).run_name() == "atropos-endless-eval"
         four = _rec(0, 0.0).model_copy(update={"passed": 3, "total": 4})
-        assert env.score(four).reward == 0.75  # the seed's rule: passed / total
+        assert env.score(four).reward == 0.0 and env.score(four).reward_rule == "binary"  # every run's default
         assert env.score(_rec(1, None, "infra_error")).reward is None
     finally:
         env.close()
-    binary = _offline_env(tokenizer_dir, tmp_path, reward="binary")
+    fraction = _offline_env(tokenizer_dir, tmp_path, reward="fraction")
     try:
-        assert binary.score(_rec(0, 0.0).model_copy(update={"passed": 3, "total": 4})).reward == 0.0
-        assert binary.run_config().policy.base_url == "http://127.0.0.1:9/v1"
+        scored = fraction.score(_rec(0, 0.0).model_copy(update={"passed": 3, "total": 4}))
+        assert (scored.reward, scored.reward_rule) == (0.75, "fraction")  # the seed's rule: passed / total
+        assert fraction.run_config().policy.base_url == "http://127.0.0.1:9/v1"
     finally:
-        binary.close()
+        fraction.close()
+
+
+def _writer(tokenizer_dir: str, root: str, out: str, start) -> None:
+    """One env process writing two groups of task t into the shared run (episodes stand in)."""
+    import asyncio
+
+    from et_hpc.runs.store import Store
+    from et_hpc.tasks.model import Recipe, Task
+
+    env = _offline_env(Path(tokenizer_dir), Path(root))
+    env.run_store = Store(Path(root) / "store").run("atropos-endless")
+    env.eval_store = Store(Path(root) / "store").run("atropos-endless-eval")
+    env._episode = lambda task, sample, cfg: _rec(sample, float(sample % 2)).model_copy(update={"run_name": "atropos-endless"})
+    task = Task(id="t", prompt="p", recipe=Recipe(kind="sif", path=Path(root) / "x.sif", context_dir=Path(root)), source=Path(root))
+    start.wait(60)
+
+    async def two() -> list:
+        return [await env.run_episodes(task, 3) for _ in range(2)]
+
+    groups = asyncio.run(two())
+    env.close()
+    Path(out).write_text(json.dumps([[r.group_id for r in g] for g in groups]))
+
+
+def test_two_env_processes_on_one_run_never_share_a_group(tokenizer_dir, tmp_path, monkeypatch):
+    import multiprocessing as mp
+
+    from et_hpc.runs.store import RunStore
+
+    for k, v in OFFLINE.items():
+        monkeypatch.setenv(k, v)
+    ctx = mp.get_context("spawn")
+    start = ctx.Event()
+    procs = [ctx.Process(target=_writer, args=(str(tokenizer_dir), str(tmp_path), str(tmp_path / f"w{i}.json"), start)) for i in range(2)]
+    for p in procs:
+        p.start()
+    start.set()
+    for p in procs:
+        p.join(300)
+        assert p.exitcode == 0
+    sent = [gid for i in range(2) for g in json.loads((tmp_path / f"w{i}.json").read_text()) for gid in set(g)]
+    assert len(sent) == len(set(sent)) == 4  # four groups, four ids
+    rs = RunStore(tmp_path / "store" / "atropos-endless")
+    _, groups = rs.groups()
+    assert sorted(g.group_id for g in groups) == sorted(sent)  # none hidden by the dedupe
+    assert all(len(g.rows) == 3 == g.group_size for g in groups)
+
+
+@pytest.mark.apptainer
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_sigkilled_env_leaves_no_sandbox(demo_images, tokenizer_dir, tmp_path):
+    """A real env process SIGKILLed while its episodes' instances run: they outlive it (the positive
+    control) until the next env process on the node starts, whose setup reaps them."""
+    import getpass
+
+    from et_hpc.host import apptainer
+    from et_hpc.testing.scripted_server import ScriptedServer
+    from helpers import until
+
+    env = {**os.environ, **OFFLINE, "ET_HPC_SCRATCH": str(tmp_path / "scratch")}
+    scratch = tmp_path / "scratch" / f"et-hpc-{getpass.getuser()}"  # et_hpc.paths.scratch_dir under it
+
+    def env_cmd(srv, run_name: str) -> list[str]:
+        extra = dict(env__total_steps=1, env__ensure_scores_are_not_same="false", env__command_timeout_s=600, env__wall_time_s=900)
+        out = str(tmp_path / f"{run_name}.jsonl")
+        return (
+            ENV_MODULE
+            + ["process"]
+            + _env_flags(tokenizer_dir, srv, tmp_path / "store", run_name, [SOLVED], env__data_path_to_save_groups=out, **extra)
+        )
+
+    def live() -> list[str]:
+        return sorted(json.loads(f.read_text())["name"] for f in (scratch / "live").glob("*.json"))
+
+    def running(names: list[str]) -> list[str]:
+        up = {i.name for i in apptainer.instance_list()}
+        return [n for n in names if n in up]
+
+    with ScriptedServer({"greeting.txt": [{"command": "sleep 600"}, "Done."]}) as slow:
+        log = open(tmp_path / "killed.log", "w")
+        p = subprocess.Popen(env_cmd(slow, "killed"), stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, env=env)
+        names = until("the env's two sandboxes to run", lambda: len(running(live())) == 2 and live(), 600)
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(30)
+        log.close()
+    time.sleep(5)
+    assert running(names) == names and live() == names  # nothing of the killed env stopped them
+    with ScriptedServer(SCRIPT) as srv:
+        q = subprocess.run(env_cmd(srv, "next"), capture_output=True, text=True, cwd=tmp_path, env=env, timeout=900)
+    assert q.returncode == 0, (q.stdout + q.stderr)[-4000:]
+    assert running(names) == []
+    assert not any(n in live() for n in names) and not any(n in p.name for p in (scratch / "overlays").glob("*.img") for n in names)

@@ -32,6 +32,8 @@ def _table(task: str, epoch: int, version: str | None = None, statuses=("ok", "o
             status=s,
             reward=1.0 if s == "ok" else None,
             policy_version=version,
+            prompt_token_ids=[[1], [2]],
+            token_ids=[[3], [4]],
         )
         for i, s in enumerate(statuses)
     ]
@@ -210,7 +212,7 @@ def test_stream_staleness_and_masking_are_counted(tmp_path: Path) -> None:
     s = RolloutStream(tmp_path, "tr")
     got = s.next_batch(4, timeout_s=0.5, max_staleness=1)
     assert [g.policy_version for g in got] == ["2", "3"]
-    assert s.counts == {"delivered": 2, "discarded_stale": 1, "discarded_masked": 1}
+    assert s.counts == {"delivered": 2, "discarded_stale": 1, "discarded_masked": 1, "discarded_incomplete": 0, "discarded_no_tokens": 0}
     s2 = RolloutStream(tmp_path, "keep")
     got2 = s2.next_batch(4, timeout_s=0.5, on_error="keep-ok")
     assert [len(g.records) for g in got2] == [2, 2, 1, 2]

@@ -44,7 +44,15 @@ def _group(q: WorkQueue, label: str | None) -> None:
     assert lease is not None
     recs = [
         EpisodeRecord(
-            run_name="r", task_id=lease.unit.task_id, sample=i, group_id=lease.unit.group_id, status="ok", reward=1.0, policy_version=label
+            run_name="r",
+            task_id=lease.unit.task_id,
+            sample=i,
+            group_id=lease.unit.group_id,
+            status="ok",
+            reward=1.0,
+            policy_version=label,
+            prompt_token_ids=[[1], [2]],  # exact tokens: the stream hands out only trainable groups
+            token_ids=[[3], [4]],
         )
         for i in range(2)
     ]

@@ -264,7 +264,17 @@ def test_report_has_a_capacity_section(tmp_path: Path) -> None:
 def _group(task: str, version: str) -> object:
     return records_to_table(
         [
-            EpisodeRecord(run_name="s", task_id=task, sample=i, group_id=f"{task}@e0", status="ok", reward=1.0, policy_version=version)
+            EpisodeRecord(
+                run_name="s",
+                task_id=task,
+                sample=i,
+                group_id=f"{task}@e0",
+                status="ok",
+                reward=1.0,
+                policy_version=version,
+                prompt_token_ids=[[1]],  # exact tokens: the stream hands out only trainable groups
+                token_ids=[[2]],
+            )
             for i in range(2)
         ]
     )

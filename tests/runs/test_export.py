@@ -130,7 +130,8 @@ def test_group_with_one_infra_error_is_not_exported_by_default(run, tmp_path):
     res = export_atropos(run, out, on_error="keep-ok", drop_zero_variance=False)
     msg = [g for g in read_jsonl(out) if g["et_hpc"]["task_id"] == "msg"]
     assert msg == []  # its ok members have no token ids: dropped, counted
-    assert res.counts.dropped_error_episodes == 1 and res.counts.dropped_no_tokens == 3
+    # counted once, as a group without tokens (error episodes are counted only in kept groups)
+    assert res.counts.dropped_error_episodes == 0 and res.counts.dropped_no_tokens == 3
     for g in read_jsonl(out):
         validate_atropos_group(g)
         assert all(g["tokens"])
