@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -70,7 +69,7 @@ def test_instance_names_and_registry_never_collide_across_nodes(demo_image, shar
     finally:
         for n in NODES:
             (shared / f"release-{n}").touch()
-        for n, p in procs.items():
+        for p in procs.values():
             p.wait(timeout=300)
     for n in NODES:
         assert "stopped" in (shared / f"{n}.out").read_text(), (shared / f"{n}.out").read_text()[-3000:]
@@ -114,7 +113,8 @@ STATE = textwrap.dedent("""\
     scratch, reap = sys.argv[1], sys.argv[2] == "reap"
     out = {"host": socket.gethostname()}
     if reap:
-        r = subprocess.run([sys.executable, "-m", "et_hpc.cli", "reap", "--scratch", scratch, "--all", "--json"], capture_output=True, text=True)
+        cmd = [sys.executable, "-m", "et_hpc.cli", "reap", "--scratch", scratch, "--all", "--json"]
+        r = subprocess.run(cmd, capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
         out["reap"] = json.loads(r.stdout)
     listed = json.loads(subprocess.run(["apptainer", "instance", "list", "--json"], capture_output=True, text=True, check=True).stdout)
@@ -162,4 +162,3 @@ def test_reap_on_one_node_never_touches_another_nodes_sandboxes(demo_image, shar
     finally:
         (shared / f"release-{b}").touch()
         leave_b.wait(timeout=300)
-    time.sleep(0)  # nothing left to check: the live worker stopped its own sandbox

@@ -53,7 +53,24 @@ def on_node(node: str, argv: list[str], out: Path, *, env: dict[str, str] | None
     cmd = " ".join(shlex.quote(a) for a in argv)
     full_env = {**os.environ, **(env or {})}
     return subprocess.Popen(
-        ["sbatch", "--wait", "--quiet", "-p", PARTITION, "-w", node, "-N", "1", "-c", "1", f"--time={time_min}", "-o", str(out), "--wrap", cmd],
+        [
+            "sbatch",
+            "--wait",
+            "--quiet",
+            "-p",
+            PARTITION,
+            "-w",
+            node,
+            "-N",
+            "1",
+            "-c",
+            "1",
+            f"--time={time_min}",
+            "-o",
+            str(out),
+            "--wrap",
+            cmd,
+        ],
         env=full_env,
         text=True,
     )
