@@ -16,7 +16,7 @@ from pathlib import Path
 PARTITION = "multi"
 NODES = ("rig1", "rig2", "rig3")
 RIG = "/usr/local/sbin/et-rig"
-UP = ("idle", "mixed", "allocated", "completing")
+UP = ("idle", "mixed", "allocated", "completing", "planned", "reserved")  # states of a node that runs jobs
 
 
 def node_states() -> dict[str, str]:
