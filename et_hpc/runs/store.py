@@ -31,7 +31,6 @@ from et_hpc.record import EPISODE_SCHEMA, STATUSES, EpisodeRecord, records_from_
 from et_hpc.record import solved as is_solved
 from et_hpc.runs.compaction import CompactResult, compact_run
 from et_hpc.runs.groups import GROUP_COLS as GROUP_COLS  # the names' old home: re-exported
-from et_hpc.runs.groups import GROUP_ID_SCHEMA as GROUP_ID_SCHEMA
 from et_hpc.runs.groups import (
     GROUP_EXTRA_COLS,
     GROUP_READ_COLS,
@@ -41,6 +40,7 @@ from et_hpc.runs.groups import (
     groups_of,
     select_groups,
 )
+from et_hpc.runs.groups import GROUP_ID_SCHEMA as GROUP_ID_SCHEMA
 from et_hpc.runs.groups import ON_ERROR as ON_ERROR
 from et_hpc.runs.groups import OnError as OnError
 from et_hpc.runs.groups import group_key as group_key

@@ -1,6 +1,6 @@
 """A scripted OpenAI-compatible chat server (vLLM's response shape) for tests and dry runs.
 
-On 127.0.0.1 only. A script maps a substring of the first user message to the replies served
+On 127.0.0.1 unless told otherwise (``host``). A script maps a substring of the first user message to the replies served
 turn by turn (text, a tool call, or a fault to inject); token ids, ``usage``, logprobs and
 ``/tokenize`` behave like vLLM's, with ``et_hpc.testing.scripted_tokenizer``'s template. Options
 mimic an older vLLM, no ``/tokenize``, an API key, served model names, an endpoint file. Usage::
@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -204,6 +205,7 @@ class ScriptedServer:
         tokenize_endpoint: bool = True,
         api_key: str | None = None,
         served_names: list[str] | None = None,
+        host: str = HOST,
     ):
         self.served_names = list(served_names) if served_names else None  # None: any name, echoed
         self.on_request: Any = None  # called with each chat/completion request before it is checked
@@ -221,7 +223,8 @@ class ScriptedServer:
         self._attempts: dict[str, int] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._httpd = _HTTPServer((HOST, port), _Handler)
+        self.address = socket.gethostname() if host in ("0.0.0.0", "") else host  # "0.0.0.0": named by its hostname
+        self._httpd = _HTTPServer((host, port), _Handler)
         self._httpd.owner = self
         self._thread: threading.Thread | None = None
 
@@ -232,7 +235,7 @@ class ScriptedServer:
 
     @property
     def base_url(self) -> str:
-        return f"http://{HOST}:{self.port}/v1"
+        return f"http://{self.address}:{self.port}/v1"
 
     @property
     def chat_requests(self) -> int:
@@ -265,7 +268,7 @@ class ScriptedServer:
         from et_hpc.agent.endpoint import endpoint_record, write_endpoint_file
 
         rec = endpoint_record(
-            HOST, self.port, self.model, job_id, api_key=self.api_key, model_version=model_version, served_model=served_model
+            self.address, self.port, self.model, job_id, api_key=self.api_key, model_version=model_version, served_model=served_model
         )
         write_endpoint_file(Path(path), rec)
         return rec
@@ -529,20 +532,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--script", required=True, type=Path, help="JSON or YAML script file")
     p.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (0: any free port)")
+    p.add_argument("--host", default=HOST, help="address to listen on (0.0.0.0: every address, for clients on other nodes)")
     p.add_argument("--model", default="scripted", help="model name to report (default: scripted)")
     p.add_argument("--served-model-name", nargs="+", help="serve only these names (as vLLM's); answers name the first")
     p.add_argument("--max-model-len", type=int, default=32768, help="context length to enforce")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--endpoint-file", type=Path, help="write the endpoint JSON here (as slurm/vllm.sbatch does)")
-    where.add_argument(
-        "--endpoint-dir", type=Path, help="write the endpoint JSON as DIR/<$SLURM_JOB_ID or scripted-PORT>.json (one of many servers)"
-    )
+    where.add_argument("--endpoint-dir", type=Path, help="write the endpoint JSON as DIR/<$SLURM_JOB_ID or scripted-PORT>.json")
     p.add_argument("--old-vllm", action="store_true", help="behave like vLLM before 0.10.2: ignore return_token_ids (no token-id fields)")
     p.add_argument("--no-tokenize", action="store_true", help="serve no /tokenize (like servers other than vLLM)")
-    p.add_argument(
-        "--api-key",
-        help="require this key on /v1 (default: $VLLM_API_KEY, as vllm serve; the environment keeps a key out of the process list)",
-    )
+    p.add_argument("--api-key", help="require this key on /v1 (default: $VLLM_API_KEY, as vllm serve: no key in the process list)")
     p.add_argument("--model-version", help="model_version to put in the endpoint file")
     p.add_argument("--log-requests", action="store_true", help="print 'served chat turn=N' after each reply")
     args = p.parse_args(argv)
@@ -558,12 +557,13 @@ def main(argv: list[str] | None = None) -> int:
             tokenize_endpoint=not args.no_tokenize,
             api_key=args.api_key or os.environ.get("VLLM_API_KEY") or None,
             served_names=args.served_model_name,
+            host=args.host,
         )
     except UserError as e:
         print(f"scripted_server: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:
-        print(f"scripted_server: error: cannot listen on {HOST}:{args.port}: {e.strerror}", file=sys.stderr)
+        print(f"scripted_server: error: cannot listen on {args.host}:{args.port}: {e.strerror}", file=sys.stderr)
         return 2
     srv.log_requests = args.log_requests
     done = threading.Event()

@@ -43,6 +43,10 @@ def missing(what: str) -> str | None:
         if r.returncode != 0 or not r.stdout.strip():
             return f"Slurm is not answering (sinfo: {r.stderr.strip()[:200]})"
         return None
+    if what == "rig":  # the multi-node rig: scripts/rig, docs/rig.md
+        from helpers.rig import missing as rig_missing
+
+        return rig_missing()
     if what == "fixtures":
         return None if FIXTURES.is_dir() else f"fixtures not found at {FIXTURES} (set ET_HPC_FIXTURES)"
     if what == "model":  # the CPU model server and the embedded model (the model extra)
