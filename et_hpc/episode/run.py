@@ -254,6 +254,9 @@ def run_episode(
     if "setup_s" in timings:
         timings["setup_s"] += pre_setup
     base["model"] = getattr(policy, "model", None) or base["model"]  # a served model is named on first use
+    constrained = getattr(policy, "constrained", None)
+    if isinstance(constrained, list) and constrained:  # per turn: how the reply was constrained
+        base["sampling_params"] = {**base["sampling_params"], "constrained": list(constrained)}
     _tear_down(task, cfg, warm, ready, status, base, kw, timings)
     versions.update(policy_version_fields(policy))
     if getattr(policy, "server_sampling", None):  # what the server sampled with, its own defaults included
