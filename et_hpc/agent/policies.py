@@ -198,7 +198,7 @@ class PolicyConfig(BaseModel):
     max_tokens: int | None = None
     """Completion tokens per turn; default: BudgetConfig.max_tokens_per_turn."""
     seed: int | None = None
-    """Sampling seed sent with each request."""
+    """Sampling seed sent with each request; sample i of a task sends seed + i (its record says which)."""
     logprobs: bool = False
     """Ask for the sampled tokens' logprobs."""
     return_token_ids: bool = True

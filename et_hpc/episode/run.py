@@ -219,6 +219,9 @@ def run_episode(
     if pcfg.kind == "replay":
         # Sample i of a replay run replays recorded run (replay_index + i).
         pcfg = pcfg.model_copy(update={"replay_index": pcfg.replay_index + sample})
+    elif pcfg.kind == "openai" and pcfg.seed is not None and sample:
+        # Sample i sends seed + i: each sample is reproducible, and a group's samples are not all one.
+        pcfg = pcfg.model_copy(update={"seed": pcfg.seed + sample})
     budgets = episode_budgets(cfg.budgets, task)
     base = _base_fields(task, sample, cfg, pcfg, image)
     timings: dict[str, float] = {"start_s": t_start}

@@ -13,9 +13,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import need
 from et_hpc.errors import UserError
 from et_hpc.model import catalog
+from helpers import need
 
 ET_HPC = [sys.executable, "-m", "et_hpc.cli"]
 
