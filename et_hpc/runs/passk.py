@@ -78,9 +78,9 @@ def evaluate(rows: Iterable[tuple[str, str | None, float | None]]) -> Evaluation
         c[0] += 1
         c[1] += int(is_solved(reward))
     per_task = {t: _stats(n, c) for t, (n, c) in sorted(counts.items())}
-    n = sum(v[0] for v in counts.values())
-    c = sum(v[1] for v in counts.values())
-    overall = PassStats(n=n, solved=c, pass1=c / n if n else None, pass1_ci=wilson(c, n))
+    n_all = sum(v[0] for v in counts.values())
+    c_all = sum(v[1] for v in counts.values())
+    overall = PassStats(n=n_all, solved=c_all, pass1=c_all / n_all if n_all else None, pass1_ci=wilson(c_all, n_all))
     for k in KS[1:]:
         vals = [s.pass_at[k] for s in per_task.values() if k in s.pass_at]
         if vals:
