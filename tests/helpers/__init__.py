@@ -81,7 +81,9 @@ def _missing_named(what: str) -> str | None:
         resolve(what)
     except UserError as e:
         return str(e)
-    return missing("model")
+    from et_hpc.model.server import INSTALL_HINT, server_command
+
+    return None if server_command() else f"llama-cpp-server is not installed: {INSTALL_HINT}"
 
 
 def _missing_named(what: str) -> str | None:
@@ -99,7 +101,9 @@ def _missing_named(what: str) -> str | None:
         resolve(what)
     except UserError as e:
         return str(e)
-    return missing("model")
+    from et_hpc.model.server import INSTALL_HINT, server_command
+
+    return None if server_command() else f"llama-cpp-server is not installed: {INSTALL_HINT}"
 
 
 def need(*what: str) -> None:
