@@ -98,11 +98,16 @@ def test_solves_hello_file_greedily(solver, base_sif, tmp_path):
 def test_a_group_of_four_whose_rewards_differ_exports_as_trainable(solver, base_sif, tmp_path):
     from et_hpc.runs.export import export_atropos, validate_atropos_group
 
-    run = _run(tmp_path, solver, "group", GROUP_TASK, 4, "policy.temperature=1.0", f"policy.seed={GROUP_SEED}")
-    recs = run.records()
-    assert [r.status for r in recs] == ["ok"] * 4, [(r.status, r.error) for r in recs]
-    assert sorted(r.sampling_params["seed"] for r in recs) == [GROUP_SEED + i for i in range(4)]
-    assert len({r.reward for r in recs}) > 1, [r.reward for r in recs]
+    tried = []
+    for attempt, seed in enumerate(GROUP_SEEDS):  # seeds not yet calibrated on a quiet machine: a second group if need be
+        run = _run(tmp_path, solver, f"group{attempt}", GROUP_TASK, 4, "policy.temperature=1.0", f"policy.seed={seed}")
+        recs = run.records()
+        assert [r.status for r in recs] == ["ok"] * 4, [(r.status, r.error) for r in recs]
+        assert sorted(r.sampling_params["seed"] for r in recs) == [seed + i for i in range(4)]
+        tried.append([r.reward for r in recs])
+        if len(set(tried[-1])) > 1:
+            break
+    assert len(set(tried[-1])) > 1, tried
     out = tmp_path / "groups.jsonl"
     res = export_atropos(run, out)  # zero-variance groups dropped: this one stays
     [g] = [json.loads(line) for line in out.read_text().splitlines()]
@@ -117,4 +122,4 @@ def test_a_group_of_four_whose_rewards_differ_exports_as_trainable(solver, base_
 
 
 GROUP_TASK = "demo_csv_sum"
-GROUP_SEED = 1
+GROUP_SEEDS = (1, 101)
