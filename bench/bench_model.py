@@ -3,6 +3,10 @@ concurrency 1 and 2, the model's share of episode wall time, and the capacity pr
 
     python bench/bench_model.py [--samples 1] [--turns 4] [--max-tokens 192] [--modes text,tools]
                                 [--tasks ID,ID] [--concurrency 1,2] [--store /tmp/et-bench-model]
+                                [--model NAME|GGUF] [--token-in] [--seed N] [--prefix bm]
+
+Per run: pass rate per task, s/episode, s/turn, tokens/s. Runs are named PREFIX-MODE-cN-HHMMSS:
+two tiers scored into one store with one prefix are a series for `et-hpc report --glob 'PREFIX-*'`.
 
 The load average is printed before and after: on a shared machine the episode rates are lower bounds.
 
@@ -25,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx
 
+from et_hpc.model.catalog import prepare
 from et_hpc.model.server import ServerConfig, serving
 
 REPO = Path(__file__).resolve().parent.parent
@@ -91,6 +96,9 @@ def episodes(store: Path, name: str, ep: Path, mode: str, conc: int, a: argparse
             f"budgets.max_turns={a.turns}",
             "--set",
             f"budgets.max_tokens_per_turn={a.max_tokens}",
+            "--set",
+            f"policy.token_in={str(a.token_in).lower()}",
+            *(["--set", f"policy.seed={a.seed}"] if a.seed is not None else []),
         ],
         capture_output=True,
         text=True,
@@ -104,6 +112,12 @@ def episodes(store: Path, name: str, ep: Path, mode: str, conc: int, a: argparse
     model = sum(x.timings.model_s or 0 for x in recs)
     total = sum(x.timings.total_s or 0 for x in recs)
     toks = sum(x.completion_tokens or 0 for x in recs)
+    turns = sum(x.turns or 0 for x in recs)
+    per_task: dict[str, list[int]] = {}
+    for x in recs:
+        c = per_task.setdefault(x.task_id, [0, 0])
+        c[0] += (x.reward or 0) >= 1
+        c[1] += 1
     cap = subprocess.run(
         [*ET, "status", name, "--store", str(store), "--capacity", "--cores", "64", "--json"], capture_output=True, text=True
     )
@@ -117,6 +131,9 @@ def episodes(store: Path, name: str, ep: Path, mode: str, conc: int, a: argparse
         "ok": sum(x.status == "ok" for x in recs),
         "solved": sum((x.reward or 0) >= 1 for x in recs),
         "tok_s": round(toks / model, 1) if model else None,
+        "s_per_episode": round(total / len(recs), 1) if recs else None,
+        "s_per_turn": round(model / turns, 1) if turns else None,
+        "pass_per_task": {t: f"{c[0]}/{c[1]}" for t, c in sorted(per_task.items())},
         "tokens_source": sorted({str(x.tokens_source) for x in recs}),
         "capacity": cap.stdout if cap.returncode == 0 else cap.stderr,
     }
@@ -136,10 +153,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="llama-server threads (default: its choice)")
     ap.add_argument("--no-speeds", action="store_true", help="skip the prefill/decode measurement")
     ap.add_argument("--store", type=Path, default=Path(tempfile.mkdtemp(prefix="et-bench-model-")))
+    ap.add_argument("--model", default=None, help="a model name or GGUF (default: the embedded smollm2-135m)")
+    ap.add_argument("--token-in", action="store_true", help="policy.token_in=true (on llama-server: the protocol's grammar)")
+    ap.add_argument("--seed", type=int, default=None, help="policy.seed (sample i sends seed + i)")
+    ap.add_argument("--prefix", default="bm", help="run name prefix (a series for et-hpc report --glob 'PREFIX-*')")
     a = ap.parse_args()
     d = Path(tempfile.mkdtemp(prefix="et-bench-ep-"))
     ep = d / "endpoint.json"
-    with serving(ServerConfig(endpoint_file=ep, log_file=d / "server.log", threads=a.threads)) as srv:
+    m, digest = prepare(a.model)
+    cfg = ServerConfig(model=m.path, digest=digest, alias=m.alias, endpoint_file=ep, log_file=d / "server.log", threads=a.threads)
+    with serving(cfg) as srv:
         key = json.loads(ep.read_text())["api_key"]
         idle = rss_mb(srv.proc.pid)
         if not a.no_speeds:
@@ -153,7 +176,7 @@ def main() -> None:
         for mode in a.modes.split(","):
             for conc in map(int, a.concurrency.split(",")):
                 load = os.getloadavg()[0]
-                res = episodes(a.store, f"bm-{mode}-c{conc}-{stamp}", ep, mode, conc, a)
+                res = episodes(a.store, f"{a.prefix}-{mode}-c{conc}-{stamp}", ep, mode, conc, a)
                 res["load_before_after"] = [round(load, 1), round(os.getloadavg()[0], 1)]
                 print(json.dumps({k: v for k, v in res.items() if k != "capacity"}), flush=True)
                 if conc == 2:

@@ -26,6 +26,7 @@ import openai
 
 from et_hpc.agent.base import DEFAULT_MAX_TOKENS, Action, ContextLengthError, PolicyError, TokenCapture, text_action
 from et_hpc.agent.chat_tokens import LLAMA_ASK, REASON, count_drift, render_ids, with_sampled_end
+from et_hpc.agent.constrain import TEXT_GRAMMAR, grammar, how, warn_once
 from et_hpc.agent.endpoint import CLIENT, EndpointWatch, key_or_default, resolve_api_key
 from et_hpc.agent.replies import error_text as _error_text
 from et_hpc.agent.replies import malformed as _malformed
@@ -48,11 +49,6 @@ _CONTEXT_RE = re.compile(
     r"|max_model_len|input is too long|context size",
     re.IGNORECASE,
 )
-
-# constrain=True in text mode: the reply is exactly one command or done (a GBNF grammar, llama.cpp's format)
-TEXT_GRAMMAR = r"""root ::= "<command>" cmd "</command>" | "<action>done</action>"
-cmd ::= ( [^<] | "<" [^/] )+
-"""
 
 
 class _Retryable(Exception):
@@ -104,7 +100,7 @@ class OpenAIPolicy:
         *,
         api_key: str | None = None,
         mode: Mode = "tools",
-        constrain: bool = False,
+        constrain: bool | None = None,
         token_in: bool | Literal["auto"] = False,
         temperature: float = CLIENT.temperature,
         top_p: float = CLIENT.top_p,
@@ -176,6 +172,8 @@ class OpenAIPolicy:
         self.version_sources: list[str] = []  # per turn: "response" or "endpoint"
         self._answered_by: str | None = None  # the model a token-in completion named
         self._tin: Any = None  # token_in: the episode's TokenIn state
+        self._how: str | None = None  # how replies are constrained (et_hpc.agent.constrain.how), once known
+        self.constrained: list[str] = []  # per turn: "grammar", "tool_choice" or "none"
 
     @classmethod
     def from_config(
@@ -350,11 +348,13 @@ class OpenAIPolicy:
         if self.seed is not None:
             kwargs["seed"] = self.seed
         extra: dict[str, Any] = {}
+        constrained = self._constraint(None)
         if self.mode == "tools":
             kwargs["tools"] = [TERMINAL_TOOL]
             kwargs["tool_choice"] = "required" if self.constrain else "auto"
-        elif self.constrain:
-            extra["grammar"] = TEXT_GRAMMAR  # llama.cpp's GBNF (llama-server, llama-cpp-python)
+        elif constrained == "grammar":  # llama.cpp's field (llama-server, llama-cpp-python) and vLLM's
+            extra["grammar"] = TEXT_GRAMMAR
+            extra["structured_outputs"] = {"grammar": TEXT_GRAMMAR}
         if self.logprobs:
             kwargs["logprobs"] = True
             extra["return_tokens_as_token_ids"] = True  # ids for the completion on servers without token_ids
@@ -380,6 +380,7 @@ class OpenAIPolicy:
         self._stamp(before, getattr(resp, "model", None))
         action = _to_action(resp, self.mode, self.return_token_ids)
         action.retries = self.retries - retries_before
+        self.constrained.append(constrained)
         if self.return_token_ids:
             self._fill_tokens(action, resp, messages)
         return action
@@ -428,8 +429,9 @@ class OpenAIPolicy:
         tin = self._tin
         params: dict[str, Any] = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed}
         params["logprobs"] = self.logprobs
-        if self.constrain and self.mode == "text":
-            params["grammar"] = TEXT_GRAMMAR
+        constrained = self._constraint(tin.dialect)
+        if constrained == "grammar":
+            params["grammar"] = grammar(self.mode)
         retries_before = self.retries
         before = self._version()
         self._answered_by = None
@@ -441,6 +443,7 @@ class OpenAIPolicy:
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise PolicyError(f"token-in: unusable answer from the server: {type(e).__name__}: {e}") from None
         self._stamp(before, self._answered_by)
+        self.constrained.append(constrained)
         tin.prompt, tin.completion, tin.finish, tin.n_messages = prompt, ids, finish, len(messages)
         action = text_action(text) if self.mode == "text" else _tool_action(parse_hermes(text))
         action.usage = usage
@@ -449,6 +452,16 @@ class OpenAIPolicy:
         action.prompt_token_ids, action.token_ids, action.tokens_from = prompt, ids, "server"
         action.logprobs = tin.logprobs
         return action
+
+    def _constraint(self, dialect: str | None) -> str:
+        """How this episode's replies are constrained (decided once; a probe of the server only when
+        a chat-mode constraint was asked for); a server that cannot enforce it is warned about once."""
+        if self._how is None:
+            if dialect is None and self.constrain and not self.token_in:
+                dialect = self._probe_dialect()
+            self._how, warning = how(self.constrain, self.mode, self.token_in is True, dialect)
+            warn_once(str(self.client.base_url), warning)
+        return self._how
 
     def _follow_endpoint(self) -> None:
         """A server republished elsewhere or with a new key (a restarted job): talk to that one."""

@@ -183,9 +183,10 @@ class PolicyConfig(BaseModel):
     """The served model name; default: the first model the server lists."""
     mode: Mode = "tools"
     """tools: commands as tool calls; text: commands in the reply's text."""
-    constrain: bool = False
-    """Constrained output: tools mode sends tool_choice "required" (every reply is a call, so the episode
-    ends at max_turns), text mode a grammar (llama.cpp's "grammar" field) allowing one command or done."""
+    constrain: bool | None = None
+    """Replies constrained to the protocol (et_hpc.agent.constrain): a grammar allowing one command or the
+    done reply. Default (unset): on with token_in on llama-server (the embedded server). True: also on
+    vLLM (structured outputs) and in chat mode; where the server cannot enforce it, a warning says so."""
     token_in: bool | Literal["auto"] = "auto"
     """Token-in continuation (llama-server's /completion, vLLM's /v1/completions with token-id prompts):
     each prompt is the previous prompt + the sampled tokens + the tokens of what was added since.
@@ -197,7 +198,7 @@ class PolicyConfig(BaseModel):
     max_tokens: int | None = None
     """Completion tokens per turn; default: BudgetConfig.max_tokens_per_turn."""
     seed: int | None = None
-    """Sampling seed sent with each request."""
+    """Sampling seed sent with each request; sample i of a task sends seed + i (its record says which)."""
     logprobs: bool = False
     """Ask for the sampled tokens' logprobs."""
     return_token_ids: bool = True

@@ -244,6 +244,8 @@ class TokenIn:
                 body["seed"] = params["seed"]
             if want:
                 body["logprobs"] = 1  # the sampled token's logprob (and one alternative) per position
+            if params.get("grammar"):  # vLLM >= 0.11's structured outputs (xgrammar reads GBNF)
+                body["structured_outputs"] = {"grammar": params["grammar"]}
             r = self._post("/v1/completions", body)
             ch = r["choices"][0]
             ids = ch.get("token_ids")

@@ -20,7 +20,7 @@ from et_hpc.errors import UserError
 from et_hpc.util import format_table
 
 DEMO_TASKS = paths.repo_root() / "defs" / "demo"
-MODEL_TASKS = ("demo_hello_file", "demo_csv_sum")  # the real-model part: two tasks, small budgets (2 cores)
+MODEL_TASKS = ("demo_hello_file", "demo_csv_sum")  # the real-model part's text-mode and Slurm runs (2 cores)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -38,7 +38,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--samples", type=int, default=2, help="episodes per task and policy (default 2)")
     p.add_argument("--no-slurm", action="store_true", help="skip the Slurm part even when Slurm is up")
     p.add_argument("--no-model", action="store_true", help="skip the real-model episodes (the embedded CPU model)")
-    p.add_argument("--model-turns", type=int, default=3, help="turns per real-model episode (default 3)")
+    p.add_argument("--model-turns", type=int, default=4, help="turns per real-model episode (default 4)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="the real-model part's model (a name or a GGUF; default: qwen2.5-coder-1.5b, the tier that solves "
+        "tasks, when installed, else the embedded smollm2-135m)",
+    )
     p.add_argument(
         "--base-source",
         choices=["auto", "docker", "debian"],
@@ -151,34 +157,49 @@ def cmd_demo(args) -> int:
     print(f"\nstore: {args.store}  (read it with: et-hpc store summary {args.store}/<run>)")
     from et_hpc.runs.view import build_site
 
-    site = build_site([args.store / r[0] for r in rows], args.store / "_view" / f"demo-{stamp}")
-    print(f"viewer: {site.index}  (open it in a browser, or: et-hpc view {' '.join(str(args.store / r[0]) for r in rows)} --serve)")
+    shown = [args.store / str(r[0]) for r in [*rows, *model_rows]]  # the real-model runs: the model's commands and outputs
+    site = build_site(shown, args.store / "_view" / f"demo-{stamp}")
+    print(f"viewer: {site.index}  (open it in a browser, or: et-hpc view {' '.join(str(p) for p in shown)} --serve)")
     print(f"demo finished in {time.monotonic() - t_all:.0f}s")
     return 1 if failed else 0
 
 
 def _model_runs(args, stamp: str, *, slurm: bool, rows: list[list[object]]) -> bool:
-    """Real-model episodes on the embedded CPU model (tools and text mode, locally and through Slurm).
+    """Real-model episodes on a CPU model (default: the solving tier, qwen2.5-coder-1.5b), token-in with
+    the protocol's grammar: tools mode on every demo task, text mode and Slurm on two of them.
 
-    The model is small and the budgets are tight: the pass rate is whatever it is. What must hold is
-    that every episode ends ``ok`` (the model's mistakes are its own; no policy_error). Returns failed.
+    The pass rate is whatever the model makes of it. What must hold is that every episode ends
+    ``ok`` (the model's mistakes are its own; no policy_error). Returns failed.
     """
     import tempfile
 
-    from et_hpc.model.server import ServerConfig, default_model, server_command, serving
+    from et_hpc.model.catalog import SOLVING, prepare
+    from et_hpc.model.server import ServerConfig, server_command, serving
     from et_hpc.runs.store import RunStore
 
-    if server_command() is None or default_model() is None:
+    try:
+        model, digest = prepare(args.model or SOLVING)
+    except UserError as e:
+        if args.model:
+            raise
+        print(f"\n(the solving tier is not installed: {e}; using the embedded model, which does not act)")
+        try:
+            model, digest = prepare(None)
+        except UserError:
+            model = None
+    if server_command() is None or model is None:
         print("\n(the model extra is not installed: skipping the real-model part; see README, 'A real model on CPU')")
         return False
-    _step("real-model episodes: starting the embedded CPU model server (et-hpc model serve)")
+    _step(f"real-model episodes: starting the CPU model server on {model.alias} (et-hpc model serve)")
     failed = False
     with tempfile.TemporaryDirectory(prefix="et-demo-model-") as d:
         ep = Path(d) / "endpoint.json"
-        with serving(ServerConfig(endpoint_file=ep, log_file=Path(d) / "server.log")) as srv:
+        cfg = ServerConfig(model=model.path, digest=digest, alias=model.alias, endpoint_file=ep, log_file=Path(d) / "server.log")
+        with serving(cfg) as srv:
             print(f"serving {srv.alias} at {srv.base_url} (model_version {srv.version})")
             runs = [("local", "tools"), ("local", "text")] + ([("slurm", "tools")] if slurm else [])
             for executor, mode in runs:
+                ids = ",".join(MODEL_TASKS) if (executor, mode) != ("local", "tools") else "*"
                 name = f"demo-model-{mode}-{executor}-{stamp}"
                 _step(f"real-model episodes ({mode} mode) through the {executor} executor (--run-name {name})")
                 t0 = time.monotonic()
@@ -191,8 +212,7 @@ def _model_runs(args, stamp: str, *, slurm: bool, rows: list[list[object]]) -> b
                     "1",
                     "--executor",
                     executor,
-                    "--set",
-                    f"tasks.ids=[{','.join(MODEL_TASKS)}]",
+                    *(["--set", f"tasks.ids=[{ids}]"] if ids != "*" else []),
                     "--concurrency",
                     "2",
                     "--store",
@@ -204,6 +224,8 @@ def _model_runs(args, stamp: str, *, slurm: bool, rows: list[list[object]]) -> b
                     "--set",
                     f"policy.mode={mode}",
                     "--set",
+                    "policy.token_in=true",
+                    "--set",
                     "policy.temperature=0.7",
                     "--set",
                     "policy.max_retries=2",
@@ -214,7 +236,7 @@ def _model_runs(args, stamp: str, *, slurm: bool, rows: list[list[object]]) -> b
                     "--set",
                     "budgets.context_tokens=3500",
                     "--set",
-                    "budgets.wall_time_s=120",
+                    "budgets.wall_time_s=900",
                 ]
                 if executor == "slurm":
                     argv += ["--set", "slurm.units_per_task=4", "--set", "slurm.time_min=20"]

@@ -29,8 +29,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     s.add_argument(
-        "--model", type=Path, default=None, help="a .gguf file (default: the embedded SmolLM2-135M-Instruct from the model extra)"
+        "--model",
+        default=None,
+        help="a model name (smollm2-135m: plumbing, the default; qwen2.5-coder-0.5b: fast; qwen2.5-coder-1.5b: "
+        "solves tasks; installed by scripts/provision-debian into $ET_HPC_MODELS or /var/lib/et-hpc/models) "
+        "or the path of any .gguf file",
     )
+    s.add_argument("--sha256", default=None, help="refuse the GGUF unless its sha256 is this (named models: their pinned one)")
     s.add_argument("--endpoint-file", type=Path, default=DEFAULT_ENDPOINT, help=f"where to publish the server (default {DEFAULT_ENDPOINT})")
     s.add_argument(
         "--endpoint-dir",
@@ -53,6 +58,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def cmd_serve(args) -> int:
     import os
 
+    from et_hpc.model.catalog import prepare
     from et_hpc.model.server import ServerConfig, serve_forever
 
     if not 0 <= args.port < 65536:
@@ -66,12 +72,14 @@ def cmd_serve(args) -> int:
     if args.endpoint_dir is not None:
         name = os.environ.get("SLURM_JOB_ID") or f"{os.uname().nodename}-{os.getpid()}"
         endpoint = args.endpoint_dir.expanduser() / f"{name}.json"
+    model, digest = prepare(args.model, args.sha256)
     cfg = ServerConfig(
-        model=args.model,
+        model=model.path,
+        digest=digest,
         endpoint_file=endpoint,
         host=args.host,
         port=args.port,
-        alias=args.alias,
+        alias=args.alias or model.alias,
         ctx_size=args.ctx_size,
         parallel=args.parallel,
         threads=args.threads,

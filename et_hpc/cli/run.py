@@ -312,7 +312,10 @@ def status_info(run_dir: Path) -> dict[str, Any]:
     ok = sum(1 for s in done.values() if s == OK)
     no_img = sum(1 for s in done.values() if s == NO_IMAGE)
     err = len(done) - ok - no_img
-    passed, n_ok = pass_stats(store)
+    from et_hpc.runs.passk import line
+
+    summ = store.summary()
+    passed, n_ok, ev = int(summ.solved), int(summ.ok), summ.evaluation
     info: dict[str, Any] = {
         "run": meta.get("name"),
         "run_dir": str(run_dir),
@@ -324,6 +327,8 @@ def status_info(run_dir: Path) -> dict[str, Any]:
         "missing": max(0, total - ok - err - no_img),
         "passed": passed,
         "pass_rate": round(passed / n_ok, 4) if n_ok else None,
+        "pass@k": line(ev.overall) if ev is not None and ev.overall.n else "-",
+        "evaluation": ev.model_dump() if ev is not None else None,
     }
     sb = meta.get("plan", {}).get("sandbox") or {}
     # host directories the run's sandboxes see (sandbox.binds; nothing else of the host is bound)
@@ -406,7 +411,12 @@ def cmd_status(args: argparse.Namespace) -> int:
         info = dict(info)
         for k, v in queue.items():
             info[f"queue.{k}"] = "-" if v is None else v
+    ev = info.pop("evaluation", None)
     _print_summary(f"run {info['run']}", info, False)
+    if ev and ev.get("per_task"):
+        from et_hpc.runs.passk import Evaluation, table
+
+        print(format_table(*table(Evaluation.model_validate(ev))))
     print(f"see the episodes: et-hpc view {run_dir}")
     if cap is not None:
         from et_hpc.runs.capacity import format_capacity

@@ -168,6 +168,11 @@ def _summary(args: argparse.Namespace) -> int:
         f"pass rate {util.pct(s.pass_rate)}  mean reward {util.num(s.mean_reward, '{:.3f}')}  "
         f"mean test fraction {util.num(s.mean_test_fraction, '{:.3f}')}"
     )
+    if s.evaluation is not None and s.evaluation.per_task:
+        from et_hpc.runs.passk import table
+
+        print(format_table(*table(s.evaluation)))
+        print("pass@1: solved / ok with a 95% Wilson interval; pass@k: the unbiased estimator, where a task has k samples")
     if s.groups is not None:
         g = s.groups
         print(

@@ -219,6 +219,9 @@ def run_episode(
     if pcfg.kind == "replay":
         # Sample i of a replay run replays recorded run (replay_index + i).
         pcfg = pcfg.model_copy(update={"replay_index": pcfg.replay_index + sample})
+    elif pcfg.kind == "openai" and pcfg.seed is not None and sample:
+        # Sample i sends seed + i: each sample is reproducible, and a group's samples are not all one.
+        pcfg = pcfg.model_copy(update={"seed": pcfg.seed + sample})
     budgets = episode_budgets(cfg.budgets, task)
     base = _base_fields(task, sample, cfg, pcfg, image)
     timings: dict[str, float] = {"start_s": t_start}
@@ -254,6 +257,9 @@ def run_episode(
     if "setup_s" in timings:
         timings["setup_s"] += pre_setup
     base["model"] = getattr(policy, "model", None) or base["model"]  # a served model is named on first use
+    constrained = getattr(policy, "constrained", None)
+    if isinstance(constrained, list) and constrained:  # per turn: how the reply was constrained
+        base["sampling_params"] = {**base["sampling_params"], "constrained": list(constrained)}
     _tear_down(task, cfg, warm, ready, status, base, kw, timings)
     versions.update(policy_version_fields(policy))
     if getattr(policy, "server_sampling", None):  # what the server sampled with, its own defaults included

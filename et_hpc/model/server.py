@@ -79,6 +79,7 @@ class ServerConfig:
     start_timeout_s: float = 300.0
     log_file: Path | None = None
     extra: list[str] = field(default_factory=list)  # more llama-server flags
+    digest: str | None = None  # the GGUF's sha256 when already computed (et_hpc.model.catalog.verify)
 
 
 class ModelServer:
@@ -97,7 +98,7 @@ class ModelServer:
             raise UserError(f"{SERVER_ENTRY} (llama.cpp's llama-server) is not installed: {INSTALL_HINT}")
         self.model_path = model.resolve()
         self.alias = cfg.alias or model_name(self.model_path)
-        self.version = f"{self.alias}@sha256-{model_digest(self.model_path)[:16]}"
+        self.version = f"{self.alias}@sha256-{(cfg.digest or model_digest(self.model_path))[:16]}"
         self.host = cfg.host
         self.port = cfg.port or free_port("" if cfg.host in ("0.0.0.0", "::") else cfg.host)
         self.api_key = secrets.token_urlsafe(24)

@@ -23,6 +23,8 @@ from pydantic import BaseModel
 from et_hpc.errors import UserError
 from et_hpc.record import solved as is_solved
 from et_hpc.runs.capacity import run_capacity
+from et_hpc.runs.passk import Evaluation, evaluate, wilson
+from et_hpc.runs.passk import table as pass_table
 from et_hpc.runs.store import RUN_CONFIG, RunStore, Store
 from et_hpc.util import format_table, num, pct, progress_bar
 
@@ -51,6 +53,7 @@ class RunRow(BaseModel):
     significant: bool | None = None  # delta_ci excludes 0
     task_rates: dict[str, float] = {}  # per task: solved / ok samples (tasks with an ok sample)
     capacity: dict[str, Any] | None = None  # et_hpc.runs.capacity.capacity() of every recorded episode
+    evaluation: Evaluation | None = None  # pass@1 with its 95% interval and pass@k, per task and overall
 
 
 class TaskChanges(BaseModel):
@@ -75,17 +78,6 @@ class Report(BaseModel):
 
 
 # --- statistics ------------------------------------------------------------------------------
-def wilson(k: int, n: int, z: float = Z95) -> tuple[float, float] | None:
-    """Wilson score interval of a binomial proportion ``k/n``; ``None`` for ``n == 0``."""
-    if n <= 0:
-        return None
-    p = k / n
-    den = 1 + z * z / n
-    centre = (p + z * z / (2 * n)) / den
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
-    return max(0.0, centre - half), min(1.0, centre + half)
-
-
 def newcombe(k1: int, n1: int, k2: int, n2: int, z: float = Z95) -> tuple[float, float] | None:
     """95% interval of ``k2/n2 - k1/n1`` (Newcombe's hybrid score method, from two Wilson intervals)."""
     a, b = wilson(k1, n1, z), wilson(k2, n2, z)
@@ -150,6 +142,7 @@ def run_row(rs: RunStore, split: str | None = None) -> RunRow:
         mean_reward=sum(rewards) / len(rewards) if rewards else None,
         mean_test_fraction=sum(fracs) / len(fracs) if fracs else None,
         task_rates={t: c[0] / c[1] for t, c in sorted(per_task.items())},
+        evaluation=evaluate((r["task_id"], r["status"], r["reward"]) for r in rows),
     )
 
 
@@ -298,6 +291,9 @@ def format_text(rep: Report) -> str:
         format_table(CAPACITY_HEADERS, capacity_rows(rep)),
         CAPACITY_NOTE,
     ]
+    if rep.runs and rep.runs[-1].evaluation is not None:
+        head, rows = pass_table(rep.runs[-1].evaluation)
+        lines += ["", f"{rep.runs[-1].run}: pass@1 per task (95% Wilson interval) and pass@k (unbiased)", format_table(head, rows)]
     c = rep.changes
     if c is not None:
         lines.append(

