@@ -21,11 +21,13 @@ def test_demo_end_to_end(base_sif, tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     table = r.stdout.split("==> summary", 1)[1]
     rows = [ln.split() for ln in table.splitlines() if ln.startswith("demo-") and not ln.startswith("demo-model-")]
-    # the real-model rows (the embedded CPU model): every episode ok, whatever the pass rate
+    # the real-model rows (the solving tier, token-in with the protocol's grammar): every episode ok,
+    # whatever the pass rate; tools mode locally on all 4 demo tasks, text mode and Slurm on 2
     model_rows = [ln.split() for ln in table.splitlines() if ln.startswith("demo-model-")]
     assert {(row[2], row[3]) for row in model_rows} == {("tools", "local"), ("text", "local"), ("tools", "slurm")}, table
     for row in model_rows:
-        assert row[1].startswith("SmolLM2") and row[-2] == "ok" and row[5] == row[4] == "2" and row[6] == "0", row
+        want = "4" if (row[2], row[3]) == ("tools", "local") else "2"
+        assert row[1].startswith("qwen2.5-coder-1.5b") and row[-2] == "ok" and row[5] == row[4] == want and row[6] == "0", row
     assert {(row[1], row[2]) for row in rows} == {("local", "oracle"), ("local", "null"), ("slurm", "oracle")}
     for row in rows:
         assert row[-2:] == ["as", "expected"], row
