@@ -109,26 +109,6 @@ def _missing_named(what: str) -> str | None:
     return None if server_command() else f"llama-cpp-server is not installed: {INSTALL_HINT}"
 
 
-def _missing_named(what: str) -> str | None:
-    """A named model (scripts/provision-debian joins them), or their chunk wheels in its wheel cache."""
-    from et_hpc.errors import UserError
-    from et_hpc.model.catalog import QWEN_05B, resolve
-
-    if what == "model-wheels":
-        w = Path(os.environ.get("ET_WHEELS", "/var/cache/et-hpc-wheels"))
-        found = list(w.glob(f"{QWEN_05B.dist.replace('-', '_')}*-{QWEN_05B.version}-*.whl"))
-        return (
-            None if len(found) == QWEN_05B.parts else f"the chunk wheels of {QWEN_05B.name} are not in {w} (run scripts/provision-debian)"
-        )
-    try:
-        resolve(what)
-    except UserError as e:
-        return str(e)
-    from et_hpc.model.server import INSTALL_HINT, server_command
-
-    return None if server_command() else f"llama-cpp-server is not installed: {INSTALL_HINT}"
-
-
 def need(*what: str) -> None:
     """Skip (or fail under CI) unless every named requirement is met."""
     for w in what:
