@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from et_hpc.cli.common import add_command, add_source_args, check_base_once, load_source
 from et_hpc.errors import TaskError, UserError
 from et_hpc.host.slurm import SlurmConfig
-from et_hpc.images import orchestrate
+from et_hpc.images import orchestrate, space
 from et_hpc.images.orchestrate import SlurmBuildRequest, Submit
 from et_hpc.images.slurm_build import BuildChunk  # submitit pickles name this path too
 from et_hpc.images.store import ImageResult, ImageStore, default_jobs
@@ -122,6 +122,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     store = ImageStore(args.cache, **overrides)
     check_base_once(store, tasks)
 
+    plan_space(store, tasks, args)
     t0 = time.monotonic()
     if args.dry_run:
         results = [store.lookup(t) for t in tasks]
@@ -130,6 +131,19 @@ def cmd_build(args: argparse.Namespace) -> int:
     else:
         results = build_here(store, tasks, args)
     return report(results, res.errors, time.monotonic() - t0, args)
+
+
+def plan_space(store: ImageStore, tasks: list[Task], args: argparse.Namespace) -> None:
+    """Refuse (exit 2, one line) a build whose images would not fit on the cache or on scratch."""
+    _first, todo = orchestrate.todo_of(store, tasks, args.retry_failed)
+    jobs = max(1, args.cpus // 2) if args.slurm else (args.jobs or default_jobs())
+    scratch = None if args.slurm else store.scratch  # a Slurm build's scratch is on its nodes
+    needs = space.build_needs(store.cache_dir, scratch, store.base_map.values(), len(todo), jobs)
+    rooms, refused = space.check(needs)
+    if refused:
+        raise UserError(refused)
+    if args.dry_run and todo:
+        print(f"space for {len(todo)} image(s): {space.summary(rooms)}", file=sys.stderr)
 
 
 def report(results: list[ImageResult], errors: list[TaskError], seconds: float, args: argparse.Namespace) -> int:
