@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from et_hpc.cli.common import add_command, add_source_args, check_base_once, load_source
+from et_hpc.cli.common import add_command, add_source_args, add_subcommands, check_base_once, load_source
 from et_hpc.errors import TaskError, UserError
 from et_hpc.host.slurm import SlurmConfig
-from et_hpc.images import orchestrate, space
+from et_hpc.images import orchestrate, space, store_gc
 from et_hpc.images.orchestrate import SlurmBuildRequest, Submit
 from et_hpc.images.slurm_build import BuildChunk  # submitit pickles name this path too
 from et_hpc.images.store import ImageResult, ImageStore, default_jobs
@@ -72,6 +72,47 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     s.add_argument("--deadline", type=float, metavar="MIN", help="stop waiting after this many minutes (default: walltime x waves + 10)")
     p.set_defaults(func=cmd_build)
+
+    images = add_command(subparsers, "images", help="the image cache: remove images no task references (gc)")
+    g = add_command(add_subcommands(images, "images_command"), "gc", help="remove images no kept task references", description=GC_HELP)
+    add_source_args(g)
+    g.add_argument("--cache", type=Path, metavar="DIR", help="image cache (default $ET_HPC_CACHE or ~/.cache/et-hpc)")
+    g.add_argument("--min-age", type=float, default=24.0, metavar="H", help="keep images built or used within H hours (default 24)")
+    g.add_argument("--dry-run", action="store_true", help="remove nothing; show what would go")
+    g.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+    g.set_defaults(func=cmd_gc)
+
+
+GC_HELP = """\
+Remove from the image cache every task image that no task of SOURCE references (the tasks you keep:
+give the source your runs use), unless it was built or used within --min-age hours, or a build
+holds its lock, or a running episode its lease (safe while runs read the cache). Base images are
+never removed. Exit status 0; 2 on bad input, including a SOURCE with tasks that cannot be loaded.
+
+example:
+  et-hpc images gc ./tasks --min-age 0 --dry-run
+"""
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    if args.min_age < 0:
+        raise UserError(f"--min-age {args.min_age}: must be 0 or more")
+    res = load_source(args)
+    if res.errors:
+        raise UserError(f"{len(res.errors)} task(s) of the source cannot be loaded, so their images cannot be named: {res.errors[0]}")
+    if not res.tasks:
+        raise UserError("no tasks selected: gc keeps the images of the tasks you name; check SOURCE and the filters")
+    store = ImageStore(args.cache)
+    out = store_gc.gc(store, store_gc.keep_keys(store, list(res.tasks)), min_age_s=args.min_age * 3600, dry_run=args.dry_run)
+    if args.json:
+        print(json.dumps({**store_gc.as_dict(out), "dry_run": args.dry_run}, indent=2))
+    else:
+        verb = "would remove" if args.dry_run else "removed"
+        print(
+            f"{verb} {len(out.removed)} image(s) ({space.human(out.freed_bytes)}); kept {out.kept} referenced, "
+            f"{len(out.recent)} recent, {len(out.in_use)} in use"
+        )
+    return 0
 
 
 # -- argument parsing --------------------------------------------------------------------------
