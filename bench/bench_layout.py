@@ -33,6 +33,7 @@ def unpack(sif: Path, dest: Path) -> None:
         capture_output=True,
         check=False,
     )
+    subprocess.run(["chmod", "-R", "u+rwX", str(dest)], capture_output=True, check=False)  # files of mode 000: readable to pack
 
 
 def files(root: Path) -> dict[str, tuple[str, int, int]]:
