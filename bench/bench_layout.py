@@ -114,9 +114,12 @@ def main() -> None:
         res["cas_manifest_bytes"] = manifests
         res["cas_pack_s"] = round(blob_s, 1)
         # one squashfs holding every task root
-        size, s = squash(work / "roots", work / "all.sqfs")
-        res["one_squashfs"] = size + res["base_bytes"]
-        res["one_squashfs_pack_s"] = round(s, 1)
+        try:
+            size, s = squash(work / "roots", work / "all.sqfs")
+            res["one_squashfs"] = size + res["base_bytes"]
+            res["one_squashfs_pack_s"] = round(s, 1)
+        except subprocess.CalledProcessError as e:
+            res["one_squashfs"] = f"mksquashfs failed: {(e.stderr or b'').decode(errors='replace').strip()[-300:]}"
         res["raw_root_bytes_each"] = [sum(v[1] for v in fs.values()) for fs in roots.values()]
         print(json.dumps(res, indent=1))
     finally:
