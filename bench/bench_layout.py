@@ -28,6 +28,7 @@ from pathlib import Path
 
 def unpack(sif: Path, dest: Path) -> None:
     off = sif.read_bytes()[: 1 << 20].find(b"hsqs")
+    dest.parent.mkdir(parents=True, exist_ok=True)
     subprocess.run(
         ["unsquashfs", "-o", str(off), "-no-xattrs", "-ignore-errors", "-quiet", "-no-progress", "-d", str(dest), str(sif)],
         capture_output=True,
