@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import math
 import re
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from et_hpc.cli.common import add_command, add_source_args, check_base_once, load_source
+from et_hpc.cli.common import add_command, add_source_args, add_subcommands, check_base_once, load_source
 from et_hpc.errors import TaskError, UserError
 from et_hpc.host.slurm import SlurmConfig
+from et_hpc.images import orchestrate, space, store_gc
+from et_hpc.images.orchestrate import SlurmBuildRequest, Submit
 from et_hpc.images.slurm_build import BuildChunk  # submitit pickles name this path too
 from et_hpc.images.store import ImageResult, ImageStore, default_jobs
 from et_hpc.runner.arrays import Array, ArraySpec
@@ -25,8 +26,6 @@ if TYPE_CHECKING:
     from et_hpc.tasks.model import Task
 
 _check_base = check_base_once  # its old name
-
-log = logging.getLogger(__name__)
 
 DESCRIPTION = """\
 Build the Apptainer image of every selected task, rootless (--fakeroot), into the content-addressed
@@ -73,6 +72,47 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     s.add_argument("--deadline", type=float, metavar="MIN", help="stop waiting after this many minutes (default: walltime x waves + 10)")
     p.set_defaults(func=cmd_build)
+
+    images = add_command(subparsers, "images", help="the image cache: remove images no task references (gc)")
+    g = add_command(add_subcommands(images, "images_command"), "gc", help="remove images no kept task references", description=GC_HELP)
+    add_source_args(g)
+    g.add_argument("--cache", type=Path, metavar="DIR", help="image cache (default $ET_HPC_CACHE or ~/.cache/et-hpc)")
+    g.add_argument("--min-age", type=float, default=24.0, metavar="H", help="keep images built or used within H hours (default 24)")
+    g.add_argument("--dry-run", action="store_true", help="remove nothing; show what would go")
+    g.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+    g.set_defaults(func=cmd_gc)
+
+
+GC_HELP = """\
+Remove from the image cache every task image that no task of SOURCE references (the tasks you keep:
+give the source your runs use), unless it was built or used within --min-age hours, or a build
+holds its lock, or a running episode its lease (safe while runs read the cache). Base images are
+never removed. Exit status 0; 2 on bad input, including a SOURCE with tasks that cannot be loaded.
+
+example:
+  et-hpc images gc ./tasks --min-age 0 --dry-run
+"""
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    if args.min_age < 0:
+        raise UserError(f"--min-age {args.min_age}: must be 0 or more")
+    res = load_source(args)
+    if res.errors:
+        raise UserError(f"{len(res.errors)} task(s) of the source cannot be loaded, so their images cannot be named: {res.errors[0]}")
+    if not res.tasks:
+        raise UserError("no tasks selected: gc keeps the images of the tasks you name; check SOURCE and the filters")
+    store = ImageStore(args.cache)
+    out = store_gc.gc(store, store_gc.keep_keys(store, list(res.tasks)), min_age_s=args.min_age * 3600, dry_run=args.dry_run)
+    if args.json:
+        print(json.dumps({**store_gc.as_dict(out), "dry_run": args.dry_run}, indent=2))
+    else:
+        verb = "would remove" if args.dry_run else "removed"
+        print(
+            f"{verb} {len(out.removed)} image(s) ({space.human(out.freed_bytes)}); kept {out.kept} referenced, "
+            f"{len(out.recent)} recent, {len(out.in_use)} in use"
+        )
+    return 0
 
 
 # -- argument parsing --------------------------------------------------------------------------
@@ -123,6 +163,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     store = ImageStore(args.cache, **overrides)
     check_base_once(store, tasks)
 
+    plan_space(store, tasks, args)
     t0 = time.monotonic()
     if args.dry_run:
         results = [store.lookup(t) for t in tasks]
@@ -131,6 +172,19 @@ def cmd_build(args: argparse.Namespace) -> int:
     else:
         results = build_here(store, tasks, args)
     return report(results, res.errors, time.monotonic() - t0, args)
+
+
+def plan_space(store: ImageStore, tasks: list[Task], args: argparse.Namespace) -> None:
+    """Refuse (exit 2, one line) a build whose images would not fit on the cache or on scratch."""
+    _first, todo = orchestrate.todo_of(store, tasks, args.retry_failed)
+    jobs = max(1, args.cpus // 2) if args.slurm else (args.jobs or default_jobs())
+    scratch = None if args.slurm else store.scratch  # a Slurm build's scratch is on its nodes
+    needs = space.build_needs(store.cache_dir, scratch, store.base_map.values(), len(todo), jobs)
+    rooms, refused = space.check(needs)
+    if refused:
+        raise UserError(refused)
+    if args.dry_run and todo:
+        print(f"space for {len(todo)} image(s): {space.summary(rooms)}", file=sys.stderr)
 
 
 def report(results: list[ImageResult], errors: list[TaskError], seconds: float, args: argparse.Namespace) -> int:
@@ -171,115 +225,49 @@ def _one_line(s: str, width: int = 110) -> str:
     return one_line(s, width)
 
 
-# -- Slurm -----------------------------------------------------------------------------------------
+# -- wiring: the executors submit; et_hpc.images.orchestrate builds and collects -------------------
+def _submit(executor: str) -> Submit:
+    def submit(chunks: list[BuildChunk], folder: Path, name: str, slurm: SlurmConfig | None) -> Array:
+        spec = ArraySpec(folder=folder, name=name, what="build array") if slurm else ArraySpec(folder=folder, name=name)
+        if slurm is not None:
+            spec.slurm = slurm
+        return get_executor(executor).submit_array(chunks, spec)
+
+    return submit
+
+
 def build_on_slurm(store: ImageStore, tasks: list[Task], args: argparse.Namespace) -> list[ImageResult]:
-    from et_hpc.host import slurm as host_slurm
-
-    time_min = parse_minutes(args.time)
-    mem_gb = parse_mem_gb(args.mem)
-    if args.cpus < 1 or args.array_parallelism < 1:
-        raise UserError("--cpus and --array-parallelism must be 1 or more")
-    # Only tasks that need work go to Slurm; the rest are answered from the cache now.
-    first = {t.id: store.lookup(t) for t in tasks}
-    todo = [t for t in tasks if first[t.id].status == "missing" or (args.retry_failed and first[t.id].status == "failed")]
-    if not todo:
-        return [first[t.id] for t in tasks]
-    per = args.per_task or max(1, math.ceil(len(todo) / 1000))
-    chunks = [todo[i : i + per] for i in range(0, len(todo), per)]
-    jobs_per_node = max(1, args.cpus // 2)
-    slurm_cfg = SlurmConfig(
-        partition=args.partition, time_min=time_min, cpus_per_task=args.cpus, mem_gb=mem_gb, array_parallelism=args.array_parallelism
+    """The builds as a Slurm array (et_hpc.images.orchestrate), with a progress bar here."""
+    req = SlurmBuildRequest(
+        time_min=parse_minutes(args.time),
+        cpus=args.cpus,
+        mem_gb=parse_mem_gb(args.mem),
+        partition=args.partition,
+        array_parallelism=args.array_parallelism,
+        per_task=args.per_task,
+        deadline_min=args.deadline,
+        retry_failed=args.retry_failed,
     )
-    arr = get_executor("slurm").submit_array(
-        [BuildChunk(store.cache_dir, store.settings, store.base_map, c, args.retry_failed, jobs_per_node) for c in chunks],
-        ArraySpec(folder=store.cache_dir / "slurm", name="et-hpc-build", slurm=slurm_cfg, what="build array"),
-    )
-    ids = arr.ids  # updated in place as the rest is submitted (within the site's submit limits)
-    waiting = getattr(arr, "waiting", "")
-    print(
-        f"submitted Slurm array {', '.join(getattr(arr, 'array_ids', [])) or '(none yet)'}: {len(chunks)} array tasks for "
-        f"{len(todo)} images (logs in {store.cache_dir / 'slurm'})" + (f"; {waiting}" if waiting else ""),
-        file=sys.stderr,
-    )
+    bars: list[Any] = []
 
-    waves = math.ceil(len(chunks) / args.array_parallelism)
-    deadline_s = 60 * (args.deadline if args.deadline else time_min * waves + 10)
-    bar = progress_bar(total=len(todo), desc="images", unit="task", show=True, dynamic_ncols=True)
-    state = {"last": 0.0}
-
-    def on_poll(states: dict[str, str]) -> None:
-        now = time.monotonic()
-        if now - state["last"] < 10 and not all(host_slurm.ended(s) for s in states.values()):
-            return
-        state["last"] = now
-        done = sum(1 for t in todo if store.lookup(t).status in ("cached", "failed"))
-        bar.n = done
-        bar.set_postfix(host_slurm.counts(states), refresh=False)
-        bar.refresh()
+    def on_progress(done: int, total: int, counts: dict[str, int]) -> None:
+        if not bars:
+            bars.append(progress_bar(total=total, desc="images", unit="task", show=True, dynamic_ncols=True))
+        bars[0].n = done
+        bars[0].set_postfix(counts, refresh=False)
+        bars[0].refresh()
 
     try:
-        states, all_ended = arr.wait(poll_s=3.0, timeout_s=deadline_s, on_poll=on_poll)
-    except KeyboardInterrupt:
-        bar.close()
-        print(
-            f"et-hpc: stopped waiting; the array keeps running (scancel {' '.join(getattr(arr, 'array_ids', []))} to stop it)",
-            file=sys.stderr,
-        )
-        raise
-    bar.close()
-
-    by_id: dict[str, ImageResult] = {}
-    for i, chunk in enumerate(chunks):
-        by_id.update(_collect(store, arr, i, chunk, states.get(ids[i], host_slurm.UNKNOWN)))
-    if not all_ended:
-        print(f"et-hpc: gave up waiting after {deadline_s / 60:.0f} min (--deadline); the array keeps running", file=sys.stderr)
-    return [by_id.get(t.id) or first[t.id] for t in tasks]
-
-
-def _collect(store: ImageStore, arr: Array, i: int, chunk: list[Task], st: str) -> dict[str, ImageResult]:
-    """The results of array task ``i`` (in state ``st``): what it returned, else what the cache says."""
-    from et_hpc.host import slurm as host_slurm
-
-    tid = arr.ids[i]
-    got: list[dict] | None = None
-    if host_slurm.ended(st):
-        try:
-            got = arr.result(i)
-        except Exception as e:  # killed, timed out, or crashed: the cache tells what got built
-            log.info("array task %s: %s", tid, str(e).strip().splitlines()[-1:] or e)
-    out: dict[str, ImageResult] = {}
-    if got:
-        for d in got:
-            r = ImageResult(**d)
-            if r.status == "failed" and st not in host_slurm.DONE:
-                r.reason = f"{r.reason} (Slurm array task {tid} ended {st})"
-            out[r.task_id] = r
-        return out
-    for t in chunk:
-        r = store.lookup(t)
-        if r.status == "missing":
-            r = r.model_copy(
-                update={
-                    "status": "failed",
-                    "reason": (
-                        f"Slurm array task {tid} ended {st} before building it (log: {arr.log_path(i)})"
-                        if host_slurm.ended(st)
-                        else f"still building in Slurm array task {tid} ({st}) when the wait ended; rerun to collect"
-                    ),
-                }
-            )
-        out[t.id] = r
-    return out
+        return orchestrate.build_on_slurm(store, tasks, req, _submit("slurm"), notify=_say, on_progress=on_progress)
+    finally:
+        for bar in bars:
+            bar.close()
 
 
 def build_here(store: ImageStore, tasks: list[Task], args: argparse.Namespace) -> list[ImageResult]:
-    """Every task's image built on this node, as one in-process task of the local executor."""
-    chunk = BuildChunk(store.cache_dir, store.settings, store.base_map, tasks, args.retry_failed, args.jobs or default_jobs())
-    chunk.progress, chunk.store = True, store
-    arr = get_executor("local").submit_array([chunk], ArraySpec(folder=store.cache_dir / "slurm", name="build"))
-    try:
-        arr.wait(poll_s=1.0)
-    except KeyboardInterrupt:  # the builds got the signal too: let them end and the index be saved
-        arr.stop(60.0)
-        raise
-    return [ImageResult(**d) for d in arr.result(0)]
+    """Every task's image built on this node (et_hpc.images.orchestrate.build_here)."""
+    return orchestrate.build_here(store, tasks, _submit("local"), retry_failed=args.retry_failed, jobs=args.jobs)
+
+
+def _say(line: str) -> None:
+    print(f"et-hpc: {line}" if line.startswith(("stopped", "gave up")) else line, file=sys.stderr)

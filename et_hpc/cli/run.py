@@ -208,6 +208,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             cfg = cfg.model_copy(update={"continuous": cfg.continuous.model_copy(update={"workers": args.workers})})
         return cmd_continuous(cfg, args)
     plan = make_plan(cfg)
+    plan_space(plan)
     if plan.units:
         from et_hpc.runner.slurm import refuse_if_jobs_live
 
@@ -252,6 +253,22 @@ def cmd_run(args: argparse.Namespace) -> int:
         info["no_image_tasks"] = dict(sorted(plan.no_image.items()))
     _print_summary(f"run {cfg.run_name()}", info, args.json)
     return rc
+
+
+def plan_space(plan: Plan) -> None:
+    """Refuse (exit 2, one line) a local run whose overlays and node-local images would not fit on
+    scratch; a Slurm run's scratch is on its nodes, not checked here."""
+    if not plan.units or plan.cfg.executor != "local":
+        return
+    from et_hpc.images import space
+    from et_hpc.paths import scratch_dir
+
+    imgs = [plan.images[t] for t in sorted({t for t, _ in plan.units}) if t in plan.images]
+    pairs = [(Path(i.path), i.digest) for i in imgs if i.path is not None]
+    conc = min(plan.cfg.node_concurrency(), len(plan.units))
+    _rooms, refused = space.check(space.run_needs(scratch_dir(), pairs, plan.cfg.sandbox, conc))
+    if refused:
+        raise UserError(refused)
 
 
 def no_image_table(reasons: dict[str, str], limit: int = 20) -> str:

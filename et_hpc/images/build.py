@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 from et_hpc.host.apptainer import clean_env as apptainer_clean_env
+from et_hpc.images import downloads
 
 if TYPE_CHECKING:
     from et_hpc.images.store import ImageStoreConfig
@@ -37,10 +38,15 @@ _CA_EXPORTS = (
 
 def with_build_ca(text: str) -> str:
     """Make the first line of ``%post`` point pip, curl, requests and git at the bound CA bundle."""
+    return post_prelude(text, _CA_EXPORTS)
+
+
+def post_prelude(text: str, line: str) -> str:
+    """``line`` inserted as the first line of ``%post`` (build-only settings; the key is unchanged)."""
     lines = text.splitlines(keepends=True)
     for i, ln in enumerate(lines):
         if ln.lstrip().startswith("%post") and (ln.strip() == "%post" or ln.strip()[5:6].isspace()):
-            lines.insert(i + 1, f"    {_CA_EXPORTS}\n")
+            lines.insert(i + 1, f"    {line}\n")
             return "".join(lines)
     return text
 
@@ -60,11 +66,16 @@ def stage(recipe: NormalisedRecipe, work: Path, settings: ImageStoreConfig) -> N
     text = retarget_files(recipe.text, mapping)
     if settings.build_ca() is not None:
         text = with_build_ca(text)
+    if settings.downloads_dir(Path()) is not None:
+        text = post_prelude(text, downloads.EXPORTS)
     (work / "container.def").write_text(text)
 
 
-def run_build(settings: ImageStoreConfig, work: Path, out: Path, lf: IO[str], scratch: Path) -> tuple[int | None, str | None]:
-    """Run ``apptainer build`` of ``work/container.def`` into ``out``: (exit status, None) or (None, reason)."""
+def run_build(
+    settings: ImageStoreConfig, work: Path, out: Path, lf: IO[str], scratch: Path, shared_downloads: Path | None = None
+) -> tuple[int | None, str | None]:
+    """Run ``apptainer build`` of ``work/container.def`` into ``out``: (exit status, None) or (None, reason);
+    ``shared_downloads``: the download cache bound into the build (et_hpc.images.downloads)."""
     s = settings
     if not shutil.which(s.apptainer):
         return None, f"{s.apptainer} not found on PATH: install Apptainer or 'module load apptainer'"
@@ -77,6 +88,8 @@ def run_build(settings: ImageStoreConfig, work: Path, out: Path, lf: IO[str], sc
     ca = s.build_ca()
     if ca is not None:
         cmd[2:2] = ["--bind", f"{ca}:{BUILD_CA_PATH}:ro"]
+    if shared_downloads is not None:
+        cmd[2:2] = downloads.bind_args(downloads.prepare(shared_downloads))
     lf.write(f"$ cd {work} && {' '.join(cmd)}\n")
     lf.flush()
     proc = subprocess.Popen(cmd, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=lf, stderr=subprocess.STDOUT, start_new_session=True)

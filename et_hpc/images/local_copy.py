@@ -29,6 +29,7 @@ from filelock import FileLock, Timeout
 
 from et_hpc.errors import InfraError
 from et_hpc.host import apptainer
+from et_hpc.images.store_gc import shared_lease
 from et_hpc.paths import scratch_dir
 from et_hpc.util import atomic_write_text, fsync_dir, sha256_file
 
@@ -577,15 +578,17 @@ def episode_image(image: ImageLike, options: CopyOptions, *, scratch: Path | Non
     """The image an episode should start from: a leased node-local copy or unpacked tree, or ``image.path``.
 
     ``options`` is the run config's sandbox section (``local_copy``, ``local_copy_budget_gb``).
-    Never raises; keep the returned object alive while the sandbox runs (it holds the lease).
+    Never raises; keep the returned object alive while the sandbox runs (it holds the lease; a store
+    image used in place is leased too, et_hpc.images.store_gc).
     """
     path = Path(image.path)
     mode, budget_gb = options.local_copy, options.local_copy_budget_gb
     try:
         if mode == "unpack":
             return local_tree(path, image.digest, scratch=scratch, budget_gb=budget_gb)
-        if not wants_copy(path, mode, scratch):
-            return path
+        if not wants_copy(path, mode, scratch):  # the shared image, leased so 'images gc' keeps it
+            fd = shared_lease(path)
+            return path if fd is None else LocalImage(path, image.digest or "", fd, copied=False, copy_s=None)
         return local_image(path, image.digest, scratch=scratch, budget_gb=budget_gb)
     except Exception as e:  # noqa: BLE001 - the shared image still works; say why it is used
         log.warning("using the shared image %s, not a node-local copy: %s", path, e)

@@ -79,6 +79,11 @@ class ImageStoreConfig(BaseModel):
     $ET_HPC_BUILD_CA_BUNDLE): default the host's system bundle; "none" turns it off. It is bound
     read-only for the build only and does not change the image key."""
 
+    download_cache: str | None = None
+    """Where builds share what %post downloads (apt .debs, pip's cache; et_hpc.images.downloads):
+    a directory, or "on" for <cache>/downloads ($ET_HPC_DOWNLOAD_CACHE). Default off. Bound for the
+    build only; the image key is unchanged."""
+
     @classmethod
     def from_env(cls, **overrides: Any) -> ImageStoreConfig:
         env = {
@@ -86,10 +91,18 @@ class ImageStoreConfig(BaseModel):
             "stale_after_s": os.environ.get("ET_HPC_LOCK_STALE"),
         }
         vals: dict[str, Any] = {k: float(v) for k, v in env.items() if v}
+        if os.environ.get("ET_HPC_DOWNLOAD_CACHE"):
+            vals["download_cache"] = os.environ["ET_HPC_DOWNLOAD_CACHE"]
         if os.environ.get("ET_HPC_BUILD_CA_BUNDLE"):
             vals["ca_bundle"] = os.environ["ET_HPC_BUILD_CA_BUNDLE"]
         vals.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**vals)
+
+    def downloads_dir(self, cache_dir: Path) -> Path | None:
+        v = (self.download_cache or "").strip()
+        if not v or v.lower() in ("off", "none", "0", "no"):
+            return None
+        return cache_dir / "downloads" if v.lower() in ("on", "1", "yes") else Path(v)
 
     def build_ca(self) -> Path | None:
         if not self.ca_bundle or self.ca_bundle == "none":
@@ -387,7 +400,8 @@ class ImageStore:
                 except OSError as e:
                     reason = f"could not stage build files: {e}"
                 if reason is None:
-                    rc, reason = run_build(self.settings, work, tmp_out, lf, self.scratch)
+                    shared = self.settings.downloads_dir(self.cache_dir)
+                    rc, reason = run_build(self.settings, work, tmp_out, lf, self.scratch, shared)
             if reason is None and rc == 0:
                 fsync_file(tmp_out)
                 digest = sha256_file(tmp_out)
