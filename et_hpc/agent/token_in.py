@@ -209,19 +209,27 @@ class TokenIn:
             closing, _ = self.closing(messages[:n])
             gap = closing + b[len(a) :]
         else:
-            a_t = self._text(upto, gen=False)
-            b_t = self._text(messages, gen=True)
-            if not b_t.startswith(a_t):
-                raise TokenInError("the template renders the conversation differently once more messages follow")
-            _, closing_t = self.closing(messages[:n])
-            # with llama-server's assistant prefill, a_t ends open (no closing): the closing is then in b_t
-            rest = b_t[len(a_t) :]
-            gap_t = rest if closing_t and rest.startswith(closing_t) else closing_t + rest
-            gap = self._tokenize(gap_t)
+            gap = self._tokenize(self._gap_text(messages, n))
         seq = self.prompt + self.completion
         # a reply that ended with the end-of-turn token (vLLM keeps it in token_ids): do not repeat it
         k = 1 if self.finish == "stop" and self.completion and gap and self.completion[-1] == gap[0] else 0
         return seq + gap[k:]
+
+    def _gap_text(self, messages: list[dict[str, Any]], n: int) -> str:
+        """llama-server: the template's text after reply ``messages[n]`` up to the next generation prompt.
+
+        The reply is rendered as a placeholder whose end is found in the whole rendering, followed by
+        the messages after it: llama-server renders a conversation ending in an assistant message as
+        a prefill to continue, and refuses one with tool calls, so the reply is never rendered last.
+        """
+        probe = [*messages[:n], {"role": "assistant", "content": MARK}, *messages[n + 1 :]]
+        text = self._text(probe, gen=True)
+        at = text.rfind(MARK)
+        if at < 0:
+            raise TokenInError("the chat template dropped the reply's content")
+        if not text.startswith(self._text(messages[:n], gen=True)):
+            raise TokenInError("the template renders the conversation differently once more messages follow")
+        return text[at + len(MARK) :]
 
     # -- completions -------------------------------------------------------------------------
     def complete(self, prompt: list[int], params: dict[str, Any]) -> tuple[str, list[int], str | None, dict[str, int]]:

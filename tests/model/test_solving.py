@@ -40,7 +40,8 @@ def _policy(srv, **kw):
     from et_hpc.agent.openai_policy import OpenAIPolicy
 
     ep = json.loads(srv.cfg.endpoint_file.read_text())
-    return OpenAIPolicy(ep["base_url"], api_key=ep["api_key"], temperature=0.0, seed=0, max_tokens=96, max_retries=1, **kw)
+    kw = {"temperature": 0.0, "seed": 0, "max_tokens": 96, "max_retries": 1, **kw}
+    return OpenAIPolicy(ep["base_url"], api_key=ep["api_key"], **kw)
 
 
 def _first_turn(policy):
@@ -60,7 +61,7 @@ def test_the_grammar_makes_the_reply_a_tool_call(solver):
 
 
 def test_a_chat_mode_tools_constraint_on_llama_server_is_said_not_done(solver, caplog):
-    p = _policy(solver, mode="tools", constrain=True, max_tokens=8)
+    p = _policy(solver, mode="tools", token_in=False, constrain=True, max_tokens=8)
     with caplog.at_level(logging.WARNING, logger="et_hpc.agent.constrain"):
         _first_turn(p)
     assert p.constrained == ["none"]

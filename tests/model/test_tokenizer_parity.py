@@ -58,11 +58,11 @@ def test_exported_tokenizer_matches_the_server(name, tmp_path):
     diff = {t: (ids, tok.encode(t, add_special_tokens=False).ids) for t, ids in got.items()}
     diff = {t: v for t, v in diff.items() if v[0] != v[1]}
     assert not diff, diff
-    if name.startswith("qwen"):  # the positive control: GPT-2's split groups digits, Qwen's server does not
+    if name.startswith("qwen"):  # the positive control: with GPT-2's split instead of qwen2's, the corpus drifts
         from tokenizers import pre_tokenizers
 
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        assert tok.encode(CORPUS[0], add_special_tokens=False).ids != got[CORPUS[0]]
+        assert any(tok.encode(t, add_special_tokens=False).ids != ids for t, ids in got.items())
 
 
 def test_a_pre_tokenizer_not_reproduced_is_refused(tmp_path):
