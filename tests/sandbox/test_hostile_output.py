@@ -88,7 +88,7 @@ def test_guard_note_names_the_argv_shown(shell: Shell, b: bytes) -> None:
     r = shell.run(f'{find_fd}\nv={_printf(b)}; (exec -a "${{v%x}}" sleep 60) <&$fd >/dev/null 2>&1 & echo armed', timeout=30)
     assert "[ended background process" in r.output and shell_guard.HOLDER_NOTE in r.output, r.output  # positive control
     assert not RAW.search(r.output), repr(r.output)
-    named = visible((b + b" 60").decode("utf-8", "replace").strip()[:80])  # as the guard reads /proc/PID/cmdline
+    named = visible((b + b" 60").decode("utf-8", "surrogateescape").strip()[:80])  # as the guard reads /proc/PID/cmdline
     assert f"({named})" in r.output, (r.output, named)  # positive control: the agent's argv reached the note
 
 
