@@ -152,7 +152,7 @@ def test_replayed_lone_surrogate_keeps_its_episode(demo_image, tmp_path: Path) -
     from helpers.demo import DEMO, TASK
 
     # The replayed command holds a lone surrogate (a JSON \udc80 escape) and prints a byte that is
-    # not UTF-8; the shell runs it (the surrogate goes to bash as its UTF-8-like bytes).
+    # not UTF-8; the shell runs it (the surrogate goes to bash as the byte 0x80 it stands for).
     command = "echo 'x\udc80y'; printf 'a\\377b\\n'"
     replay = tmp_path / "replay_summary.json"
     replay.write_text(
@@ -188,4 +188,4 @@ def test_replayed_lone_surrogate_keeps_its_episode(demo_image, tmp_path: Path) -
     sent = [m["content"] for m in rec.messages if m["role"] == "assistant"]
     assert sent[0] == f"<command>{command}</command>"  # stored exactly (lossless JSON escapes)
     seen = "".join(m["content"] for m in rec.messages if m["role"] != "assistant")
-    assert "a\ufffdb" in seen and "x\ufffd" in seen  # what the shell printed, decoded with replacements
+    assert "a\\udcffb" in seen and "x\\udc80y" in seen  # the bytes the shell printed, each shown as its escape

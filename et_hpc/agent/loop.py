@@ -154,7 +154,7 @@ def _outcome_events(turns: list[Turn], stop: str | None) -> list[str]:
     if escaped:
         where = ", ".join(str(t.index) for t in escaped[:20]) + (" ..." if len(escaped) > 20 else "")
         n = sum(t.escaped for t in escaped)
-        out.append(f"observation: {n} control characters shown as visible escapes (turns {where})")
+        out.append(f"observation: {n} control characters or bytes that are not UTF-8 shown as visible escapes (turns {where})")
     return out
 
 

@@ -48,11 +48,13 @@ class CommandResult:
     truncated: bool = False
     duration_s: float = 0.0
     shell_restarted: bool = False  # the shell had died; it was restarted and `output` says so
-    escaped: int = 0  # control characters (and lone surrogates) in output and notes shown as escapes
+    escaped: int = 0  # control characters and bytes that are not UTF-8 (lone surrogates) shown as escapes
 
 
 def bash_quote(s: str) -> str:
-    """``s`` as a bash ``$'…'`` word: printable ASCII kept, everything else as ``\\xHH`` bytes."""
+    """``s`` as a bash ``$'…'`` word: printable ASCII kept, everything else as ``\\xHH`` bytes,
+    UTF-8 with ``surrogateescape`` as the shell's pipe and output: a string decoded from bytes gives
+    back those bytes (``\\udcff`` is 0xff); another lone surrogate is written as ``surrogatepass``."""
     out = ["$'"]
     for ch in s:
         o = ord(ch)
@@ -66,7 +68,9 @@ def bash_quote(s: str) -> str:
             out.append("\\n")
         elif ch == "\t":
             out.append("\\t")
-        else:
+        elif 0xDC80 <= o <= 0xDCFF:  # an undecodable byte under ``surrogateescape``: that byte
+            out.append(f"\\x{o - 0xDC00:02x}")
+        else:  # other lone surrogates (no byte they came from) as UTF-8 would write them
             out.append("".join(f"\\x{b:02x}" for b in ch.encode("utf-8", "surrogatepass")))
     out.append("'")
     return "".join(out)
@@ -141,7 +145,9 @@ class _Capture:
 
 
 def _decode(b: bytes) -> str:
-    return b.decode("utf-8", errors="replace")
+    """Agent bytes stay bytes: each one that is not UTF-8 becomes a lone surrogate (U+DC80-U+DCFF),
+    which ``visible`` shows as ``\\udcHH`` and counts."""
+    return b.decode("utf-8", errors="surrogateescape")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -181,7 +181,7 @@ def _describe(pid: int) -> str:
     ns_pid = procfs.ns_ids(pid)[0] or pid
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmd = f.read().replace(b"\0", b" ").decode("utf-8", "replace").strip()
+            cmd = f.read(1024).replace(b"\0", b" ").decode("utf-8", "surrogateescape").strip()  # shown by the caller
     except OSError:
         cmd = ""
     return f"{ns_pid} ({cmd[:80]})" if cmd else str(ns_pid)

@@ -7,11 +7,13 @@ capture holds them before the sanitizer (``escaped`` counts them)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 from et_hpc.sandbox import shell_guard
 from et_hpc.sandbox.shell import Shell
@@ -42,8 +44,8 @@ def shell(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 
 
 def _expect(b: bytes) -> str:
-    """What the shell shows for bytes it read: UTF-8 (bad bytes as U+FFFD), then visible."""
-    return visible(b.decode("utf-8", "replace"))
+    """What the shell shows for bytes it read: UTF-8 (bad bytes as lone surrogates), then visible."""
+    return visible(b.decode("utf-8", "surrogateescape"))
 
 
 @FEW
@@ -58,13 +60,35 @@ def test_output_and_file_names_are_shown(shell: Shell, b: bytes) -> None:
 
 
 @FEW
+@example(b=b"ok \xff\xfe \xc3( \xe2\x82 \xed\xa0\x80 \x1b[2J\xc2\x9b\x00end")
+@given(b=st.binary(min_size=1, max_size=24))
+def test_any_output_bytes_stay_bytes(shell: Shell, b: bytes) -> None:
+    """Any bytes the agent prints: the observation is valid text (no raw control, no lone surrogate:
+    it goes to the model as JSON), each byte that is not UTF-8 is there as its ``\\udcHH`` escape
+    and counted. Positive control: ``od`` of the same output in the shell shows the raw bytes."""
+    out = "printf '%b' '" + "".join(f"\\0{c:03o}" for c in b) + "'"
+    r = shell.run(f"{out}; printf '\\n@od@\\n'; {out} | od -An -v -tx1", timeout=30)
+    assert r.exit_code == 0, r.output
+    assert not RAW.search(r.output), repr(r.output)
+    json.dumps({"content": r.output}, ensure_ascii=False).encode("utf-8")  # sendable as it is
+    shown, _, od = r.output.rpartition("\n@od@\n")
+    assert od.split() == [f"{c:02x}" for c in b], (od, b)  # positive control: the raw bytes were emitted
+    assert shown == _expect(b), (shown, b)
+    invalid = [c for c in b.decode("utf-8", "surrogateescape") if "\udc80" <= c <= "\udcff"]
+    for c in invalid:  # each byte that is not UTF-8, as its escape (not U+FFFD)
+        assert f"\\udc{ord(c) - 0xDC00:02x}" in shown, (shown, b)
+    assert "\ufffd" not in shown or "\ufffd".encode() in b
+    assert r.escaped >= len(invalid) + sum(1 for c in b if c < 0x20 and c not in (9, 10) or c == 0x7F)
+
+
+@FEW
 @given(b=hostile_bytes(max_size=12))
 def test_guard_note_names_the_argv_shown(shell: Shell, b: bytes) -> None:
     find_fd = "for fd in {3..30} 255; do [[ -p /dev/fd/$fd ]] && { true <&$fd; } 2>/dev/null && break; done"
     r = shell.run(f'{find_fd}\nv={_printf(b)}; (exec -a "${{v%x}}" sleep 60) <&$fd >/dev/null 2>&1 & echo armed', timeout=30)
     assert "[ended background process" in r.output and shell_guard.HOLDER_NOTE in r.output, r.output  # positive control
     assert not RAW.search(r.output), repr(r.output)
-    named = visible((b + b" 60").decode("utf-8", "replace").strip()[:80])  # as the guard reads /proc/PID/cmdline
+    named = visible((b + b" 60").decode("utf-8", "surrogateescape").strip()[:80])  # as the guard reads /proc/PID/cmdline
     assert f"({named})" in r.output, (r.output, named)  # positive control: the agent's argv reached the note
 
 

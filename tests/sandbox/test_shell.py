@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 from et_hpc.sandbox.shell import Shell, bash_quote
 from helpers.hostile import RAW as HIDDEN
@@ -173,3 +175,27 @@ def test_bash_quote_round_trips(sh: Shell, tmp_path: Path) -> None:
     r = sh.run(f"printf %s {bash_quote(s)} > q.bin")
     assert r.exit_code == 0
     assert (tmp_path / "q.bin").read_bytes() == s.encode()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@example(b=b"\xff")
+@example(b=b"a\xc3\xa9\xed\xa0\x80\xfe'\\z")
+@given(b=st.binary(min_size=1, max_size=24).filter(lambda b: b"\x00" not in b))  # a bash word holds no NUL
+def test_bash_quote_gives_back_the_bytes_a_string_came_from(sh: Shell, tmp_path: Path, b: bytes) -> None:
+    """A command string decoded from bytes with ``surrogateescape`` (as the shell decodes output)
+    reaches bash as those bytes: ``\\udcff`` is the byte 0xff, not its three surrogatepass bytes."""
+    s = b.decode("utf-8", "surrogateescape")
+    assert "\\xff" in bash_quote("\udcff") and "\\xed" not in bash_quote("\udcff")
+    r = sh.run(f"printf %s {bash_quote(s)} > q.bin")
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "q.bin").read_bytes() == b
+    r = sh.run(f"printf %s '{s.replace(chr(39), '')}' > c.bin")  # the command itself goes through bash_quote
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "c.bin").read_bytes() == b.replace(b"'", b"")
+
+
+def test_bash_quote_keeps_other_lone_surrogates(sh: Shell, tmp_path: Path) -> None:
+    """A lone surrogate that no byte became (U+D800) is written as UTF-8 would (surrogatepass)."""
+    r = sh.run(f"printf %s {bash_quote('x' + chr(0xD800) + 'y')} > q.bin")
+    assert r.exit_code == 0
+    assert (tmp_path / "q.bin").read_bytes() == b"x\xed\xa0\x80y"

@@ -142,7 +142,7 @@ def test_hostile_output_is_inert(browser, site: Path, view_runs: dict[str, Path]
     _open(browser, site, f"run=r1&ep={hostile.episode_id}", EPISODE_READY)
     text = browser.eval("document.getElementById('transcript').textContent")
     assert PAYLOAD_SCRIPT in text and PAYLOAD_IMG in text  # shown, as text
-    assert "\ufffd" in text  # the bytes that were not UTF-8, replaced
+    assert "\\udcff\\udcfe" in text  # the bytes that were not UTF-8, shown as escapes
     assert browser.eval("document.querySelectorAll('#main script, #main img, #main [onerror]').length") == 0
     assert browser.eval("document.querySelectorAll('pre.command').length") == 3
     assert browser.eval("[...document.querySelectorAll('[data-exit]')].map(e => e.dataset.exit)") == ["0", "1", "0"]
