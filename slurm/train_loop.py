@@ -9,7 +9,9 @@ trainer killed at any point and started again with the same command goes on wher
 it got but did not commit is handed out again, a committed one never. With --publish-every K it
 publishes a new policy version every K steps (the trainer owns the checkpoint switch; --model-prefix
 names the served model of each version, e.g. LoRA adapters ckpt-1, ckpt-2, ...). With --stop-at-end
-it asks the run to stop when it has its batches. Exit 3 when no group came for --timeout seconds.
+it asks the run to stop when it has its batches. Its stand-in step uses rewards only, so it also
+takes groups without exact token ids (oracle or replay runs); --require-tokens takes only trainable
+groups, as a trainer of token ids must. Exit 3 when no group came for --timeout seconds.
 """
 
 from __future__ import annotations
@@ -52,13 +54,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-prefix", default=None)
     ap.add_argument("--record-seen", action="store_true", help="keep every group's seq and id in the state")
     ap.add_argument("--stop-at-end", action="store_true")
+    ap.add_argument("--require-tokens", action="store_true", help="only groups with exact token ids (a token trainer)")
     args = ap.parse_args(argv)
 
     with RolloutStream(args.run_dir, args.consumer) as stream:
         state = stream.state or {"step": 0, "weights": [0.0] * 4, "seen": []}
         print(f"resuming at step {state['step']} (cursor {stream.next_seq})", flush=True)
         while state["step"] < args.batches:
-            groups = stream.next_batch(args.groups, timeout_s=args.timeout, max_staleness=args.max_staleness)
+            groups = stream.next_batch(
+                args.groups, timeout_s=args.timeout, max_staleness=args.max_staleness, require_tokens=args.require_tokens
+            )
             if len(groups) < args.groups:
                 print(f"no batch within {args.timeout:.0f} s", file=sys.stderr)
                 return 3
