@@ -21,7 +21,7 @@ from et_hpc.errors import UserError
 def cache_dir() -> Path:
     env = os.environ.get("ET_HPC_CACHE")
     if env:
-        return Path(env).expanduser()
+        return Path(env).expanduser().absolute()
     xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(xdg) / "et-hpc"
 

@@ -143,7 +143,7 @@ class ImageStore:
         normalise: Callable[..., NormalisedRecipe] | None = None,
         **overrides: Any,
     ) -> None:
-        self.cache_dir = Path(cache_dir) if cache_dir else paths.cache_dir()
+        self.cache_dir = Path(cache_dir).expanduser().absolute() if cache_dir else paths.cache_dir()  # builds run in other dirs
         self._base_map = base_map
         self._scratch = Path(scratch) if scratch else None
         self.settings = settings or ImageStoreConfig.from_env(**overrides)
