@@ -29,7 +29,7 @@ from filelock import FileLock, Timeout
 
 from et_hpc.errors import InfraError
 from et_hpc.host import apptainer
-from et_hpc.images.store_gc import shared_lease
+from et_hpc.images.store_gc import hold_unused, shared_lease
 from et_hpc.paths import scratch_dir
 from et_hpc.util import atomic_write_text, fsync_dir, sha256_file
 
@@ -179,25 +179,10 @@ def _take_lease(lease: Path) -> int | None:
         return None
 
 
-def _hold_unused(lease: Path) -> int | None:
-    """An fd holding ``lease`` exclusively (created if missing): nobody uses the copy while it is
-    open. None while a sandbox holds the lease, or when it cannot be opened."""
-    try:
-        fd = os.open(lease, os.O_RDWR | os.O_CREAT, 0o600)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    return fd
-
-
 def _remove_copy(d: Path, digest: str, kind: str = ".sif") -> bool:
     """Delete one copy if nobody holds its lease (caller holds the node lock). True if removed."""
     copy, meta, lease = _paths(d, digest, kind)
-    fd = _hold_unused(lease)
+    fd = hold_unused(lease)
     if fd is None:
         return False
     try:
@@ -270,7 +255,7 @@ def _in_use(d: Path, c: CopyInfo) -> bool:
     lease = _paths(d, c.digest, c.kind)[2]
     if not lease.exists():
         return False
-    fd = _hold_unused(lease)
+    fd = hold_unused(lease)
     if fd is None:
         return True
     os.close(fd)

@@ -91,16 +91,25 @@ def _remove(store: ImageStore, key: str, sif: Path) -> int:
     return size
 
 
-def _remove_unleased(store: ImageStore, key: str, sif: Path, dry_run: bool) -> int | None:
-    """Bytes freed by removing ``key`` (dry run: that would be), or None while a reader leases it."""
+def hold_unused(lease: Path, mode: int = 0o600) -> int | None:
+    """An fd holding ``lease`` exclusively (created with ``mode`` if missing): nobody uses what it
+    guards while it is open. None while a reader holds the lease, or when it cannot be opened."""
     try:
-        fd = os.open(lease_path(sif), os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(lease, os.O_RDWR | os.O_CREAT, mode)
     except OSError:
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
+        return None
+    return fd
+
+
+def _remove_unleased(store: ImageStore, key: str, sif: Path, dry_run: bool) -> int | None:
+    """Bytes freed by removing ``key`` (dry run: that would be), or None while a reader leases it."""
+    fd = hold_unused(lease_path(sif), 0o644)
+    if fd is None:
         return None
     try:
         if dry_run:
