@@ -12,7 +12,7 @@ import openai
 
 from et_hpc.agent.base import Action, text_action
 from et_hpc.agent.chat_tokens import logprob_token_ids
-from et_hpc.agent.wire import Mode, ToolArgsError, parse_tool_arguments
+from et_hpc.agent.wire import Mode, ToolArgsError, history_arguments, parse_tool_arguments
 
 
 def malformed(resp: Any) -> str | None:
@@ -105,7 +105,8 @@ def tool_action(msg: Any) -> Action:
         fn = getattr(c, "function", None)
         ids.append(c.id or f"call_{i}")
         functions.append({"name": getattr(fn, "name", None) or "", "arguments": getattr(fn, "arguments", None) or ""})
-    message["tool_calls"] = [{"id": i, "type": "function", "function": f} for i, f in zip(ids, functions)]
+    kept = [{"name": f["name"], "arguments": history_arguments(f["arguments"])} for f in functions]
+    message["tool_calls"] = [{"id": i, "type": "function", "function": f} for i, f in zip(ids, kept)]
     extra = ids[1:]
     try:
         cmd, timeout = parse_tool_arguments(functions[0]["name"], functions[0]["arguments"])

@@ -86,8 +86,31 @@ class ToolArgsError(ValueError):
     """The model's tool-call arguments are not usable; ``str()`` is shown to the model."""
 
 
+def history_arguments(arguments: str | None) -> str:
+    """Tool-call arguments as the conversation keeps them: a JSON object's text, which every server
+    re-renders (vLLM and llama-server parse the arguments of the history's calls, and refuse the
+    whole request when they cannot). Arguments that are not one (a reply cut off at its token
+    limit, broken JSON) are kept as the string ``{"unparsed": ...}``: the model's own malformed
+    reply must stay its failure, never become a request the server rejects."""
+    try:
+        obj = json.loads(arguments or "")
+    except ValueError:
+        obj = None
+    if isinstance(obj, dict):
+        return arguments or "{}"
+    return json.dumps({"unparsed": arguments or ""}, ensure_ascii=False)
+
+
 def parse_tool_arguments(name: str | None, arguments: str | None) -> tuple[str, int | None]:
     """Return ``(command, timeout)`` from a ``terminal`` tool call, or raise ``ToolArgsError``."""
+    if not name:  # a ``<tool_call>`` block that is not JSON has no name either: say what is wrong
+        try:
+            json.loads(arguments or "")
+        except json.JSONDecodeError as e:
+            raise ToolArgsError(
+                f"Could not parse the tool call as JSON ({e.msg} at position {e.pos}). "
+                'Call `terminal` like <tool_call>{"name": "terminal", "arguments": {"command": "ls"}}</tool_call>.'
+            ) from None
     if name != TOOL_NAME:
         raise ToolArgsError(f"Unknown tool {name!r}. The only tool is `{TOOL_NAME}`.")
     try:

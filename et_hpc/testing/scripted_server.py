@@ -298,7 +298,7 @@ class ScriptedServer:
             prompt_ids = tk.encode_chat(
                 messages, req.get("tools") or None, add_generation_prompt=bool(req.get("add_generation_prompt", True))
             )
-        except (AttributeError, TypeError) as e:
+        except (AttributeError, TypeError, ValueError) as e:
             entry["served"] = "bad_messages"
             h._error(400, f"scripted server: cannot render the messages: {e}", "BadRequestError")
             return

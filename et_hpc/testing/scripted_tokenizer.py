@@ -77,13 +77,18 @@ def _text(content: Any) -> str:
     return str(content)
 
 
+class HistoryError(ValueError):
+    """A conversation the server refuses to render (as vLLM and llama-server do)."""
+
+
 def _args_json(arguments: Any) -> str:
-    """How the template writes tool-call arguments: parsed (as vLLM does), then ``tojson``."""
+    """How the template writes a history call's arguments: parsed (as vLLM and llama-server do),
+    then ``tojson``; text that is not JSON makes the request fail, as it does on those servers."""
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments)
-        except ValueError:
-            return arguments  # not JSON: rendered as written
+            arguments = json.loads(arguments or "{}")
+        except ValueError as e:
+            raise HistoryError(f"Failed to parse tool call arguments as JSON: {e}") from None
     return json.dumps(arguments, ensure_ascii=False)
 
 

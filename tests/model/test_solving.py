@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from helpers import REPO, need
@@ -58,6 +59,31 @@ def test_the_grammar_makes_the_reply_a_tool_call(solver):
     a = _first_turn(p)
     assert a.kind == "command" and a.command, a.message
     assert p.constrained == ["grammar"]
+
+
+def test_a_cut_off_tool_call_is_kept_in_a_form_the_server_renders(solver):
+    """A reply cut off inside its tool call (its token limit): llama-server refuses a history holding
+    the call as written (HTTP 500 with Qwen's template; the positive control), so an episode would end
+    a masked policy error; the form the agent keeps renders."""
+    from types import SimpleNamespace
+
+    from et_hpc.agent.replies import tool_action
+
+    ep = json.loads(solver.cfg.endpoint_file.read_text())
+    auth = {"Authorization": f"Bearer {ep['api_key']}"}
+    cut = '{"command": "tail -n +2 /home/user/data/sales.csv | awk -F, \'{print $3}'
+    fn = SimpleNamespace(name="terminal", arguments=cut)
+    action = tool_action(SimpleNamespace(content="", tool_calls=[SimpleNamespace(id="call_0", function=fn)]))
+    assert action.kind == "invalid"
+    head = [{"role": "system", "content": "You run shell commands."}, {"role": "user", "content": "Sum column 3."}]
+    obs = {"role": "tool", "tool_call_id": "call_0", "content": action.error}
+    call = {"id": "call_0", "type": "function", "function": {"name": "terminal", "arguments": cut}}
+    raw = {"role": "assistant", "content": "", "tool_calls": [call]}
+    url = ep["base_url"].removesuffix("/v1") + "/apply-template"
+    bad = httpx.post(url, json={"messages": [*head, raw, obs]}, headers=auth, timeout=60)
+    assert bad.status_code >= 400 and "argument" in bad.text.lower(), (bad.status_code, bad.text[:300])
+    good = httpx.post(url, json={"messages": [*head, action.message, obs]}, headers=auth, timeout=60)
+    assert good.status_code == 200 and "unparsed" in good.json()["prompt"], good.text[:300]
 
 
 def test_a_chat_mode_tools_constraint_on_llama_server_is_said_not_done(solver, caplog):
