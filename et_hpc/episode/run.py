@@ -72,15 +72,17 @@ def _versions() -> dict[str, str]:
     }
 
 
-_ENDPOINTS: dict[tuple, PolicyConfig] = {}
+_ENDPOINTS: dict[tuple, Any] = {}  # what was resolved once per process: a replica set's wait, an endpoint
 _ENDPOINT_LOCK = threading.Lock()
 
 
 def resolve_policy_config(cfg: PolicyConfig) -> PolicyConfig:
-    """Fill ``base_url``/``model`` of an openai policy from the endpoint file (once per process).
+    """Fill ``base_url``/``model`` of an openai policy from the endpoint file (read once per process).
 
-    With ``endpoint_dir``, wait (once per process, at most ``endpoint_wait_s``) until one replica of
-    the process's replica set answers; each episode's policy then takes a replica of its own."""
+    Only the endpoint's own fields (address, served model, key) are taken from what was resolved;
+    everything else is this episode's own ``cfg`` (its sample's seed above all). With
+    ``endpoint_dir``, wait (once per process, at most ``endpoint_wait_s``) until one replica of the
+    process's replica set answers; each episode's policy then takes a replica of its own."""
     if cfg.kind == "openai" and cfg.endpoint_dir is not None:
         from et_hpc.agent.replicas import replica_set
 
@@ -88,28 +90,23 @@ def resolve_policy_config(cfg: PolicyConfig) -> PolicyConfig:
         with _ENDPOINT_LOCK:
             if ("dir", id(rs)) not in _ENDPOINTS:
                 rs.wait_live(cfg.endpoint_wait_s)
-                _ENDPOINTS[("dir", id(rs))] = cfg
+                _ENDPOINTS[("dir", id(rs))] = True
         return cfg
     if cfg.kind != "openai" or (cfg.base_url and not cfg.endpoint_file):
         return cfg
     key = (cfg.base_url, str(cfg.endpoint_file), cfg.model)  # the model: a trainer-owned switch names a new one
     with _ENDPOINT_LOCK:
         if key not in _ENDPOINTS:
-            from pydantic import SecretStr
-
             from et_hpc.agent.endpoint import resolve_endpoint
 
-            ep = resolve_endpoint(
+            _ENDPOINTS[key] = resolve_endpoint(
                 cfg.base_url, cfg.endpoint_file, wait_s=cfg.endpoint_wait_s, api_key=cfg.key_value(), api_key_env=cfg.api_key_env
             )
-            _ENDPOINTS[key] = cfg.model_copy(
-                update={  # in memory only: the key is never serialised
-                    "base_url": ep.base_url,
-                    "model": cfg.model or ep.model,
-                    "api_key": SecretStr(ep.api_key or ""),
-                }
-            )
-        return _ENDPOINTS[key]
+        ep = _ENDPOINTS[key]
+    from pydantic import SecretStr
+
+    # in memory only: the key is never serialised
+    return cfg.model_copy(update={"base_url": ep.base_url, "model": cfg.model or ep.model, "api_key": SecretStr(ep.api_key or "")})
 
 
 def policy_version_fields(policy: Any) -> dict[str, Any]:

@@ -219,7 +219,7 @@ class ScriptedServer:
         self.tokenize_endpoint = tokenize_endpoint  # False: no /tokenize, /detokenize
         self.started = time.time()
         self.requests: dict[str, int] = {}  # "POST /v1/chat/completions" -> count
-        self.log: list[dict[str, Any]] = []  # one entry per chat request: key, turn, attempt, served
+        self.log: list[dict[str, Any]] = []  # one entry per chat request: key, turn, attempt, served, seed
         self._attempts: dict[str, int] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -287,7 +287,7 @@ class ScriptedServer:
         with self._lock:
             attempt = self._attempts.get(digest, 0)
             self._attempts[digest] = attempt + 1
-        entry: dict[str, Any] = {"key": key, "turn": turn, "attempt": attempt}
+        entry: dict[str, Any] = {"key": key, "turn": turn, "attempt": attempt, "seed": req.get("seed")}
         with self._lock:
             self.log.append(entry)
         if key is None:
@@ -338,7 +338,7 @@ class ScriptedServer:
         key = next((k for k in self.script if k in first_user), None)
         turn = max(text.count("<|im_start|>assistant") - 1, 0)
         with self._lock:
-            self.log.append({"key": key, "turn": turn, "attempt": 0, "served": "completion"})
+            self.log.append({"key": key, "turn": turn, "attempt": 0, "served": "completion", "seed": req.get("seed")})
         if key is None:
             h._error(400, "scripted server: no script entry matches the first user message", "BadRequestError")
             return

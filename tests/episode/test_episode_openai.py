@@ -153,6 +153,25 @@ def test_endpoint_file_from_server(demo_image, tmp_path: Path) -> None:
     assert rec.model == "served-by-file"  # the model named in the endpoint file was used
 
 
+@pytest.mark.parametrize("token_in", [False, True])
+def test_each_sample_sends_its_own_seed_through_an_endpoint_file(demo_image, tmp_path: Path, token_in: bool) -> None:
+    """Sample i of a run sends seed + i on every request, also when the server is found through an
+    endpoint file (read once per process): a group's samples are draws of their own, not one
+    draw repeated. Three samples on one worker, so all three resolve the endpoint in one process."""
+    from et_hpc.testing.scripted_server import ScriptedServer
+
+    with ScriptedServer({KEY: [{"command": SOLVE}, "done"]}, model="by-file") as srv:
+        ep = tmp_path / "ep" / "endpoint.json"
+        srv.write_endpoint_file(ep)
+        sets = ["--set", "policy.kind=openai", "--set", f"policy.endpoint_file={ep}", "--set", "policy.seed=10"]
+        _run(tmp_path, "seeds", "--samples", "3", *sets, "--set", f"policy.token_in={str(token_in).lower()}")
+        sent = sorted({e["seed"] for e in srv.log})
+    recs = _records(tmp_path, "seeds")
+    assert sorted(r.sampling_params["seed"] for r in recs) == [10, 11, 12]
+    assert sent == [10, 11, 12], sent  # what the server was asked for: each sample's own
+    assert {r.model for r in recs} == {"by-file"}  # and the endpoint file's model
+
+
 def test_api_key_not_visible_in_sandbox(demo_image, tmp_path: Path) -> None:
     from et_hpc.testing.scripted_server import ScriptedServer
 
