@@ -107,12 +107,16 @@ def _published(ep: Path, server: subprocess.Popen, out: Path) -> bool:
     return False
 
 
-def test_et_hpc_model_serve_on_one_node_is_used_from_the_others_with_its_key(demo_image, shared: Path) -> None:
+@pytest.fixture
+def model() -> None:
+    need("model")  # before the image: with CI=true a missing llama-server or embedded model fails
+
+
+def test_et_hpc_model_serve_on_one_node_is_used_from_the_others_with_its_key(model, demo_image, shared: Path) -> None:
     """`et-hpc model serve` (llama-server, the embedded model) started by slurm/model-cpu.sbatch on
     rig1; the other nodes find it through its endpoint file on the shared home and a real episode
     kept off rig1 is answered by it. Its key is made by the server and travels in the endpoint file
     and environments only."""
-    need("model")
     server_node, others = NODES[0], NODES[1:]
     ep = shared / "private" / "endpoint.json"
     out = shared / "model-server.out"
