@@ -112,6 +112,7 @@ def model() -> None:
     need("model")  # before the image: with CI=true a missing llama-server or embedded model fails
 
 
+@pytest.mark.timeout(2400)  # a real model's turns, and jobs that queue behind the rig's other work
 def test_et_hpc_model_serve_on_one_node_is_used_from_the_others_with_its_key(model, demo_image, shared: Path) -> None:
     """`et-hpc model serve` (llama-server, the embedded model) started by slurm/model-cpu.sbatch on
     rig1; the other nodes find it through its endpoint file on the shared home and a real episode
