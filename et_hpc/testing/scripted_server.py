@@ -210,7 +210,7 @@ class ScriptedServer:
         self.served_names = list(served_names) if served_names else None  # None: any name, echoed
         self.on_request: Any = None  # called with each chat/completion request before it is checked
         self.api_key = api_key  # like vllm serve --api-key: /v1/* answer 401 without "Bearer KEY"
-        self.log_requests = False  # print "served chat turn=N" on stdout after each reply
+        self.log_requests = False  # print "served chat turn=N" on stdout with each reply, before it is sent
         self.script = {k: _split_turns(v) for k, v in load_script(script).items()}
         self.model = model
         self.max_model_len = max_model_len
@@ -315,9 +315,10 @@ class ScriptedServer:
             self._fault(h, fault, prompt_tokens, req)
             return
         entry["served"] = "reply"
-        h._send(200, self._completion(reply, req, prompt_ids))
-        if self.log_requests:
+        body = self._completion(reply, req, prompt_ids)
+        if self.log_requests:  # before the answer: a client that got it finds the line already there
             print(f"served chat turn={turn}", flush=True)
+        h._send(200, body)
 
     def _completions(self, h: _Handler, req: dict) -> None:
         """vLLM's ``/v1/completions`` with a token-id ``prompt`` (the token-in mode): the prompt is decoded,
