@@ -141,14 +141,14 @@ class LocalImage(os.PathLike):
         self.release()
 
 
-def _paths(d: Path, digest: str, kind: str = ".sif") -> tuple[Path, Path, Path]:
+def copy_paths(d: Path, digest: str, kind: str = ".sif") -> tuple[Path, Path, Path]:
     """(the copy, its record, its lease) for a SIF copy (``.sif``) or an unpacked tree (``TREE``)."""
     if kind == TREE:
         return d / f"{digest}{TREE}", d / f"{digest}{TREE}.json", d / f"{digest}{TREE}.lease"
     return d / f"{digest}.sif", d / f"{digest}.json", d / f"{digest}.lease"
 
 
-def _read_meta(meta: Path) -> dict[str, Any] | None:
+def read_meta(meta: Path) -> dict[str, Any] | None:
     try:
         return json.loads(meta.read_text())
     except (OSError, ValueError):
@@ -165,7 +165,7 @@ def _stat_matches(sif: Path, meta: dict[str, Any] | None) -> bool:
     return (meta.get("size"), meta.get("mtime_ns"), meta.get("ino")) == (st.st_size, st.st_mtime_ns, st.st_ino)
 
 
-def _take_lease(lease: Path) -> int | None:
+def take_lease(lease: Path) -> int | None:
     """A shared flock on the lease file; None when the file was replaced meanwhile (evicted)."""
     fd = os.open(lease, os.O_RDWR | os.O_CREAT, 0o600)
     try:
@@ -179,9 +179,9 @@ def _take_lease(lease: Path) -> int | None:
         return None
 
 
-def _remove_copy(d: Path, digest: str, kind: str = ".sif") -> bool:
+def remove_copy(d: Path, digest: str, kind: str = ".sif") -> bool:
     """Delete one copy if nobody holds its lease (caller holds the node lock). True if removed."""
-    copy, meta, lease = _paths(d, digest, kind)
+    copy, meta, lease = copy_paths(d, digest, kind)
     fd = hold_unused(lease)
     if fd is None:
         return False
@@ -219,9 +219,9 @@ def list_copies(scratch: Path | None = None) -> list[CopyInfo]:
     for copy in [*d.glob("*.sif"), *d.glob(f"*{TREE}")]:
         kind = TREE if copy.name.endswith(TREE) else ".sif"
         digest = copy.name[: -len(kind)]
-        _, meta, lease = _paths(d, digest, kind)
+        _, meta, lease = copy_paths(d, digest, kind)
         try:
-            size = copy.stat().st_size if kind == ".sif" else int((_read_meta(meta) or {}).get("size", 0))
+            size = copy.stat().st_size if kind == ".sif" else int((read_meta(meta) or {}).get("size", 0))
         except (OSError, ValueError):
             continue
         try:
@@ -244,15 +244,15 @@ def evict(scratch: Path | None, budget_bytes: int, *, incoming: int = 0, keep: s
             break
         if c.digest == keep:
             continue
-        if _remove_copy(d, c.digest, c.kind):
+        if remove_copy(d, c.digest, c.kind):
             log.info("evicted node-local image %s (%.1f MB)", c.path, c.size / 1e6)
             total -= c.size
     return total
 
 
 def _in_use(d: Path, c: CopyInfo) -> bool:
-    """Whether a sandbox holds ``c``'s lease (what ``_remove_copy`` would find), creating nothing."""
-    lease = _paths(d, c.digest, c.kind)[2]
+    """Whether a sandbox holds ``c``'s lease (what ``remove_copy`` would find), creating nothing."""
+    lease = copy_paths(d, c.digest, c.kind)[2]
     if not lease.exists():
         return False
     fd = hold_unused(lease)
@@ -268,14 +268,14 @@ def clear_unused(
     """Remove every node-local copy and tree no sandbox holds. Returns (removed, kept in use);
     ``dry_run``: what would be removed, nothing removed."""
     d = images_dir(scratch)
-    lock = _node_lock(d, lock_timeout_s)
+    lock = node_lock(d, lock_timeout_s)
     try:
         if not dry_run:
-            _clean_temps(d)
+            clean_temps(d)
         removed: list[CopyInfo] = []
         kept: list[CopyInfo] = []
         for c in list_copies(scratch):
-            gone = not _in_use(d, c) if dry_run else _remove_copy(d, c.digest, c.kind)
+            gone = not _in_use(d, c) if dry_run else remove_copy(d, c.digest, c.kind)
             (removed if gone else kept).append(c)
         return removed, kept
     finally:
@@ -296,7 +296,7 @@ def _copy_hashed(src: Path, dst: Path) -> str:
     return h.hexdigest()
 
 
-def _clean_temps(d: Path) -> None:
+def clean_temps(d: Path) -> None:
     # only the node-lock holder copies, so any temp seen while holding it was left by a dead copier
     for t in d.glob(".*.tmp"):
         if t.is_dir() and not t.is_symlink():
@@ -305,7 +305,7 @@ def _clean_temps(d: Path) -> None:
             t.unlink(missing_ok=True)
 
 
-def _node_lock(d: Path, timeout_s: float) -> FileLock:
+def node_lock(d: Path, timeout_s: float) -> FileLock:
     """The per-node lock, acquired (the caller releases it)."""
     lock = FileLock(str(d / ".node.lock"), timeout=timeout_s)
     try:
@@ -315,7 +315,7 @@ def _node_lock(d: Path, timeout_s: float) -> FileLock:
     return lock
 
 
-def _make_room(d: Path, scratch: Path | None, budget_gb: float, size: int, digest: str, name: str) -> None:
+def make_room(d: Path, scratch: Path | None, budget_gb: float, size: int, digest: str, name: str) -> None:
     """Evict (LRU) until ``size`` more bytes fit the budget and the disk; else ``NoRoom``. Under the node lock."""
     budget = int(budget_gb * (1 << 30))
     total = evict(scratch, budget, incoming=size, keep=digest)
@@ -345,21 +345,21 @@ def local_image(
     src = Path(sif_path)
     digest = norm_digest(digest) if digest else sha256_file(src)
     d = images_dir(scratch)
-    sif, meta_p, lease = _paths(d, digest)
+    sif, meta_p, lease = copy_paths(d, digest)
 
     # fast path: a verified copy is there; lease it without the node lock
-    meta = _read_meta(meta_p)
+    meta = read_meta(meta_p)
     if verify == "stat" and _stat_matches(sif, meta):
-        fd = _take_lease(lease)
+        fd = take_lease(lease)
         if fd is not None:
-            if _stat_matches(sif, _read_meta(meta_p)):
+            if _stat_matches(sif, read_meta(meta_p)):
                 return LocalImage(sif, digest, fd, copied=False, copy_s=(meta or {}).get("copy_s"))
             os.close(fd)
 
-    node_lock = _node_lock(d, lock_timeout_s)
+    nlock = node_lock(d, lock_timeout_s)
     try:
-        _clean_temps(d)
-        meta = _read_meta(meta_p)
+        clean_temps(d)
+        meta = read_meta(meta_p)
         if sif.exists():
             ok = _stat_matches(sif, meta) and verify == "stat"
             if not ok:
@@ -369,17 +369,17 @@ def local_image(
                     meta = dict(meta or {}, digest=digest, size=st.st_size, mtime_ns=st.st_mtime_ns, ino=st.st_ino)
                     atomic_write_text(meta_p, json.dumps(meta))
             if ok:
-                fd = _take_lease(lease)
+                fd = take_lease(lease)
                 if fd is None:
                     raise InfraError(f"could not lease node-local image {sif}")
                 return LocalImage(sif, digest, fd, copied=False, copy_s=(meta or {}).get("copy_s"))
             log.warning("node-local image copy %s does not match its digest: replacing it", sif)
-            if not _remove_copy(d, digest):
+            if not remove_copy(d, digest):
                 # someone runs from it: move it aside (their open file stays valid) and copy anew
                 sif.rename(d / f".{digest}.{secrets.token_hex(4)}.bad")
                 meta_p.unlink(missing_ok=True)
 
-        _make_room(d, scratch, budget_gb, src.stat().st_size, digest, src.name)
+        make_room(d, scratch, budget_gb, src.stat().st_size, digest, src.name)
 
         tmp = d / f".{digest}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
         t0 = time.monotonic()
@@ -410,13 +410,13 @@ def local_image(
                 }
             ),
         )
-        fd = _take_lease(lease)
+        fd = take_lease(lease)
         if fd is None:
             raise InfraError(f"could not lease node-local image {sif}")
         log.info("copied %s to node-local %s in %.2fs", src, sif, copy_s)
         return LocalImage(sif, digest, fd, copied=True, copy_s=copy_s)
     finally:
-        node_lock.release()
+        nlock.release()
         for bad in d.glob(".*.bad"):  # set-aside corrupt copies, once nobody can be starting from them
             if time.time() - bad.stat().st_mtime > 24 * 3600:
                 bad.unlink(missing_ok=True)
@@ -425,7 +425,7 @@ def local_image(
 UNPACK_FACTOR = 4  # room asked for before unpacking: this many times the SIF (squashfs compresses ~3x)
 
 
-def _tree_ok(root: Path, meta: dict[str, Any] | None, digest: str) -> bool:
+def tree_ok(root: Path, meta: dict[str, Any] | None, digest: str) -> bool:
     if not meta or meta.get("digest") != digest:
         return False
     try:
@@ -480,34 +480,34 @@ def local_tree(
     src = Path(sif_path)
     digest = norm_digest(digest) if digest else sha256_file(src)
     d = images_dir(scratch)
-    root, meta_p, lease = _paths(d, digest, TREE)
+    root, meta_p, lease = copy_paths(d, digest, TREE)
 
     def leased(meta: dict[str, Any] | None, *, copied: bool) -> LocalImage | None:
-        fd = _take_lease(lease)
+        fd = take_lease(lease)
         if fd is None:
             return None
-        if not _tree_ok(root, _read_meta(meta_p), digest):
+        if not tree_ok(root, read_meta(meta_p), digest):
             os.close(fd)
             return None
         return LocalImage(root, digest, fd, copied=copied, copy_s=(meta or {}).get("copy_s"))
 
-    meta = _read_meta(meta_p)
-    if _tree_ok(root, meta, digest):  # fast path, without the node lock
+    meta = read_meta(meta_p)
+    if tree_ok(root, meta, digest):  # fast path, without the node lock
         got = leased(meta, copied=False)
         if got is not None:
             return got
-    node_lock = _node_lock(d, lock_timeout_s)
+    nlock = node_lock(d, lock_timeout_s)
     try:
-        _clean_temps(d)
-        meta = _read_meta(meta_p)
-        if _tree_ok(root, meta, digest):
+        clean_temps(d)
+        meta = read_meta(meta_p)
+        if tree_ok(root, meta, digest):
             got = leased(meta, copied=False)
             if got is None:
                 raise InfraError(f"could not lease node-local image {root}")
             return got
-        if (root.exists() or meta_p.exists()) and not _remove_copy(d, digest, TREE):
+        if (root.exists() or meta_p.exists()) and not remove_copy(d, digest, TREE):
             raise InfraError(f"node-local image {root} is incomplete and in use; not replaced")
-        _make_room(d, scratch, budget_gb, UNPACK_FACTOR * src.stat().st_size, digest, src.name)
+        make_room(d, scratch, budget_gb, UNPACK_FACTOR * src.stat().st_size, digest, src.name)
         tag = f".{digest}.{os.getpid()}.{secrets.token_hex(4)}"
         tmp_sif, tmp_root = d / f"{tag}.sif.tmp", d / f"{tag}.tmp"
         t0 = time.monotonic()
@@ -545,7 +545,7 @@ def local_tree(
         log.info("unpacked %s to node-local %s in %.2fs", src, root, copy_s)
         return got
     finally:
-        node_lock.release()
+        nlock.release()
 
 
 def wants_copy(sif_path: Path | str, mode: Mode, scratch: Path | None = None) -> bool:
@@ -569,6 +569,10 @@ def episode_image(image: ImageLike, options: CopyOptions, *, scratch: Path | Non
     path = Path(image.path)
     mode, budget_gb = options.local_copy, options.local_copy_budget_gb
     try:
+        if path.suffix == ".cas":  # a CAS image is only ever started from its node-local tree
+            from et_hpc.images.cas_node import cas_tree
+
+            return cas_tree(path, image.digest, scratch=scratch, budget_gb=budget_gb)
         if mode == "unpack":
             return local_tree(path, image.digest, scratch=scratch, budget_gb=budget_gb)
         if not wants_copy(path, mode, scratch):  # the shared image, leased so 'images gc' keeps it

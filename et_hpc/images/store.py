@@ -84,6 +84,11 @@ class ImageStoreConfig(BaseModel):
     a directory, or "on" for <cache>/downloads ($ET_HPC_DOWNLOAD_CACHE). Default off. Bound for the
     build only; the image key is unchanged."""
 
+    layout: Literal["sif", "cas"] = "sif"
+    """How task images are kept ($ET_HPC_IMAGE_LAYOUT): "sif", one SIF per task; "cas", each
+    distinct file once in a content-addressed store plus a manifest per task, made into node-local
+    trees by hard links (et_hpc.images.cas; docs/images.md, "The layered store")."""
+
     @classmethod
     def from_env(cls, **overrides: Any) -> ImageStoreConfig:
         env = {
@@ -93,6 +98,8 @@ class ImageStoreConfig(BaseModel):
         vals: dict[str, Any] = {k: float(v) for k, v in env.items() if v}
         if os.environ.get("ET_HPC_DOWNLOAD_CACHE"):
             vals["download_cache"] = os.environ["ET_HPC_DOWNLOAD_CACHE"]
+        if os.environ.get("ET_HPC_IMAGE_LAYOUT"):
+            vals["layout"] = os.environ["ET_HPC_IMAGE_LAYOUT"]
         if os.environ.get("ET_HPC_BUILD_CA_BUNDLE"):
             vals["ca_bundle"] = os.environ["ET_HPC_BUILD_CA_BUNDLE"]
         vals.update({k: v for k, v in overrides.items() if v is not None})
@@ -180,6 +187,10 @@ class ImageStore:
     def sif_path(self, key: str) -> Path:
         return self.cache_dir / "images" / key[:2] / f"{key}.sif"
 
+    def cas_ref_path(self, key: str) -> Path:
+        """The CAS layout's image: a small JSON naming the image's manifest."""
+        return self.cache_dir / "images" / key[:2] / f"{key}.cas"
+
     def meta_path(self, key: str) -> Path:
         return self.cache_dir / "images" / key[:2] / f"{key}.json"
 
@@ -222,6 +233,14 @@ class ImageStore:
 
     def _from_store(self, task_id: str, key: str) -> ImageResult:
         sif = self.sif_path(key)
+        ref = self.cas_ref_path(key)
+        if not sif.exists() and ref.exists():
+            man = (self._read_json(ref) or {}).get("manifest")
+            from et_hpc.images import cas
+
+            if not man or not cas.manifest_path(self.cache_dir, man).is_file():
+                return ImageResult(task_id=task_id, key=key, status="missing", reason=f"image {ref} names no stored manifest")
+            return ImageResult(task_id=task_id, key=key, status="cached", path=ref, digest=man, log_path=self.log_path(key))
         if sif.exists():
             meta = self._read_json(self.meta_path(key)) or {}
             bad = self._changed_since_build(sif, meta)
@@ -403,12 +422,9 @@ class ImageStore:
                     shared = self.settings.downloads_dir(self.cache_dir)
                     rc, reason = run_build(self.settings, work, tmp_out, lf, self.scratch, shared)
             if reason is None and rc == 0:
-                fsync_file(tmp_out)
-                digest = sha256_file(tmp_out)
-                os.replace(tmp_out, sif)
-                fsync_dir(sif.parent)
+                out, digest, extra = self._publish(key, tmp_out)
                 seconds = time.monotonic() - t0
-                st = sif.stat()
+                st = out.stat()
                 meta = {
                     "key": key,
                     "format": FORMAT,
@@ -422,10 +438,11 @@ class ImageStore:
                     "ino": st.st_ino,  # the cheap check at lookup
                     "rewrites": list(getattr(recipe, "rewrites", None) or []),
                     "base": str(getattr(recipe, "base", None) or "") or None,
+                    **extra,
                 }
                 atomic_write_text(self.meta_path(key), json.dumps(meta, indent=1))
                 self.failed_path(key).unlink(missing_ok=True)
-                return ImageResult(task_id=tid, key=key, status="built", path=sif, digest=digest, log_path=logf)
+                return ImageResult(task_id=tid, key=key, status="built", path=out, digest=digest, log_path=logf)
             tail = file_tail(logf, s.keep_failed_logs_lines, raw=True)
             if reason is None and (interrupted(rc, tail) or slurm.slurm_job_ending()):
                 # Killed from outside (scancel, preemption, OOM, Ctrl-C): not the recipe's fault, so no
@@ -457,6 +474,58 @@ class ImageStore:
         finally:
             tmp_out.unlink(missing_ok=True)
             remove_tree(work)
+
+    def _publish(self, key: str, built: Path, layout: str | None = None) -> tuple[Path, str, dict[str, Any]]:
+        """Put a built SIF in place: (the image's path, its digest, extra record fields). In the CAS
+        layout the SIF's root is stored file by file and the SIF is dropped; the digest is the manifest's."""
+        if (layout or self.settings.layout) == "cas":
+            from et_hpc.images import cas
+
+            t = time.monotonic()
+            ref = self.cas_ref_path(key)
+            with cas.gc_guard(self.cache_dir):  # the manifest is named by an image before gc can look
+                man, new = cas.ingest_sif(self.cache_dir, built, scratch=self.scratch)
+                atomic_write_text(ref, json.dumps({"key": key, "manifest": man}))
+            fsync_dir(ref.parent)
+            return (
+                ref,
+                man,
+                {"layout": "cas", "sif_bytes": built.stat().st_size, "new_bytes": new, "ingest_s": round(time.monotonic() - t, 2)},
+            )
+        fsync_file(built)
+        digest = sha256_file(built)
+        sif = self.sif_path(key)
+        os.replace(built, sif)
+        fsync_dir(sif.parent)
+        return sif, digest, {}
+
+    def convert(self, key: str) -> ImageResult:
+        """Move the store's SIF of ``key`` to the CAS layout (its root stored file by file, the SIF
+        removed), under the key's build lock; an image already in the CAS layout is left as it is."""
+        sif = self.sif_path(key)
+        meta = self._read_json(self.meta_path(key)) or {}
+        tid = (meta.get("task_ids") or [key])[0]
+        lock = BuildLock(self.lock_path(key), stale_after=self.settings.stale_after_s, timeout=self.settings.build_timeout_s)
+        lock.acquire()
+        try:
+            if not sif.exists():
+                return self._from_store(tid, key)
+            bad = self._changed_since_build(sif, meta)
+            if bad:
+                return ImageResult(task_id=tid, key=key, status="missing", reason=bad)
+            tmp = sif.parent / f".tmp-{key}-{uuid.uuid4().hex[:12]}.sif"
+            os.link(sif, tmp)  # _publish consumes its input's name, not the image's
+            try:
+                out, digest, extra = self._publish(key, tmp, layout="cas")
+            finally:
+                tmp.unlink(missing_ok=True)
+            st = out.stat()
+            rec = {**meta, **extra, "digest": digest, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino}
+            atomic_write_text(self.meta_path(key), json.dumps(rec, indent=1))
+            sif.unlink()
+            return self._from_store(tid, key)
+        finally:
+            lock.release()
 
     def ensure_many(
         self, tasks: Iterable[Buildable], *, jobs: int | None = None, progress: bool = True, retry_failed: bool = False, build: bool = True

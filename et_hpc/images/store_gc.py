@@ -33,6 +33,7 @@ class GcResult:
     kept: int = 0  # images referenced by the kept tasks
     recent: list[str] = field(default_factory=list)  # unreferenced, but built or used within min_age_s
     in_use: list[str] = field(default_factory=list)  # unreferenced, but locked or leased now
+    cas_files: int = 0  # CAS manifests and objects removed (layout cas)
 
 
 def lease_path(sif: Path) -> Path:
@@ -43,7 +44,7 @@ def shared_lease(sif: Path) -> int | None:
     """A shared flock on the lease of a store image (one with a ``.json`` record beside it), its
     mtime set to now (last use); None for other SIFs or when it cannot be taken (read-only cache)."""
     sif = Path(sif)
-    if sif.suffix != ".sif" or not sif.with_suffix(".json").is_file():
+    if sif.suffix not in (".sif", ".cas") or not sif.with_suffix(".json").is_file():
         return None
     try:
         fd = os.open(lease_path(sif), os.O_RDWR | os.O_CREAT, 0o644)
@@ -59,7 +60,8 @@ def shared_lease(sif: Path) -> int | None:
 
 
 def _stored(store: ImageStore) -> dict[str, Path]:
-    return {p.stem: p for p in (store.cache_dir / "images").glob("??/*.sif")}
+    d = store.cache_dir / "images"
+    return {p.stem: p for p in [*d.glob("??/*.sif"), *d.glob("??/*.cas")]}  # a key has one of them
 
 
 def _last_touch(store: ImageStore, key: str, sif: Path) -> float:
@@ -147,7 +149,27 @@ def gc(store: ImageStore, keep: set[str], *, min_age_s: float = 86400.0, dry_run
         else:
             res.removed.append(key)
             res.freed_bytes += freed
+    _sweep_cas(store, res, min_age_s, now, dry_run)
     return res
+
+
+def _sweep_cas(store: ImageStore, res: GcResult, min_age_s: float, now: float, dry_run: bool) -> None:
+    """The CAS layout: remove manifests no image names and objects no kept manifest names."""
+    from et_hpc.images import cas
+
+    if not cas.cas_dir(store.cache_dir).is_dir():
+        return
+    gone = set(res.removed) if dry_run else set()
+    live = set()
+    for key, p in _stored(store).items():
+        if p.suffix == ".cas" and key not in gone:
+            try:
+                live.add(json.loads(p.read_text())["manifest"])
+            except (OSError, ValueError, KeyError):
+                return  # an image that cannot be read: its objects cannot be told apart, keep all
+    files, nbytes = cas.sweep(store.cache_dir, live, min_age_s=min_age_s, now=now, dry_run=dry_run)
+    res.cas_files += files
+    res.freed_bytes += nbytes
 
 
 def as_dict(res: GcResult) -> dict:

@@ -182,8 +182,9 @@ def score_kept_state(
         note = "the kept state changes what starts a sandbox (" + ", ".join(refused[:5]) + "): it is not started again, and scores 0"
         return ScoreResult(status="ok", reward=0.0, note=note, interpreter="none"), []
     events = [f"rescore: the kept {p} was left out (the image's applies)" for p in left_out]
+    tree = _cas_tree(spec.image_path, spec.image_digest, img)
     sb = Sandbox(
-        Path(spec.image_path),
+        Path(tree if tree is not None else spec.image_path),
         run_prefix=spec.run_prefix,
         overlay_image=img,
         overlay_readonly=True,
@@ -212,7 +213,22 @@ def score_kept_state(
             wd.stop()
         sb.stop()
         img.unlink(missing_ok=True)
+        if tree is not None:
+            tree.release()
     return sc, events
+
+
+def _cas_tree(image_path: str, digest: str | None, img: Path) -> Any:
+    """The node-local tree of a CAS image (a leased ``LocalImage``), None for a SIF (started in place)."""
+    if not image_path.endswith(".cas"):
+        return None
+    from et_hpc.images.cas_node import cas_tree
+
+    try:
+        return cas_tree(Path(image_path), digest)
+    except BaseException:
+        img.unlink(missing_ok=True)
+        raise
 
 
 # ---------------------------------------------------------------- planning
