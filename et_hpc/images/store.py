@@ -503,7 +503,7 @@ class ImageStore:
         """Move the store's SIF of ``key`` to the CAS layout (its root stored file by file, the SIF
         removed), under the key's build lock; an image already in the CAS layout is left as it is."""
         sif = self.sif_path(key)
-        meta = self._read_json(self.meta_path(key)) or {}
+        meta = {**(self._read_json(self.meta_path(key)) or {}), "key": key}
         tid = (meta.get("task_ids") or [key])[0]
         lock = BuildLock(self.lock_path(key), stale_after=self.settings.stale_after_s, timeout=self.settings.build_timeout_s)
         lock.acquire()
