@@ -85,6 +85,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     work = Path(a.out or tempfile.mkdtemp(prefix="bench-corpus-"))
+    work.mkdir(parents=True, exist_ok=True)
     cache, scratch = work / "cache", work / "scratch"
     fixtures = fixture_sifs()
     res: dict = {"fixtures": len(fixtures), "variants": a.variants}

@@ -76,6 +76,24 @@ def task_sif(base_sif: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def task_cas_tree(task_sif: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``task_sif`` stored in the CAS layout and made on this node by hard links (et_hpc.images.cas_node)."""
+    import json
+
+    from et_hpc.images import cas
+    from et_hpc.images.cas_node import cas_tree
+
+    d = tmp_path_factory.mktemp("redteam-cas")
+    man, _ = cas.ingest_sif(d / "cache", task_sif, scratch=d)
+    ref = d / "cache" / "images" / "ca" / ("ca" * 32 + ".cas")
+    ref.parent.mkdir(parents=True)
+    ref.write_text(json.dumps({"manifest": man}))
+    tree = cas_tree(ref, man, scratch=d / "scratch")
+    tree.release()  # nothing evicts it in the session
+    return tree.path
+
+
+@pytest.fixture(scope="session")
 def task_tree(task_sif: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``task_sif`` unpacked as ``sandbox.local_copy: unpack`` does (a directory instances start from)."""
     from et_hpc.images.local_copy import local_tree

@@ -28,7 +28,7 @@ from typing import Any
 
 from et_hpc.errors import InfraError
 from et_hpc.host import apptainer
-from et_hpc.images.local_copy import rmtree, unpack_sif
+from et_hpc.images.unpack import rmtree, unpack_sif
 from et_hpc.util import atomic_write_bytes, fsync_dir
 
 CHUNK = 1 << 20

@@ -19,7 +19,6 @@ import logging
 import os
 import secrets
 import shutil
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,8 +27,8 @@ from typing import Any, Literal, Protocol
 from filelock import FileLock, Timeout
 
 from et_hpc.errors import InfraError
-from et_hpc.host import apptainer
 from et_hpc.images.store_gc import hold_unused, shared_lease
+from et_hpc.images.unpack import rmtree, unpack_sif  # noqa: F401  (unpack_sif: re-exported)
 from et_hpc.paths import scratch_dir
 from et_hpc.util import atomic_write_text, fsync_dir, sha256_file
 
@@ -199,17 +198,6 @@ def remove_copy(d: Path, digest: str, kind: str = ".sif") -> bool:
         return True
     finally:
         os.close(fd)
-
-
-def rmtree(path: Path) -> None:
-    """Remove a tree even where the image made directories unwritable (modes as unpacked)."""
-    os.chmod(path, 0o700)
-    for top, dirs, _ in os.walk(path):
-        for name in dirs:
-            p = os.path.join(top, name)
-            if not os.path.islink(p):
-                os.chmod(p, 0o700)
-    shutil.rmtree(path)
 
 
 def list_copies(scratch: Path | None = None) -> list[CopyInfo]:
@@ -445,24 +433,6 @@ def _tree_size(root: Path) -> int:
     return total
 
 
-def unpack_sif(sif: Path, dest: Path, *, timeout_s: float = 1800.0) -> None:
-    """Unpack ``sif``'s root filesystem partition to the new directory ``dest`` (``unsquashfs``)."""
-    exe = shutil.which("unsquashfs")
-    if exe is None:
-        raise InfraError("unsquashfs is not on PATH (squashfs-tools): cannot unpack images (sandbox.local_copy: unpack)")
-    part = apptainer.sif_rootfs(sif)
-    if part is None or part[1] < 0:
-        raise InfraError(f"{sif}: no root filesystem partition found in the SIF")
-    try:
-        cp = subprocess.run(
-            [exe, "-n", "-no-xattrs", "-o", str(part[1]), "-d", str(dest), str(sif)], capture_output=True, text=True, timeout=timeout_s
-        )
-    except subprocess.TimeoutExpired:
-        raise InfraError(f"unsquashfs of {sif} took more than {timeout_s:.0f}s") from None
-    if cp.returncode != 0:
-        raise InfraError(f"unsquashfs of {sif} failed ({cp.returncode}): {(cp.stderr or cp.stdout).strip()[-300:]}")
-
-
 def local_tree(
     sif_path: Path | str,
     digest: str | None,
@@ -569,10 +539,6 @@ def episode_image(image: ImageLike, options: CopyOptions, *, scratch: Path | Non
     path = Path(image.path)
     mode, budget_gb = options.local_copy, options.local_copy_budget_gb
     try:
-        if path.suffix == ".cas":  # a CAS image is only ever started from its node-local tree
-            from et_hpc.images.cas_node import cas_tree
-
-            return cas_tree(path, image.digest, scratch=scratch, budget_gb=budget_gb)
         if mode == "unpack":
             return local_tree(path, image.digest, scratch=scratch, budget_gb=budget_gb)
         if not wants_copy(path, mode, scratch):  # the shared image, leased so 'images gc' keeps it

@@ -92,7 +92,13 @@ def start_ready(spec: SandboxSpec) -> Ready:
     from et_hpc.images.local_copy import episode_image
 
     t0 = time.monotonic()
-    sif = episode_image(SimpleNamespace(path=spec.image_path, digest=spec.image_digest), spec)
+    sif: Path | LocalImage
+    if spec.image_path.endswith(".cas"):  # a CAS image starts only from its node-local tree
+        from et_hpc.images.cas_node import cas_tree
+
+        sif = cas_tree(spec.image_path, spec.image_digest, budget_gb=spec.local_copy_budget_gb)
+    else:
+        sif = episode_image(SimpleNamespace(path=spec.image_path, digest=spec.image_digest), spec)
     sandbox = Sandbox(
         Path(sif),
         run_prefix=spec.run_prefix,

@@ -167,7 +167,9 @@ def _age(cache: Path) -> None:
 def test_gc_removes_what_no_image_names(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     for i, k in ((1, "44" * 32), (2, "55" * 32)):
-        _tree([("", "common", b"c" * 100, 0o644), ("", "own", f"own {i}".encode(), 0o644)], {"a": 0o755, "a/b": 0o755}, [], tmp_path / f"t{i}")
+        _tree(
+            [("", "common", b"c" * 100, 0o644), ("", "own", f"own {i}".encode(), 0o644)], {"a": 0o755, "a/b": 0o755}, [], tmp_path / f"t{i}"
+        )
         _store(cache, tmp_path / f"t{i}", k)
     store = ImageStore(cache, base_map={})
     assert len(list((cache / "cas/objects").glob("??/*"))) == 3

@@ -55,10 +55,12 @@ MB = 1 << 20
 MEMORY_BOUND_MB = 256
 
 
-@pytest.fixture(params=["sif", "tree"])
+@pytest.fixture(params=["sif", "tree", "cas"])
 def image(request: pytest.FixtureRequest, task_sif: Path) -> Path:
-    """The task image as a SIF, and unpacked as ``sandbox.local_copy: unpack`` does."""
-    return task_sif if request.param == "sif" else request.getfixturevalue("task_tree")
+    """The task image as a SIF, unpacked as ``sandbox.local_copy: unpack`` does, and as a CAS tree."""
+    if request.param == "sif":
+        return task_sif
+    return request.getfixturevalue("task_tree" if request.param == "tree" else "task_cas_tree")
 
 
 def _final(tmp: Path, planted: str | None = None) -> Path:
