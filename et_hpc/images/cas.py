@@ -280,6 +280,12 @@ def ingest_sif(cache_dir: Path, sif: Path, *, scratch: Path | None = None) -> tu
             rmtree(dest)
 
 
+def tree_bytes(cache_dir: Path, h: str) -> int:
+    """The bytes of a manifest's distinct file contents (what its tree needs on a node with an empty pool)."""
+    objs = {e["h"] for e in read_manifest(cache_dir, h) if e["t"] == "f"}
+    return sum(object_path(cache_dir, o).stat().st_size for o in objs)
+
+
 def referenced(cache_dir: Path, manifests: Iterable[str]) -> set[str]:
     """The objects the given manifests name."""
     out: set[str] = set()

@@ -10,6 +10,7 @@ prints when a plan does not fit. ``ET_HPC_SPACE_CHECK=off`` skips the check.
 from __future__ import annotations
 
 import getpass
+import json
 import os
 import shutil
 import subprocess
@@ -233,15 +234,26 @@ def run_needs(scratch: Path, images: Iterable[tuple[Path, str | None]], sandbox:
     mode, here = sandbox.local_copy, images_dir(scratch)
     total, count = 0.0, 0
     for path, digest in dict.fromkeys(images):
-        unpack = mode == "unpack"
+        unpack = mode == "unpack" or str(path).endswith(".cas")
         if not Path(path).is_file() or not (unpack or wants_copy(path, mode, scratch)):
             continue
         d = (digest or "").removeprefix("sha256:")
         if d and ((here / f"{d}.sif").exists() or (here / f"{d}.root").exists()):
             continue  # already on this node
-        total += os.stat(path).st_size * (UNPACK_FACTOR if unpack else 1.0)
+        if str(path).endswith(".cas"):  # a CAS image: its tree's bytes (an upper bound: the pool shares files)
+            total += _cas_bytes(Path(path))
+        else:
+            total += os.stat(path).st_size * (UNPACK_FACTOR if unpack else 1.0)
         count += 1
     if count:
         total = min(total, sandbox.local_copy_budget_gb * 1024**3)
         needs.append(Need(scratch, int(total), f"{count} {'unpacked tree(s)' if mode == 'unpack' else 'node-local copies'}"))
     return needs
+
+
+def _cas_bytes(ref: Path) -> int:
+    """The tree bytes a CAS image records (0 when it records none)."""
+    try:
+        return int(json.loads(ref.read_text()).get("bytes") or 0)
+    except (OSError, ValueError):
+        return 0

@@ -485,7 +485,8 @@ class ImageStore:
             ref = self.cas_ref_path(key)
             with cas.gc_guard(self.cache_dir):  # the manifest is named by an image before gc can look
                 man, new = cas.ingest_sif(self.cache_dir, built, scratch=self.scratch)
-                atomic_write_text(ref, json.dumps({"key": key, "manifest": man}))
+                size = cas.tree_bytes(self.cache_dir, man)
+                atomic_write_text(ref, json.dumps({"key": key, "manifest": man, "bytes": size}))
             fsync_dir(ref.parent)
             return (
                 ref,

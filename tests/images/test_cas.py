@@ -217,3 +217,22 @@ def test_prune_pool_keeps_linked_files(tmp_path: Path) -> None:
     removed, _ = clear_unused(scratch)
     assert [c.digest for c in removed] == [man]
     assert prune_pool(scratch) == 4  # now no tree links it
+
+
+def test_a_run_plans_the_bytes_of_its_cas_trees(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from et_hpc.images.space import run_needs
+
+    cache = tmp_path / "cache"
+    _tree([("", "f", b"x" * 5000, 0o644)], {"a": 0o755, "a/b": 0o755}, [], tmp_path / "t")
+    man = _store(cache, tmp_path / "t", "88" * 32)
+    ref = cache / f"images/88/{'88' * 32}.cas"
+    ref.write_text(json.dumps({"manifest": man, "bytes": cas.tree_bytes(cache, man)}))
+    assert cas.tree_bytes(cache, man) == 5000
+    opts = SimpleNamespace(writable_tmpfs=True, overlay_mb=64, local_copy="never", local_copy_budget_gb=20.0)
+    (need,) = run_needs(tmp_path / "scratch", [(ref, man)], opts, 1)  # a CAS image is a tree, whatever local_copy says
+    assert need.bytes == 5000
+    img = cas_tree(ref, man, scratch=tmp_path / "scratch")
+    img.release()
+    assert run_needs(tmp_path / "scratch", [(ref, man)], opts, 1) == []  # on the node already
