@@ -31,6 +31,8 @@ from et_hpc.images.local_copy import (
     images_dir,
     make_room,
     node_lock,
+    pool_dir,
+    prune_pool,
     read_meta,
     remove_copy,
     rmtree,
@@ -51,10 +53,6 @@ def read_ref(ref: Path) -> dict[str, Any]:
         return data
     except (OSError, ValueError) as e:
         raise InfraError(f"image {ref} cannot be read: {e}") from None
-
-
-def pool_dir(scratch: Path | None = None) -> Path:
-    return images_dir(scratch) / "cas-pool"
 
 
 def pool_path(pool: Path, h: str, mode: int) -> Path:
@@ -82,20 +80,6 @@ def _copy_object(src: Path, dst: Path, h: str, mode: int) -> int:
         return n
     finally:
         tmp.unlink(missing_ok=True)
-
-
-def prune_pool(scratch: Path | None = None) -> int:
-    """Remove pool files no tree links (link count 1) and leftover temps; bytes freed. Caller holds the node lock."""
-    freed = 0
-    for p in pool_dir(scratch).glob("??/*"):
-        try:
-            st = p.lstat()
-            if st.st_nlink == 1 or p.name.endswith(".tmp"):
-                p.unlink()
-                freed += st.st_size
-        except OSError:
-            continue
-    return freed
 
 
 def _build_tree(entries: list[cas.Entry], pool: Path, dest: Path) -> list[str]:

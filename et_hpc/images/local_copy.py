@@ -250,6 +250,26 @@ def _in_use(d: Path, c: CopyInfo) -> bool:
     return False
 
 
+def pool_dir(scratch: Path | None = None) -> Path:
+    """The node's pool of CAS objects that CAS trees link to (et_hpc.images.cas_node)."""
+    return images_dir(scratch) / "cas-pool"
+
+
+def prune_pool(scratch: Path | None = None) -> int:
+    """Remove the CAS pool's files no tree links (link count 1) and leftover temps (et_hpc.images.cas_node);
+    bytes freed. Caller holds the node lock."""
+    freed = 0
+    for p in pool_dir(scratch).glob("??/*"):
+        try:
+            st = p.lstat()
+            if st.st_nlink == 1 or p.name.endswith(".tmp"):
+                p.unlink()
+                freed += st.st_size
+        except OSError:
+            continue
+    return freed
+
+
 def clear_unused(
     scratch: Path | None = None, *, dry_run: bool = False, lock_timeout_s: float = 60.0
 ) -> tuple[list[CopyInfo], list[CopyInfo]]:
@@ -265,6 +285,8 @@ def clear_unused(
         for c in list_copies(scratch):
             gone = not _in_use(d, c) if dry_run else remove_copy(d, c.digest, c.kind)
             (removed if gone else kept).append(c)
+        if not dry_run:
+            prune_pool(scratch)
         return removed, kept
     finally:
         lock.release()

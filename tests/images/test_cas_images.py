@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from et_hpc.images import cas
-from et_hpc.images.cas_node import cas_tree, pool_dir
-from et_hpc.images.local_copy import rmtree, unpack_sif
+from et_hpc.images.cas_node import cas_tree
+from et_hpc.images.local_copy import pool_dir, rmtree, unpack_sif
 from et_hpc.images.store import ImageStore
 from et_hpc.record import records_from_table
 from et_hpc.runs.store import RunStore
