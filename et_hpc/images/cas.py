@@ -76,11 +76,16 @@ def _line(e: Entry, owners: bool) -> bytes:
 def tree_digest(entries: Iterable[Entry], *, owners: bool = True) -> str:
     """sha256 over the entries sorted by path: type, mode (incl. set-id and sticky bits), owner and
     group (unless ``owners`` is False), link target, device numbers, content sha256. The root
-    directory itself is included as path ``.``; times are not."""
+    directory itself is included as path ``.``; times are not (``mtimes`` compares those)."""
     h = hashlib.sha256()
     for e in sorted(entries, key=lambda e: e["p"]):
         h.update(_line(e, owners))
     return h.hexdigest()
+
+
+def mtimes(entries: Iterable[Entry]) -> dict[str, int | None]:
+    """Path -> mtime (whole seconds, as squashfs keeps them) of files, directories and links."""
+    return {e["p"]: e.get("mt") for e in entries if e["t"] in ("f", "d", "l")}
 
 
 def hash_file(path: Path) -> str:
@@ -111,6 +116,7 @@ def _entry(root: Path, p: Path) -> Entry:
     rel = os.path.relpath(p, root)
     t = _type(st.st_mode)
     e: Entry = {"p": rel, "t": t, "m": stat.S_IMODE(st.st_mode), "u": st.st_uid, "g": st.st_gid, "l": None, "r": None, "h": None}
+    e["mt"] = int(st.st_mtime)  # kept (Python checks its .pyc files by the source's mtime), not digested
     if t == "l":
         e["l"] = os.readlink(p)
     elif t == "f":
@@ -172,6 +178,8 @@ def entries_from_sif(sif: Path, unpacked: Path) -> list[Entry]:
     out = sif_listing(sif)
     for e in out:
         p = Path(unpacked) / e["p"]
+        if e["t"] in ("f", "d", "l"):
+            e["mt"] = int(os.lstat(p).st_mtime)
         if e["t"] == "l":
             e["l"] = os.readlink(p)
         elif e["t"] == "f":

@@ -2,9 +2,10 @@
 
 ``cas_tree(ref, digest, scratch=..., budget_gb=...)`` returns a leased ``LocalImage`` naming
 ``<scratch>/images/<manifest>.root/``, the image's root as its manifest lists it. Objects are
-copied from the shared store into the node's pool ``<scratch>/images/cas-pool/<h[:2]>/<h>-<mode>``
-(sha256-checked while copied, renamed into place, never written again) and linked into every tree
-that holds that content with that mode, so a node pays for a shared file once. Trees share the
+copied from the shared store into the node's pool ``<scratch>/images/cas-pool/<h[:2]>/<h>-<mode>-
+<mtime>`` (sha256-checked while copied, given the entry's mode and mtime, renamed into place, never
+written again) and linked into every tree that holds that content with that mode and mtime, so a
+node pays for a shared file once. Trees share the
 node lock, leases, LRU eviction and budget of ``et_hpc.images.local_copy``; pool files no tree
 links any more are removed after an eviction. Specified in docs/images.md ("The layered store").
 """
@@ -55,11 +56,12 @@ def read_ref(ref: Path) -> dict[str, Any]:
         raise InfraError(f"image {ref} cannot be read: {e}") from None
 
 
-def pool_path(pool: Path, h: str, mode: int) -> Path:
-    return pool / h[:2] / f"{h}-{mode:04o}"
+def pool_path(pool: Path, e: cas.Entry) -> Path:
+    """A file's pool inode: by content, mode and mtime, which every hard link to it shares."""
+    return pool / e["h"][:2] / f"{e['h']}-{e['m']:04o}-{e.get('mt') or 0}"
 
 
-def _copy_object(src: Path, dst: Path, h: str, mode: int) -> int:
+def _copy_object(src: Path, dst: Path, h: str, mode: int, mtime: int | None) -> int:
     """Copy one object into the pool, checked against its name; bytes copied."""
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.parent / f".{dst.name}.{secrets.token_hex(4)}.tmp"
@@ -76,6 +78,8 @@ def _copy_object(src: Path, dst: Path, h: str, mode: int) -> int:
         if g.hexdigest() != h:
             raise DigestMismatch(f"object {src} of the image store has sha256 {g.hexdigest()[:12]}, not its name")
         os.chmod(tmp, mode)
+        if mtime is not None:
+            os.utime(tmp, (mtime, mtime))
         os.replace(tmp, dst)
         return n
     finally:
@@ -95,15 +99,19 @@ def _build_tree(entries: list[cas.Entry], pool: Path, dest: Path) -> list[str]:
                 os.mkdir(p, 0o700)
             dirs.append(e)
         elif t == "f":
-            os.link(pool_path(pool, e["h"], e["m"]), p)
+            os.link(pool_path(pool, e), p)
         elif t == "l":
             os.symlink(e["l"], p)
+            if e.get("mt") is not None:
+                os.utime(p, (e["mt"], e["mt"]), follow_symlinks=False)
         elif t == "p":
             os.mkfifo(p, e["m"])
             os.chmod(p, e["m"])
         else:
             notes.append(f"{e['p']}: a {t} device node is not made in a user's tree")
     for e in sorted(dirs, key=lambda e: e["p"].count("/") + (e["p"] != "."), reverse=True):
+        if e.get("mt") is not None:
+            os.utime(dest / e["p"], (e["mt"], e["mt"]))
         os.chmod(dest / e["p"], e["m"])
     return notes
 
@@ -111,21 +119,20 @@ def _build_tree(entries: list[cas.Entry], pool: Path, dest: Path) -> list[str]:
 def _fill_pool(cache_dir: Path, entries: list[cas.Entry], pool: Path) -> int:
     """Copy the objects the pool lacks (per content and mode); bytes copied."""
     n = 0
-    seen: set[tuple[str, int]] = set()
+    seen: set[Path] = set()
     for e in entries:
-        if e["t"] != "f" or (e["h"], e["m"]) in seen:
+        if e["t"] != "f" or (dst := pool_path(pool, e)) in seen:
             continue
-        seen.add((e["h"], e["m"]))
-        dst = pool_path(pool, e["h"], e["m"])
+        seen.add(dst)
         if not dst.exists():
-            n += _copy_object(cas.object_path(cache_dir, e["h"]), dst, e["h"], e["m"])
+            n += _copy_object(cas.object_path(cache_dir, e["h"]), dst, e["h"], e["m"], e.get("mt"))
     return n
 
 
 def _missing_bytes(cache_dir: Path, entries: list[cas.Entry], pool: Path) -> int:
     need: dict[str, int] = {}
     for e in entries:
-        if e["t"] == "f" and e["h"] not in need and not pool_path(pool, e["h"], e["m"]).exists():
+        if e["t"] == "f" and e["h"] not in need and not pool_path(pool, e).exists():
             try:
                 need[e["h"]] = cas.object_path(cache_dir, e["h"]).stat().st_size
             except OSError:

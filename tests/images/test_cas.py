@@ -83,6 +83,7 @@ def test_a_stored_tree_is_made_again_identical(t) -> None:
         img = cas_tree(w / "cache/images/ab" / f"{'ab' * 32}.cas", man, scratch=w / "scratch")
         try:
             assert cas.tree_digest(cas.entries_from_tree(Path(img))) == want
+            assert cas.mtimes(cas.entries_from_tree(Path(img))) == cas.mtimes(cas.entries_from_tree(src))
             for top, _, files in os.walk(img):  # every file is a pool inode whose content is its name
                 for f in files:
                     p = Path(top) / f
@@ -127,6 +128,7 @@ def test_trees_share_objects_and_a_node_pays_once(tmp_path: Path) -> None:
     big = os.urandom(1 << 20)
     for i in (1, 2):
         _tree([("", "shared", big, 0o755), ("", "own", f"task {i}".encode(), 0o644)], {"a": 0o755, "a/b": 0o755}, [], tmp_path / f"t{i}")
+        os.utime(tmp_path / f"t{i}" / "shared", (1e9, 1e9))  # as a package's file: one mtime in every task
     m1 = _store(cache, tmp_path / "t1", "11" * 32)
     m2 = _store(cache, tmp_path / "t2", "22" * 32)
     assert m1 != m2

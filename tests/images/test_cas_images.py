@@ -62,6 +62,7 @@ def test_the_cas_root_is_the_sif_root(kind: str, tid: str, base_sif: Path, tmp_p
     try:
         on_node = cas.entries_from_tree(Path(img))
         assert cas.tree_digest(on_node, owners=False) == cas.tree_digest(from_sif, owners=False)
+        assert cas.mtimes(on_node) == cas.mtimes(from_sif)  # .pyc files stay valid
         assert {(e["u"], e["g"]) for e in on_node} == {(os.getuid(), os.getgid())}  # a user's tree, as `unpack` makes
         # positive control: the same comparison sees one mode bit and one byte
         f = next(e for e in on_node if e["t"] == "f" and e["h"])
