@@ -62,8 +62,8 @@ def variant(cache: Path, parent: list[cas.Entry], i: int, work: Path) -> tuple[s
     new = 0
     for e in parent:
         if e["t"] == "f" and e["p"].startswith(TASK_PREFIXES) and e["h"]:
-            data = cas.object_path(cache, e["h"]).read_bytes() + f"\n# variant {i}\n".encode()
-            e = {**e, "h": hashlib.sha256(data).hexdigest()}
+            data = b"".join(cas.read_object(cache, e["h"])) + f"\n# variant {i}\n".encode()
+            e = {**e, "h": hashlib.sha256(data).hexdigest(), "s": len(data)}
             tmp = work / "blob"
             tmp.write_bytes(data)
             new += cas.put_object(cache, tmp, e["h"])
@@ -73,7 +73,9 @@ def variant(cache: Path, parent: list[cas.Entry], i: int, work: Path) -> tuple[s
     tmp.write_bytes(data)
     h = hashlib.sha256(data).hexdigest()
     new += cas.put_object(cache, tmp, h)
-    entries.append({"p": f"home/user/variant-{i}.txt", "t": "f", "m": 0o644, "u": 1000, "g": 1000, "l": None, "r": None, "h": h})
+    entries.append(
+        {"p": f"home/user/variant-{i}.txt", "t": "f", "m": 0o644, "u": 1000, "g": 1000, "l": None, "r": None, "h": h, "s": len(data)}
+    )
     return cas.put_manifest(cache, entries), new
 
 
@@ -127,9 +129,7 @@ def main() -> None:
     res["tree_first_s"] = [round(x, 2) for x in setup[: len(fixtures)]]
     res["tree_later_s_mean"] = round(sum(setup[len(fixtures) :]) / max(1, len(setup) - len(fixtures)), 2)
     res["node_bytes_trees"] = du(scratch / "images")
-    res["node_bytes_unpacked_each"] = {
-        tid: sum(os.lstat(cas.object_path(cache, e["h"])).st_size for e in p if e["t"] == "f") for tid, p, _ in mans
-    }
+    res["node_bytes_unpacked_each"] = {tid: sum(e.get("s") or 0 for e in p if e["t"] == "f") for tid, p, _ in mans}
     res["node_bytes_as_sifs"] = sum(s for _, _, s in refs[: a.trees])
     # today's path for a sample: pack a variant's tree as a full SIF
     packs = []

@@ -21,6 +21,7 @@ import secrets
 import stat
 import subprocess
 import tempfile
+import zlib
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,6 +33,7 @@ from et_hpc.images.unpack import rmtree, unpack_sif
 from et_hpc.util import atomic_write_bytes, fsync_dir
 
 CHUNK = 1 << 20
+ZLEVEL = 1  # objects are zlib streams; level 1: about as small as squashfs's gzip for these files, and fast
 FIELDS = ("p", "t", "m", "u", "g", "l", "r", "h")  # path, type, mode, uid, gid, link target, rdev, object
 TYPES = {"-": "f", "d": "d", "l": "l", "c": "c", "b": "b", "p": "p", "s": "s"}
 Entry = dict[str, Any]
@@ -117,6 +119,8 @@ def _entry(root: Path, p: Path) -> Entry:
     t = _type(st.st_mode)
     e: Entry = {"p": rel, "t": t, "m": stat.S_IMODE(st.st_mode), "u": st.st_uid, "g": st.st_gid, "l": None, "r": None, "h": None}
     e["mt"] = int(st.st_mtime)  # kept (Python checks its .pyc files by the source's mtime), not digested
+    if t == "f":
+        e["s"] = st.st_size
     if t == "l":
         e["l"] = os.readlink(p)
     elif t == "f":
@@ -179,7 +183,10 @@ def entries_from_sif(sif: Path, unpacked: Path) -> list[Entry]:
     for e in out:
         p = Path(unpacked) / e["p"]
         if e["t"] in ("f", "d", "l"):
-            e["mt"] = int(os.lstat(p).st_mtime)
+            st = os.lstat(p)
+            e["mt"] = int(st.st_mtime)
+            if e["t"] == "f":
+                e["s"] = st.st_size
         if e["t"] == "l":
             e["l"] = os.readlink(p)
         elif e["t"] == "f":
@@ -212,7 +219,7 @@ def sif_digest(sif: Path, *, owners: bool = True, scratch: Path | None = None) -
 
 # -- storing -----------------------------------------------------------------------------------
 def put_object(cache_dir: Path, src: Path, h: str) -> int:
-    """Store ``src`` (whose sha256 is ``h``) as an object unless it is there; bytes written.
+    """Store ``src`` (whose sha256 is ``h``) as an object, zlib-compressed, unless it is there; bytes written.
     An object already there has its mtime refreshed (an ingest's use, for gc's age guard)."""
     dst = object_path(cache_dir, h)
     if dst.exists():
@@ -225,10 +232,12 @@ def put_object(cache_dir: Path, src: Path, h: str) -> int:
     tmp = dst.parent / f".{h}.{secrets.token_hex(4)}.tmp"
     try:
         g = hashlib.sha256()
+        z = zlib.compressobj(ZLEVEL)
         with open(src, "rb") as fi, open(tmp, "xb") as fo:
             while b := fi.read(CHUNK):
                 g.update(b)
-                fo.write(b)
+                fo.write(z.compress(b))
+            fo.write(z.flush())
             fo.flush()
             os.fsync(fo.fileno())
         if g.hexdigest() != h:
@@ -238,6 +247,25 @@ def put_object(cache_dir: Path, src: Path, h: str) -> int:
     finally:
         tmp.unlink(missing_ok=True)
     return dst.stat().st_size
+
+
+def read_object(cache_dir: Path, h: str) -> Iterator[bytes]:
+    """An object's content in chunks, checked against its name at the end (``InfraError`` if not)."""
+    g = hashlib.sha256()
+    z = zlib.decompressobj()
+    try:
+        with open(object_path(cache_dir, h), "rb") as f:
+            while b := f.read(CHUNK):
+                out = z.decompress(b)
+                g.update(out)
+                yield out
+        out = z.flush()
+    except zlib.error as e:
+        raise InfraError(f"object {h[:12]} of the image store is damaged: {e}") from None
+    g.update(out)
+    yield out
+    if g.hexdigest() != h or not z.eof:
+        raise InfraError(f"object {h[:12]} of the image store does not match its name (sha256 {g.hexdigest()[:12]})")
 
 
 def put_manifest(cache_dir: Path, entries: list[Entry]) -> str:
@@ -290,8 +318,7 @@ def ingest_sif(cache_dir: Path, sif: Path, *, scratch: Path | None = None) -> tu
 
 def tree_bytes(cache_dir: Path, h: str) -> int:
     """The bytes of a manifest's distinct file contents (what its tree needs on a node with an empty pool)."""
-    objs = {e["h"] for e in read_manifest(cache_dir, h) if e["t"] == "f"}
-    return sum(object_path(cache_dir, o).stat().st_size for o in objs)
+    return sum({e["h"]: e.get("s") or 0 for e in read_manifest(cache_dir, h) if e["t"] == "f"}.values())
 
 
 def referenced(cache_dir: Path, manifests: Iterable[str]) -> set[str]:

@@ -12,7 +12,6 @@ links any more are removed after an eviction. Specified in docs/images.md ("The 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -61,22 +60,21 @@ def pool_path(pool: Path, e: cas.Entry) -> Path:
     return pool / e["h"][:2] / f"{e['h']}-{e['m']:04o}-{e.get('mt') or 0}"
 
 
-def _copy_object(src: Path, dst: Path, h: str, mode: int, mtime: int | None) -> int:
-    """Copy one object into the pool, checked against its name; bytes copied."""
+def _copy_object(cache_dir: Path, dst: Path, h: str, mode: int, mtime: int | None) -> int:
+    """Copy one object into the pool, uncompressed and checked against its name; bytes written."""
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.parent / f".{dst.name}.{secrets.token_hex(4)}.tmp"
     try:
-        g = hashlib.sha256()
         n = 0
-        with open(src, "rb") as fi, open(tmp, "xb") as fo:
-            while b := fi.read(cas.CHUNK):
-                g.update(b)
-                fo.write(b)
-                n += len(b)
-            fo.flush()
-            os.fsync(fo.fileno())
-        if g.hexdigest() != h:
-            raise DigestMismatch(f"object {src} of the image store has sha256 {g.hexdigest()[:12]}, not its name")
+        try:
+            with open(tmp, "xb") as fo:
+                for b in cas.read_object(cache_dir, h):
+                    fo.write(b)
+                    n += len(b)
+                fo.flush()
+                os.fsync(fo.fileno())
+        except InfraError as e:
+            raise DigestMismatch(str(e)) from None
         os.chmod(tmp, mode)
         if mtime is not None:
             os.utime(tmp, (mtime, mtime))
@@ -125,18 +123,17 @@ def _fill_pool(cache_dir: Path, entries: list[cas.Entry], pool: Path) -> int:
             continue
         seen.add(dst)
         if not dst.exists():
-            n += _copy_object(cas.object_path(cache_dir, e["h"]), dst, e["h"], e["m"], e.get("mt"))
+            n += _copy_object(cache_dir, dst, e["h"], e["m"], e.get("mt"))
     return n
 
 
 def _missing_bytes(cache_dir: Path, entries: list[cas.Entry], pool: Path) -> int:
-    need: dict[str, int] = {}
+    need: dict[Path, int] = {}
     for e in entries:
-        if e["t"] == "f" and e["h"] not in need and not pool_path(pool, e).exists():
-            try:
-                need[e["h"]] = cas.object_path(cache_dir, e["h"]).stat().st_size
-            except OSError:
-                raise InfraError(f"object {e['h'][:12]} ({e['p']}) is missing from the image store") from None
+        if e["t"] == "f" and (dst := pool_path(pool, e)) not in need and not dst.exists():
+            if not cas.object_path(cache_dir, e["h"]).is_file():
+                raise InfraError(f"object {e['h'][:12]} ({e['p']}) is missing from the image store")
+            need[dst] = int(e.get("s") or 0)
     return sum(need.values())
 
 
