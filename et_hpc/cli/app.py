@@ -66,7 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     out, err = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = VisibleStream(out), VisibleStream(err)
+    # once: a command run from another (the demo runs `run` in-process) keeps the one wrapper, so
+    # `unescaped` still reaches the terminal for the progress bars' carriage returns
+    sys.stdout, sys.stderr = (s if isinstance(s, VisibleStream) else VisibleStream(s) for s in (out, err))
     try:
         return _main(argv)
     finally:
