@@ -22,6 +22,7 @@ from pathlib import Path
 
 from et_hpc.errors import UserError
 from et_hpc.host.llama import default_model
+from et_hpc.util import sha256_file
 
 MODELS_ENV = "ET_HPC_MODELS"
 SYSTEM_MODELS = Path("/var/lib/et-hpc/models")
@@ -195,14 +196,6 @@ def check_gguf(path: Path) -> None:
     have = path.stat().st_size
     if have < need:
         raise UserError(f"{path}: truncated GGUF: {have} bytes, its tensors need {need}")
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def verify(path: Path, sha256: str | None) -> str:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import hashlib
 import json
 import logging
 import os
@@ -40,19 +39,12 @@ from et_hpc.host.llama import (  # noqa: F401 - the server's names, where caller
     exec_command,
     server_command,
 )
+from et_hpc.util import sha256_file
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CTX = 8192
 DEFAULT_PARALLEL = 2
-
-
-def model_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def model_name(path: Path) -> str:
@@ -98,7 +90,7 @@ class ModelServer:
             raise UserError(f"{SERVER_ENTRY} (llama.cpp's llama-server) is not installed: {INSTALL_HINT}")
         self.model_path = model.resolve()
         self.alias = cfg.alias or model_name(self.model_path)
-        self.version = f"{self.alias}@sha256-{(cfg.digest or model_digest(self.model_path))[:16]}"
+        self.version = f"{self.alias}@sha256-{(cfg.digest or sha256_file(self.model_path))[:16]}"
         self.host = cfg.host
         self.port = cfg.port or free_port("" if cfg.host in ("0.0.0.0", "::") else cfg.host)
         self.api_key = secrets.token_urlsafe(24)

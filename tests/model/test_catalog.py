@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from et_hpc.errors import UserError
 from et_hpc.model import catalog
+from et_hpc.util import sha256_file
 from helpers import need
 
 ET_HPC = [sys.executable, "-m", "et_hpc.cli"]
@@ -44,7 +45,7 @@ def test_extent_is_the_file_size_of_a_whole_gguf(tiny):
     need_ = catalog.gguf_extent(tiny)  # the end of the last tensor; the writer pads the file to the alignment
     assert need_ <= tiny.stat().st_size < need_ + 32 and need_ > 300
     catalog.check_gguf(tiny)
-    assert catalog.verify(tiny, None) == catalog.sha256_file(tiny)
+    assert catalog.verify(tiny, None) == sha256_file(tiny)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

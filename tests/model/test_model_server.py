@@ -47,7 +47,8 @@ def demo_images(base_sif: Path):
 
 def test_serve_command_publishes_an_endpoint_file(tmp_path):
     need("model")
-    from et_hpc.model.server import default_model, model_digest
+    from et_hpc.model.server import default_model
+    from et_hpc.util import sha256_file
 
     ep = tmp_path / "private" / "endpoint.json"
     p = subprocess.Popen(
@@ -65,7 +66,7 @@ def test_serve_command_publishes_an_endpoint_file(tmp_path):
         rec = json.loads(ep.read_text())
         assert stat.S_IMODE(ep.stat().st_mode) == 0o600 and stat.S_IMODE(ep.parent.stat().st_mode) == 0o700
         assert rec["host"] == "127.0.0.1" and rec["model"] == "SmolLM2-135M-Instruct.Q4_1"
-        assert rec["model_version"] == f"{rec['model']}@sha256-{model_digest(default_model())[:16]}"
+        assert rec["model_version"] == f"{rec['model']}@sha256-{sha256_file(default_model())[:16]}"
         key = rec["api_key"]
         assert key and len(key) >= 24
         # the key is not on any command line
