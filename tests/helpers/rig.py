@@ -37,6 +37,19 @@ def missing() -> str | None:
     down = {n: s for n, s in states.items() if s not in UP}
     if down:
         return f"the multi-node rig is not up ({down}): as root, scripts/rig up (docs/rig.md)"
+    return node_local_paths()
+
+
+def node_local_paths() -> str | None:
+    """Why the nodes cannot see the code or the folder a job starts in: each node has its own /tmp,
+    so a checkout, virtualenv or working directory under /tmp exists on this host only."""
+    import et_hpc
+
+    seen = (("the checkout", Path(et_hpc.__file__).parent), ("the virtualenv", Path(sys.prefix)), ("the working directory", Path.cwd()))
+    for what, path in seen:
+        real = path.resolve()
+        if real == Path("/tmp") or Path("/tmp") in real.parents:
+            return f"{what} ({real}) is under /tmp, which each rig node has its own of: clone and install elsewhere (docs/rig.md)"
     return None
 
 
