@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from et_hpc.runner.plan import open_store
+from helpers import until
 from helpers.demo import DEMO, TASK
 from helpers.rig import NODES, PARTITION, on_nodes, python
 
@@ -72,7 +73,15 @@ def test_array_run_spreads_over_nodes_each_unit_once_each_node_copies_once(demo_
     # Slurm's own accounting agrees with where each record says it ran
     array_ids = {row["slurm_job_id"] for row in rows}
     assert len(array_ids) == 1
-    placed = _sacct_nodes(array_ids.pop())
+    array_id = array_ids.pop()
+    want = {row["slurm_array_task_id"] for row in rows}
+    # accounting learns of a task's end after the task has stored its result: wait for it
+
+    def all_placed() -> dict[int, str] | None:
+        got = _sacct_nodes(array_id)
+        return got if got.keys() >= want else None
+
+    placed = until(f"accounting to place every task of array {array_id}", all_placed, 120, every_s=2)
     for row in rows:
         assert placed[row["slurm_array_task_id"]] == row["host"], (placed, row["slurm_array_task_id"], row["host"])
 
