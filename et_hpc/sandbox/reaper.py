@@ -153,18 +153,21 @@ class _Reaping:
         """A worker killed while it started a sandbox leaves its `apptainer instance start` running:
         the instance appears after the listing, from an overlay deleted under it. Wait for such
         starts to end and look again (or, without ``wait_starts``, leave them to the next call)."""
-        starting = [n for n in dead if n not in self.running and procfs.with_argument(n)]
-        if not starting:
+        unlisted = [n for n in dead if n not in self.running]
+        if not unlisted:
             return
-        if not wait_starts:
+        starting = [n for n in unlisted if procfs.with_argument(n)]
+        if starting and not wait_starts:
             for n in starting:
                 del dead[n]  # the next call finds it started
-            return
-        deadline = time.monotonic() + START_WAIT_S
-        for n in starting:
-            if not wait_for_start(n, max(0.0, deadline - time.monotonic())):
-                self.rep.errors.append(f"apptainer instance start of {n} still running after {START_WAIT_S:.0f} s")
-                del dead[n]  # its files stay for the next reaping
+        elif starting:
+            deadline = time.monotonic() + START_WAIT_S
+            for n in starting:
+                if not wait_for_start(n, max(0.0, deadline - time.monotonic())):
+                    self.rep.errors.append(f"apptainer instance start of {n} still running after {START_WAIT_S:.0f} s")
+                    del dead[n]  # its files stay for the next reaping
+        # A start that ended between the listing and the look at the process table made its
+        # instance after the listing (the start returns once the instance is listed): list again.
         self.list_running()
 
     def stop_strays(self) -> None:
