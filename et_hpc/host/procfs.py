@@ -216,3 +216,19 @@ def with_argument(arg: str) -> list[int]:
         if want in argv and stat(pid) is not None:
             out.append(pid)
     return out
+
+
+def naming(text: str) -> list[int]:
+    """Live (non-zombie) host pids whose command line contains ``text`` anywhere (an instance's
+    own processes show ``[NAME]`` in theirs)."""
+    want = text.encode()
+    out = []
+    for pid in _pids():
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if want in cmdline and stat(pid) is not None:
+            out.append(pid)
+    return out

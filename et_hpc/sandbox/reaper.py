@@ -25,7 +25,7 @@ from pydantic import BaseModel, Field
 
 from et_hpc.errors import InfraError
 from et_hpc.host import apptainer, procfs
-from et_hpc.sandbox.sandbox import START_WAIT_S, scratch_paths, wait_for_start
+from et_hpc.sandbox.sandbox import START_WAIT_S, scratch_paths
 
 log = logging.getLogger(__name__)
 
@@ -150,25 +150,30 @@ class _Reaping:
             self.rep.errors.append(str(e))
 
     def settle_starts(self, dead: dict[str, list[Path]], wait_starts: bool) -> None:
-        """A worker killed while it started a sandbox leaves its `apptainer instance start` running:
-        the instance appears after the listing, from an overlay deleted under it. Wait for such
-        starts to end and look again (or, without ``wait_starts``, leave them to the next call)."""
+        """A worker killed while it started a sandbox leaves its start running: the instance appears
+        after the listing, from an overlay deleted under it. A start is in flight while its
+        `apptainer instance start` runs or while its instance's own processes (named ``[NAME]``)
+        exist unlisted. Wait for such starts to end and look again (or, without ``wait_starts``,
+        leave them to the next call)."""
         unlisted = [n for n in dead if n not in self.running]
         if not unlisted:
             return
-        starting = [n for n in unlisted if procfs.with_argument(n)]
-        if starting and not wait_starts:
-            for n in starting:
-                del dead[n]  # the next call finds it started
-        elif starting:
-            deadline = time.monotonic() + START_WAIT_S
-            for n in starting:
-                if not wait_for_start(n, max(0.0, deadline - time.monotonic())):
-                    self.rep.errors.append(f"apptainer instance start of {n} still running after {START_WAIT_S:.0f} s")
-                    del dead[n]  # its files stay for the next reaping
-        # A start that ended between the listing and the look at the process table made its
-        # instance after the listing (the start returns once the instance is listed): list again.
-        self.list_running()
+        deadline = time.monotonic() + START_WAIT_S
+        while True:
+            starting = [n for n in unlisted if n in dead and n not in self.running and _in_flight(n)]
+            if starting and (not wait_starts or time.monotonic() > deadline):
+                for n in starting:
+                    if wait_starts:
+                        self.rep.errors.append(f"the start of instance {n} still runs after {START_WAIT_S:.0f} s")
+                    del dead[n]  # its files stay for the next reaping, which finds it started
+                starting = []
+            if not starting:
+                # A start that ended between the listing and the look at the process table made
+                # its instance after the listing: list again.
+                self.list_running()
+                return
+            time.sleep(0.1)
+            self.list_running()
 
     def stop_strays(self) -> None:
         """Instances named like ours whose owner pid is dead, wherever their files live."""
@@ -178,6 +183,10 @@ class _Reaping:
             owner = _name_owner(name)
             if owner is not None and not procfs.pid_alive(owner):
                 self.stop(name)
+
+
+def _in_flight(name: str) -> bool:
+    return bool(procfs.with_argument(name) or procfs.naming(f"[{name}]"))
 
 
 def reap_dead(scratch: Path | None = None, *, wait_starts: bool = True) -> ReapReport | None:
