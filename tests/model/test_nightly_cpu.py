@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from helpers import REPO, need
+from helpers.demo import built_validation_set
 
 
 def _gone(job: str) -> bool:
@@ -32,12 +32,7 @@ def test_nightly_on_a_cpu_model_server(base_sif: Path, tmp_path: Path) -> None:
     from et_hpc.runs.report import build_report
     from et_hpc.runs.store import open_run
 
-    tasks = tmp_path / "val"
-    tasks.mkdir()
-    subprocess.run(["cp", "-r", str(REPO / "defs" / "demo" / "demo_hello_file"), str(tasks)], check=True)
-    et_hpc = str(Path(sys.executable).parent / "et-hpc")
-    b = subprocess.run([et_hpc, "build", "--tasks-dir", str(tasks)], capture_output=True, text=True, timeout=900)
-    assert b.returncode == 0, b.stdout + b.stderr
+    tasks, et_hpc = built_validation_set(tmp_path)
     gguf = prepare("smollm2-135m")[0].path
     store = tmp_path / "store"
     for day, ckpt in (("20261205", "smollm2-135m"), ("20261206", str(gguf))):  # a name, then a path

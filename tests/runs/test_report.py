@@ -18,6 +18,7 @@ from et_hpc.record import EpisodeRecord
 from et_hpc.runs.report import build_report, newcombe, wilson
 from et_hpc.runs.store import RunStore
 from helpers import REPO
+from helpers.demo import built_validation_set
 
 T0 = datetime(2025, 3, 1, 2, 0, tzinfo=timezone.utc)
 TASKS = [f"task_{i:02d}" for i in range(10)]
@@ -214,12 +215,7 @@ def test_bad_store_one_line_exit_2(store: Path, tmp_path: Path, case: str) -> No
 def test_nightly_script_end_to_end(base_sif: Path, tmp_path: Path) -> None:
     """slurm/nightly.sbatch on two 'checkpoints': the real vllm.sbatch goes through real Slurm with the
     scripted server standing in for 'vllm serve' (same flags, same API); episodes run in real apptainer."""
-    tasks = tmp_path / "val"
-    tasks.mkdir()
-    subprocess.run(["cp", "-r", str(REPO / "defs" / "demo" / "demo_hello_file"), str(tasks)], check=True)
-    et_hpc = str(Path(sys.executable).parent / "et-hpc")
-    b = subprocess.run([et_hpc, "build", "--tasks-dir", str(tasks)], capture_output=True, text=True, timeout=900)
-    assert b.returncode == 0, b.stdout + b.stderr
+    tasks, et_hpc = built_validation_set(tmp_path)
     # checkpoint "weak" writes the wrong greeting, "strong" the right one
     scripts = {"weak": "printf 'hello\\n' > /home/user/greeting.txt", "strong": "printf 'Hello, et-hpc!\\n' > /home/user/greeting.txt"}
     for name, cmd in scripts.items():
