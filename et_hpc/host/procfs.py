@@ -12,6 +12,7 @@ number of a /proc file); ``with_argument`` (pids by one command-line element).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 _PAGE_KB = os.sysconf("SC_PAGE_SIZE") // 1024
 
@@ -202,33 +203,27 @@ def memory_kb(pid: int) -> int:
         return 0
 
 
-def with_argument(arg: str) -> list[int]:
-    """Live (non-zombie) host pids whose command line has ``arg`` as one of its elements (e.g. an
-    ``apptainer instance start ... NAME`` still running for an instance name)."""
-    want = arg.encode()
-    out = []
-    for pid in _pids():
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
-            continue
-        if want in argv and stat(pid) is not None:
-            out.append(pid)
-    return out
-
-
-def naming(text: str) -> list[int]:
-    """Live (non-zombie) host pids whose command line contains ``text`` anywhere (an instance's
-    own processes show ``[NAME]`` in theirs)."""
-    want = text.encode()
-    out = []
+def _cmdlines() -> Iterator[tuple[int, bytes]]:
+    """(pid, raw command line) of each live (non-zombie) host process that can be read."""
     for pid in _pids():
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmdline = f.read()
         except OSError:
             continue
-        if want in cmdline and stat(pid) is not None:
-            out.append(pid)
-    return out
+        if stat(pid) is not None:
+            yield pid, cmdline
+
+
+def with_argument(arg: str) -> list[int]:
+    """Live (non-zombie) host pids whose command line has ``arg`` as one of its elements (e.g. an
+    ``apptainer instance start ... NAME`` still running for an instance name)."""
+    want = arg.encode()
+    return [pid for pid, cmdline in _cmdlines() if want in cmdline.split(b"\0")]
+
+
+def naming(text: str) -> list[int]:
+    """Live (non-zombie) host pids whose command line contains ``text`` anywhere (an instance's
+    own processes show ``[NAME]`` in theirs)."""
+    want = text.encode()
+    return [pid for pid, cmdline in _cmdlines() if want in cmdline]
