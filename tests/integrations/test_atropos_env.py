@@ -238,7 +238,11 @@ def test_serve_to_atropos_api_server_batch(demo_images, tokenizer_dir, model_ser
 
     assert sum(len(g["tokens"]) for g in batch) == 4 and len(batch) == 2
     records = _stored(store, "e2e-serve")
-    assert records and all(r.status == "ok" for r in records), [(r.status, r.error) for r in records]
+    # the batch's members are ok (checked below); an episode still running at the SIGTERM ends at
+    # its next turn and is stored masked, as the env documents: never anything else
+    statuses = [(r.status, r.error) for r in records]
+    assert sum(s == "ok" for s, _ in statuses) >= 4, statuses
+    assert all(s == "ok" or (s == "infra_error" and e.startswith("interrupted by the run")) for s, e in statuses), statuses
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     by_task = {}
     for g in batch:
