@@ -51,8 +51,9 @@ def post_prelude(text: str, line: str) -> str:
     return text
 
 
-def stage(recipe: NormalisedRecipe, work: Path, settings: ImageStoreConfig) -> None:
-    """Write the def into ``work`` with every copied-in file snapshotted beside it (node-local)."""
+def stage(recipe: NormalisedRecipe, work: Path, settings: ImageStoreConfig) -> dict[str, Path]:
+    """Write the def into ``work`` with every copied-in file snapshotted beside it (node-local);
+    returns where each copied-in file was staged (host path -> copy)."""
     mapping: dict[str, Path] = {}
     for i, (src, _dest) in enumerate(recipe.files):
         src = Path(src)
@@ -63,28 +64,44 @@ def stage(recipe: NormalisedRecipe, work: Path, settings: ImageStoreConfig) -> N
         else:
             shutil.copy2(src, staged, follow_symlinks=False)
         mapping[str(src)] = staged
-    text = retarget_files(recipe.text, mapping)
+    (work / "container.def").write_text(as_built(recipe.text, mapping, settings))
+    return mapping
+
+
+def as_built(text: str, mapping: dict[str, Path], settings: ImageStoreConfig) -> str:
+    """A def as the build runs it: ``%files`` from the staged copies, the build-only preludes
+    (CA bundle, download cache) first in ``%post``."""
+    text = retarget_files(text, mapping)
     if settings.build_ca() is not None:
         text = with_build_ca(text)
     if settings.downloads_dir(Path()) is not None:
         text = post_prelude(text, downloads.EXPORTS)
-    (work / "container.def").write_text(text)
+    return text
 
 
 def run_build(
-    settings: ImageStoreConfig, work: Path, out: Path, lf: IO[str], scratch: Path, shared_downloads: Path | None = None
+    settings: ImageStoreConfig,
+    work: Path,
+    out: Path,
+    lf: IO[str],
+    scratch: Path,
+    shared_downloads: Path | None = None,
+    *,
+    def_name: str = "container.def",
+    sandbox: bool = False,
 ) -> tuple[int | None, str | None]:
-    """Run ``apptainer build`` of ``work/container.def`` into ``out``: (exit status, None) or (None, reason);
-    ``shared_downloads``: the download cache bound into the build (et_hpc.images.downloads)."""
+    """Run ``apptainer build`` of ``work/<def_name>`` into ``out`` (a SIF, or a root directory with
+    ``sandbox``): (exit status, None) or (None, reason); ``shared_downloads``: the download cache
+    bound into the build (et_hpc.images.downloads)."""
     s = settings
     if not shutil.which(s.apptainer):
         return None, f"{s.apptainer} not found on PATH: install Apptainer or 'module load apptainer'"
     env = apptainer_clean_env()  # no APPTAINER_*/SINGULARITY_* of the caller's (host/apptainer.py)
     tmpdir = work / "apptainer-tmp"
-    tmpdir.mkdir()
+    tmpdir.mkdir(exist_ok=True)
     env["APPTAINER_TMPDIR"] = str(tmpdir)
     env.setdefault("APPTAINER_CACHEDIR", str(scratch / "apptainer-cache"))
-    cmd = [s.apptainer, "build", "--fakeroot", "--force", str(out), "container.def"]
+    cmd = [s.apptainer, "build", "--fakeroot", "--force", *(["--sandbox"] if sandbox else []), str(out), def_name]
     ca = s.build_ca()
     if ca is not None:
         cmd[2:2] = ["--bind", f"{ca}:{BUILD_CA_PATH}:ro"]

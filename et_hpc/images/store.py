@@ -27,13 +27,14 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from et_hpc import paths
-from et_hpc.errors import UserError
+from et_hpc.errors import InfraError, UserError
 from et_hpc.host import slurm
 from et_hpc.host.apptainer import exe as apptainer_exe
 from et_hpc.images import keys
 from et_hpc.images.build import (  # noqa: F401  (failure_reason, interrupted, retarget_files: re-exported)
     BUILD_CA_PATH,
     HOST_CA_BUNDLE,
+    as_built,
     default_jobs,
     failure_reason,
     fsync_file,
@@ -89,6 +90,10 @@ class ImageStoreConfig(BaseModel):
     distinct file once in a content-addressed store plus a manifest per task, made into node-local
     trees by hard links (et_hpc.images.cas; docs/images.md, "The layered store")."""
 
+    step_builds: bool = True
+    """In the CAS layout, build a recipe step by step and reuse the steps other recipes built
+    ($ET_HPC_STEP_BUILDS=0 turns it off; et_hpc.images.steps). No effect on the SIF layout."""
+
     @classmethod
     def from_env(cls, **overrides: Any) -> ImageStoreConfig:
         env = {
@@ -100,6 +105,8 @@ class ImageStoreConfig(BaseModel):
             vals["download_cache"] = os.environ["ET_HPC_DOWNLOAD_CACHE"]
         if os.environ.get("ET_HPC_IMAGE_LAYOUT"):
             vals["layout"] = os.environ["ET_HPC_IMAGE_LAYOUT"]
+        if os.environ.get("ET_HPC_STEP_BUILDS"):
+            vals["step_builds"] = os.environ["ET_HPC_STEP_BUILDS"].strip().lower() not in ("0", "off", "no", "false")
         if os.environ.get("ET_HPC_BUILD_CA_BUNDLE"):
             vals["ca_bundle"] = os.environ["ET_HPC_BUILD_CA_BUNDLE"]
         vals.update({k: v for k, v in overrides.items() if v is not None})
@@ -410,19 +417,26 @@ class ImageStore:
         work = Path(tempfile.mkdtemp(prefix=f"build-{key[:12]}-", dir=self.scratch))
         rc: int | None = None
         reason: str | None = None
+        stepped: tuple[Path, str, dict[str, Any]] | None = None
         try:
             with open(logf, "w") as lf:
                 lf.write("\n".join(header) + "\n")
                 lf.flush()
+                mapping: dict[str, Path] = {}
                 try:
-                    stage(recipe, work, self.settings)
+                    mapping = stage(recipe, work, self.settings)
                 except OSError as e:
                     reason = f"could not stage build files: {e}"
-                if reason is None:
-                    shared = self.settings.downloads_dir(self.cache_dir)
+                shared = self.settings.downloads_dir(self.cache_dir)
+                if reason is None and s.layout == "cas" and s.step_builds:
+                    stepped = self._build_steps(key, recipe, work, mapping, lf, shared)
+                if reason is None and stepped is None:
                     rc, reason = run_build(self.settings, work, tmp_out, lf, self.scratch, shared)
-            if reason is None and rc == 0:
+            if stepped is not None:
+                out, digest, extra = stepped
+            elif reason is None and rc == 0:
                 out, digest, extra = self._publish(key, tmp_out)
+            if stepped is not None or (reason is None and rc == 0):
                 seconds = time.monotonic() - t0
                 st = out.stat()
                 meta = {
@@ -474,6 +488,58 @@ class ImageStore:
         finally:
             tmp_out.unlink(missing_ok=True)
             remove_tree(work)
+
+    def _build_steps(
+        self, key: str, recipe: NormalisedRecipe, work: Path, mapping: dict[str, Path], lf: Any, shared: Path | None
+    ) -> tuple[Path, str, dict[str, Any]] | None:
+        """Build ``recipe`` step by step (et_hpc.images.steps) and publish its root: (the image's
+        path, digest, extra record fields), or None when it is to be built whole: it cannot be cut,
+        or a step failed (the whole build then decides)."""
+        from et_hpc.images import cas, steps
+
+        p = steps.plan(recipe)
+        if p is None or recipe.base is None:
+            lf.write("# not cut into steps: built whole\n")
+            return None
+        keys_ = steps.step_keys(p, self.base_digest(Path(recipe.base)), self._digests)
+        t = time.monotonic()
+        try:
+            with cas.gc_guard(self.cache_dir):
+                res = steps.build(
+                    self.cache_dir,
+                    p,
+                    keys_,
+                    base=Path(recipe.base),
+                    work=work,
+                    whole_def=(work / "container.def").read_text(),
+                    run=lambda d, out: run_build(self.settings, work, out, lf, self.scratch, shared, def_name=d.name, sandbox=True),
+                    preludes=lambda text: as_built(text, mapping, self.settings),
+                    log=lf,
+                )
+        except (InfraError, OSError) as e:
+            lf.write(f"# step build failed ({e}); building the whole recipe\n")
+            return None
+        if res.manifest is None:
+            lf.write(f"# step build failed ({res.reason}); building the whole recipe\n")
+            lf.flush()
+            for d in work.glob("step-*"):
+                if d.is_dir():
+                    remove_tree(d)
+            return None
+        ref = self.cas_ref_path(key)
+        size = cas.tree_bytes(self.cache_dir, res.manifest)
+        atomic_write_text(ref, json.dumps({"key": key, "manifest": res.manifest, "bytes": size}))
+        fsync_dir(ref.parent)
+        extra = {
+            "layout": "cas",
+            "steps": len(keys_),
+            "steps_built": res.built,
+            "steps_reused": res.reused,
+            "step_seconds": res.seconds,
+            "new_bytes": res.new_bytes,
+            "step_build_s": round(time.monotonic() - t, 2),
+        }
+        return ref, res.manifest, extra
 
     def _publish(self, key: str, built: Path, layout: str | None = None) -> tuple[Path, str, dict[str, Any]]:
         """Put a built SIF in place: (the image's path, its digest, extra record fields). In the CAS

@@ -154,8 +154,9 @@ def gc(store: ImageStore, keep: set[str], *, min_age_s: float = 86400.0, dry_run
 
 
 def _sweep_cas(store: ImageStore, res: GcResult, min_age_s: float, now: float, dry_run: bool) -> None:
-    """The CAS layout: remove manifests no image names and objects no kept manifest names."""
-    from et_hpc.images import cas
+    """The CAS layout: remove manifests no image or built step names and objects no kept manifest
+    names (built steps are the step builds' cache: kept; remove ``<cache>/steps`` to drop them)."""
+    from et_hpc.images import cas, steps
 
     if not cas.cas_dir(store.cache_dir).is_dir():
         return
@@ -167,6 +168,7 @@ def _sweep_cas(store: ImageStore, res: GcResult, min_age_s: float, now: float, d
                 live.add(json.loads(p.read_text())["manifest"])
             except (OSError, ValueError, KeyError):
                 return  # an image that cannot be read: its objects cannot be told apart, keep all
+    live |= steps.step_manifests(store.cache_dir)
     files, nbytes = cas.sweep(store.cache_dir, live, min_age_s=min_age_s, now=now, dry_run=dry_run)
     res.cas_files += files
     res.freed_bytes += nbytes

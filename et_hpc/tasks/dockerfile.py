@@ -23,7 +23,7 @@ from pathlib import Path, PurePosixPath
 from et_hpc.errors import TaskError
 from et_hpc.tasks.base_names import lookup_base
 from et_hpc.tasks.files import read_text
-from et_hpc.tasks.model import NormalisedRecipe
+from et_hpc.tasks.model import NormalisedRecipe, PostSpans
 
 RUN_FILE = "/.et-hpc-run.sh"
 STAGE_DIR = "/.et-hpc-copy"
@@ -464,16 +464,13 @@ class _Converter:
             lines.append(f"exec {cmd or '/bin/bash'}")
         return lines
 
-    def render(self) -> str:
-        out = [*self.header, ""]
-        if self.files:
-            out.append("%files")
-            out += [f"    {shlex.quote(str(h))} {shlex.quote(d)}" for h, d in self.files]
-            out.append("")
-        out.append("%post -c /bin/bash")
-        out.append(f"# converted by et-hpc from {self.path}; each RUN runs in its own shell, like docker build")
-        out.append("set -e")
-        out.append("cd /")
+    def preamble(self) -> list[str]:
+        """The first lines of %post: what every RUN's shell relies on (and every step of a step build)."""
+        out = [
+            f"# converted by et-hpc from {self.path}; each RUN runs in its own shell, like docker build",
+            "set -e",
+            "cd /",
+        ]
         if self.uses_as:
             out += [
                 "et_hpc_as() {  # run a command as a Dockerfile USER (name, uid, or user:group)",
@@ -487,8 +484,21 @@ class _Converter:
                 '    HOME="$home" setpriv --reuid="$uid" --regid="$gid" --clear-groups "$@"',
                 "}",
             ]
+        return out
+
+    def epilogue(self) -> list[str]:
+        return [f"rm -rf {RUN_FILE} {STAGE_DIR}"]
+
+    def render(self) -> str:
+        out = [*self.header, ""]
+        if self.files:
+            out.append("%files")
+            out += [f"    {shlex.quote(str(h))} {shlex.quote(d)}" for h, d in self.files]
+            out.append("")
+        out.append("%post -c /bin/bash")
+        out += self.preamble()
         out += self.post
-        out.append(f"rm -rf {RUN_FILE} {STAGE_DIR}")
+        out += self.epilogue()
         out.append("")
         if self.env_lines:
             out.append("%environment")
@@ -517,6 +527,7 @@ def convert_dockerfile(path: Path, *, context_dir: Path | None = None, base_map:
     instructions = parse_dockerfile(text, path)
     if not instructions:
         raise TaskError(f"{path}: no instructions; start it with FROM ubuntu:22.04")
+    spans: list[tuple[str, list[str], list[tuple[Path, str]]]] = []
     for ins in instructions:
         if ins.cmd not in KNOWN:
             raise conv.err(ins, f"is not a Dockerfile instruction et-hpc knows; known: {', '.join(sorted(KNOWN))}")
@@ -525,7 +536,11 @@ def convert_dockerfile(path: Path, *, context_dir: Path | None = None, base_map:
         if ins.cmd in IGNORED:
             conv.ignored[ins.cmd] = conv.ignored.get(ins.cmd, 0) + 1
             continue
+        n_post, n_files = len(conv.post), len(conv.files)
         getattr(conv, f"do_{ins.cmd}")(ins)
+        if len(conv.post) > n_post:
+            kind = {"ENV": "env", "ARG": "env", "WORKDIR": "workdir"}.get(ins.cmd, "step")
+            spans.append((kind, conv.post[n_post:], conv.files[n_files:]))
     n_run = sum(1 for i in instructions if i.cmd == "RUN")
     conv.rewrites.insert(
         0 if not conv.rewrites else 1,
@@ -553,4 +568,5 @@ def convert_dockerfile(path: Path, *, context_dir: Path | None = None, base_map:
         workdir=conv.workdir if conv.workdir_set else None,
         user=None if conv.user in ("root", "0") else conv.user,
         env=dict(conv.env),
+        post_spans=PostSpans(preamble=conv.preamble(), spans=spans, epilogue=conv.epilogue()),
     )

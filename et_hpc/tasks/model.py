@@ -67,3 +67,17 @@ class NormalisedRecipe:
     workdir: str | None = None  # runtime cwd the recipe asks for (Dockerfile WORKDIR)
     user: str | None = None  # runtime user the recipe asks for (Dockerfile USER); informational
     env: dict[str, str] = field(default_factory=dict)  # runtime environment set by the recipe (ENV)
+    # Dockerfile recipes: %post as the converter wrote it, one span per instruction, so that step
+    # builds (et_hpc.images.steps) cut it where docker would, not by reading the text again
+    post_spans: PostSpans | None = None
+
+
+@dataclass
+class PostSpans:
+    """%post of a converted Dockerfile: the lines every step runs first (``preamble``), then per
+    instruction its kind (``env`` exports, ``workdir``, ``step`` for RUN/COPY/ADD), its lines and
+    the ``files`` entries it copies in, then the ``epilogue`` (clean-up after the last step)."""
+
+    preamble: list[str]
+    spans: list[tuple[str, list[str], list[tuple[Path, str]]]]
+    epilogue: list[str]
