@@ -515,10 +515,10 @@ class ImageStore:
                     run=lambda d, out: run_build(self.settings, work, out, lf, self.scratch, shared, def_name=d.name, sandbox=True),
                     preludes=lambda text: as_built(text, mapping, self.settings),
                     log=lf,
+                    scratch=self.scratch,
                 )
         except (InfraError, OSError) as e:
-            lf.write(f"# step build failed ({e}); building the whole recipe\n")
-            return None
+            res = steps.StepBuild(manifest=None, reason=str(e))
         if res.manifest is None:
             lf.write(f"# step build failed ({res.reason}); building the whole recipe\n")
             lf.flush()

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from et_hpc.images import cas, steps
+from et_hpc.images import build, cas, steps
 from et_hpc.images.keys import DigestCache
 from et_hpc.images.local_copy import unpack_sif
 from et_hpc.images.store import ImageStore
@@ -213,7 +213,7 @@ NOOP_INSTALL = ": apt-get install &&"
 def _stores(base_sif: Path, tmp: Path) -> tuple[ImageStore, ImageStore]:
     """A CAS store with step builds and a SIF store, on the same base (so the defs are the same)."""
     bases = ImageStore().base_map
-    return ImageStore(tmp / "cas", layout="cas", base_map=bases), ImageStore(tmp / "whole", base_map=bases)
+    return ImageStore(tmp / "cas", layout="cas", base_map=bases, scratch=tmp / "scratch"), ImageStore(tmp / "whole", base_map=bases)
 
 
 def _harbor_task(root: Path, name: str, dockerfile: str, context: dict[str, str] | None = None):
@@ -233,7 +233,7 @@ def _entries_but_build_date(entries: list[cas.Entry], read) -> tuple[str, ...]:
     the def with its staged files' temporary directory named alike): what any two builds share."""
     prov = {e["p"]: e for e in entries if e["p"] in PROVENANCE}
     labels = re.sub(r'"org\.label-schema\.build-date": "[^"]*",?', "", read(prov[PROVENANCE[0]]))
-    text = re.sub(r"/build-[0-9a-f]{12}-[^/]+/files/", "/build-*/files/", read(prov[PROVENANCE[1]]))
+    text = re.sub(r"\S*/build-[0-9a-f]{12}-[^/]+/files/", "SCRATCH/build-*/files/", read(prov[PROVENANCE[1]]))
     return cas.tree_digest([e for e in entries if e["p"] not in PROVENANCE]), labels, text
 
 
@@ -296,7 +296,7 @@ def test_a_stepped_root_is_the_whole_builds_root(base_sif: Path, tmp_path: Path)
 
 @pytest.mark.apptainer
 def test_steps_are_reused_and_a_recipe_whose_steps_exist_builds_none(base_sif: Path, tmp_path: Path) -> None:
-    cas_store, _ = _stores(base_sif, tmp_path)
+    cas_store, whole = _stores(base_sif, tmp_path)
     head = (
         f"FROM ubuntu:22.04\nRUN {NOOP_INSTALL} useradd -m user && mkdir -p /home/user/data && chown user /home/user/data\n"
         f"ENV LANG=C.UTF-8\nRUN {NOOP_INSTALL} echo shared > /home/user/data/common\n"
@@ -312,6 +312,7 @@ def test_steps_are_reused_and_a_recipe_whose_steps_exist_builds_none(base_sif: P
     assert (m2["steps_built"], m2["steps_reused"]) == (1, 2)  # only its own last step
     assert (m3["steps_built"], m3["steps_reused"]) == (0, 3) and r3.digest == r2.digest  # nothing to build
     assert "every step is built already" in Path(r3.log_path).read_text()
+    assert "step 2's root is on this node" in Path(r2.log_path).read_text()  # kept by the first build
     # the reused steps' files are stored once: the second image added only its own files
     assert m2["new_bytes"] < 4096 and m1["new_bytes"] > 1_000_000
     # gc keeps what built steps name, so a later recipe still starts from them
@@ -322,10 +323,17 @@ def test_steps_are_reused_and_a_recipe_whose_steps_exist_builds_none(base_sif: P
     res = gc(cas_store, set(), min_age_s=0)
     assert len(res.removed) == 3 and res.cas_files == 0  # the images go; what the steps name stays
     fourth = _harbor_task(tmp_path / "d", "fourth", head + "RUN echo four > /home/user/data/own\n")
+    build.remove_tree(tmp_path / "scratch" / "step-roots")  # a node that has not seen these steps
     r4 = cas_store.ensure(fourth)
+    assert "step 2's root made here" in Path(r4.log_path).read_text()
     m4 = _meta(cas_store, r4.key)
     assert r4.status == "built" and (m4["steps_built"], m4["steps_reused"]) == (1, 2), m4
-    # its parent's root was made again from the store, in a user namespace: owners kept
+    # its parent's root was made again from the store, in a user namespace: the same root as a
+    # whole build's, owners and all
+    sif = whole.ensure(fourth)
+    assert sif.status == "built" and sif.path, sif.reason
+    a, b = _roots(cas_store, r4, Path(sif.path), tmp_path)
+    assert a == b
     ents = {e["p"]: e for e in cas.read_manifest(cas_store.cache_dir, r4.digest)}
     first_ents = {e["p"]: e for e in cas.read_manifest(cas_store.cache_dir, r1.digest)}
     assert first_ents["home/user/data"]["u"] == 1000 and ents["home/user/data"]["u"] == 1000 and ents["home/user/data/common"]["u"] == 0
@@ -361,3 +369,23 @@ def test_a_step_that_fails_leaves_the_verdict_to_the_whole_build(base_sif: Path,
     k = steps.step_keys(p, cas_store.base_digest(Path(cas_store.normalised(bad).base)), DigestCache())
     assert steps.stored_manifest(cas_store.cache_dir, k[0]) is not None and steps.stored_manifest(cas_store.cache_dir, k[1]) is None
     assert json.loads(cas_store.failed_path(r.key).read_text())["reason"] == r.reason
+
+
+def test_kept_roots_are_evicted_oldest_first_and_never_while_held(tmp_path: Path) -> None:
+    import os
+    import time
+
+    roots = steps.Roots(tmp_path, keep=1)
+    for n, k in enumerate(("a" * 64, "b" * 64, "c" * 64)):
+        with roots.hold(k) as p:
+            src = tmp_path / f"src-{k[0]}"
+            (src / "etc").mkdir(parents=True)
+            roots.keep(src, p)
+        os.utime(roots.dir / f"{k}.lock", (time.time() - 100 + n, time.time() - 100 + n))
+    with roots.hold("a" * 64) as held:  # the oldest, but in use
+        os.utime(roots.dir / f"{'a' * 64}.lock", (time.time() - 200, time.time() - 200))
+        roots.evict()
+        assert held.is_dir()
+    assert sorted(p.name[0] for p in roots.dir.iterdir() if p.is_dir()) == ["a", "c"]  # b went: unheld, older than c
+    roots.evict()
+    assert sorted(p.name[0] for p in roots.dir.iterdir() if p.is_dir()) == ["c"]
