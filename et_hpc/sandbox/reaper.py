@@ -98,6 +98,10 @@ class _Reaping:
             except InfraError as e:
                 self.rep.errors.append(str(e))
                 return
+            # `instance stop -t 0` signals and returns; apptainer's monitor removes the instance
+            # afterwards. Reaped means gone: wait for it, as Sandbox.stop does.
+            if not apptainer.wait_gone(name):
+                self.rep.errors.append(f"instance {name} still listed after it was stopped")
         self.rep.stopped.append(name)
 
     def delete(self, p: Path) -> None:

@@ -205,6 +205,13 @@ def test_a_def_that_cannot_be_cut_is_built_whole(tmp_path: Path) -> None:
 
 
 # -- on real apptainer ------------------------------------------------------------------------
+@pytest.fixture(autouse=True)
+def _remove_kept_roots(tmp_path: Path):
+    """Kept step roots hold files of subordinate ids, which only a user namespace can remove."""
+    yield
+    build.remove_tree(tmp_path / "scratch")
+
+
 # ':' ignores its arguments: a RUN that reads as a package install, so the recipe is cut there as
 # docker would, without the network (steps after the last install are merged into one)
 NOOP_INSTALL = ": apt-get install &&"
@@ -278,13 +285,14 @@ def test_a_stepped_root_is_the_whole_builds_root(base_sif: Path, tmp_path: Path)
         'CMD ["/bin/bash"]\n',
         {"notes.txt": "copied in\n"},
     )
+    default = ImageStore()  # the demo tasks' SIFs: built once per cache (other tests use them too)
     for t in [*tasks, rich]:
         stepped = cas_store.ensure(t)
         assert stepped.status == "built" and stepped.digest, stepped.reason
         meta = _meta(cas_store, stepped.key)
         assert meta["steps_built"] == meta["steps"] >= 1, meta  # built step by step, not whole
-        sif = whole.ensure(t)
-        assert sif.status == "built" and sif.path, sif.reason
+        sif = (whole if t is rich else default).ensure(t)
+        assert sif.status in ("built", "cached") and sif.path, sif.reason
         a, b = _roots(cas_store, stepped, Path(sif.path), tmp_path)
         assert a == b, t.id
     rich_meta = _meta(cas_store, cas_store.lookup(rich).key)

@@ -60,7 +60,7 @@ def test_reap_after_random_sigkills(base_sif: Path, tmp_path: Path) -> None:
     rep = reap(scratch=scratch)
     assert not rep.errors, rep.errors
     assert set(rep.stopped) == set(dry.stopped)
-    assert _ours() - before == set(), "instances left after reaping"
+    assert _ours() - before == set(), f"instances left after reaping: {rep}"
     assert not list((scratch / "overlays").glob("*.img"))
     assert not list((scratch / "live").glob("*.json"))
     assert len(rep.deleted) >= len(leftovers)
