@@ -523,7 +523,13 @@ class Roots:
             remove_tree(src)
 
     def evict(self) -> None:
-        locks = sorted(self.dir.glob("*.lock"), key=lambda q: q.stat().st_mtime if q.exists() else 0, reverse=True)
+        def used(q: Path) -> float:
+            try:
+                return q.stat().st_mtime
+            except OSError:
+                return 0.0  # removed meanwhile
+
+        locks = sorted(self.dir.glob("*.lock"), key=used, reverse=True)
         for lock in locks[self.keep_n :]:
             try:
                 fd = os.open(lock, os.O_RDWR)
