@@ -1,36 +1,13 @@
-"""Builds that reuse steps: a recipe cut where it can be cut without changing what it means, each
-step built once per (parent, normalised text) and kept in the CAS layout as a root of its own.
+"""Builds that reuse steps (CAS layout): a recipe is cut where that cannot change what it means,
+each step is built once per (parent, normalised text) and stored as a root of its own.
 
-A step is built by ``apptainer build --fakeroot --sandbox`` of a small def that starts
-(``Bootstrap: localimage``) from its parent: the base SIF, or the previous step's root. The
-result is stored file by file (``et_hpc.images.cas``) and named by the step's key,
-``sha256(parent key, %post arguments, the step's normalised text, its copied-in files, the
-sections that follow %post)``, in ``<cache>/steps/<k2>/<key>.json``. A recipe whose steps all
-exist builds nothing; one whose first steps exist starts from the last of them.
-
-Where a recipe is cut (``plan``):
-- A converted Dockerfile (``NormalisedRecipe.post_spans``): at every RUN, COPY and ADD, as docker
-  does, up to the last one that installs packages; what follows it (the task's own files, rarely
-  shared) is one step. Each step runs the converter's preamble, then the state earlier
-  instructions left in the shell (``ENV``/``ARG`` exports, the ``WORKDIR``), then its own lines;
-  nothing else survives from one RUN's shell to the next, in docker or here.
-- A native def: after each leading package-install line (``apt-get``/``apt``/``pip``/``pip3``,
-  ``&&``-chains of them, no expansion, redirection, pipe, subshell or heredoc) and the literal
-  ``export``/``set`` lines before it, which are replayed; such a line changes no shell state, so
-  the rest of ``%post`` behaves in a new shell as it did in the old one. The rest is one step.
-  ``%files`` run before ``%post`` in Apptainer, so they stay with the first step.
-- Anything else (``%setup``, ``%app*``, ``%pre``, another bootstrap) is not cut: ``plan`` says
-  None and the image is built whole.
-
-A step build that fails leaves the decision to the whole build (the store builds the recipe as
-one, and that build's result, success or failure record, is the image's). The final root is given
-the build provenance a whole build writes (``/.singularity.d/Singularity``, its history, the
-``deffile.from`` label), so it is the same root file for file (``tests/images/test_steps.py``).
-
-Owners: a fakeroot sandbox holds files of the user's subordinate ids, which the user can neither
-read nor name. Reading a step's root and writing a parent's root both run inside a user namespace
-mapped as Apptainer's fakeroot maps it (``unshare --map-auto --map-root-user``), where the ids are
-the image's own.
+``plan`` cuts a converted Dockerfile at each RUN/COPY/ADD up to the last install (each step
+replays the ENV/ARG/WORKDIR state before it) and a native def after each leading plain install
+line; anything else is built whole. ``step_keys`` names the steps; ``build`` runs
+``apptainer build --fakeroot --sandbox`` for the missing ones on their parent, reads each root in
+a fakeroot-mapped user namespace (owners kept), and gives the last root a whole build's
+provenance. A failing step leaves the verdict to the whole build. Specified in docs/images.md,
+"Step builds".
 """
 
 from __future__ import annotations
