@@ -264,7 +264,12 @@ def _kill_group(proc: subprocess.Popen) -> None:
             continue
 
 
+# A user namespace mapped as Apptainer's fakeroot maps it (root = the user, then the subordinate
+# ids), where the files of a fakeroot build have their image's owners and can be read and removed.
+USERNS = ["unshare", "--map-auto", "--map-root-user"]
+
+
 def remove_tree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
     if path.exists():  # files owned by mapped ids (fakeroot): remove inside a user namespace
-        subprocess.run(["unshare", "--map-auto", "--map-root-user", "rm", "-rf", str(path)], capture_output=True)
+        subprocess.run([*USERNS, "rm", "-rf", str(path)], capture_output=True)

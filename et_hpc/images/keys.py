@@ -13,7 +13,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -226,8 +226,14 @@ def recipe_key(recipe: NormalisedRecipe, digest_of_base: Callable[[Path], str], 
     h.update(f"def {len(text)}\n".encode() + text + b"\n")
     base = getattr(recipe, "base", None)
     h.update(f"base {digest_of_base(base) if base else '-'}\n".encode())
-    for dest, src in sorted((str(n), Path(s)) for s, n in recipe.files):
+    hash_files(h, recipe.files, digests)
+    return h.hexdigest()
+
+
+def hash_files(h: Any, files: Iterable[tuple[Path, str]], digests: DigestCache) -> None:
+    """Add the files a recipe (or one step of it) copies in to ``h``: each destination with its
+    source's content digest, in destination order; a missing source is the user's to fix."""
+    for dest, src in sorted((str(n), Path(s)) for s, n in files):
         if not src.exists() and not src.is_symlink():
             raise UserError(f"file {src} copied in by the recipe does not exist: restore it or fix the recipe")
         h.update(f"file {dest}\0{digests.entry(src)}\n".encode())
-    return h.hexdigest()

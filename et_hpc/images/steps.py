@@ -31,7 +31,9 @@ from typing import IO, TYPE_CHECKING, Any
 
 from et_hpc.errors import InfraError
 from et_hpc.images import cas
-from et_hpc.images.build import remove_tree
+from et_hpc.images.build import USERNS, remove_tree
+from et_hpc.images.keys import hash_files
+from et_hpc.tasks.dockerfile import files_line
 from et_hpc.util import atomic_write_text
 
 if TYPE_CHECKING:
@@ -142,7 +144,7 @@ def _dockerfile_steps(recipe: NormalisedRecipe) -> list[Step]:
                     own=body,
                     script=[*ps.preamble, *replay, *body],
                     key_text="\n".join([*key_preamble, *replay, *[ln for ln in body if not _MARKER.match(ln)]]),
-                    files_lines=[f"    {shlex.quote(str(h))} {shlex.quote(d)}" for h, d in files],
+                    files_lines=[files_line(h, d) for h, d in files],
                     files=list(files),
                 )
             )
@@ -204,7 +206,7 @@ def install_tokens(line: str) -> list[list[str]] | None:
     except ValueError:
         return None
     for toks in parts:
-        words = [t for t in toks]
+        words = list(toks)
         while words and _ASSIGN.match(words[0]):
             words.pop(0)
         if not words or words[0] not in _INSTALLERS:
@@ -248,8 +250,7 @@ def step_keys(p: Plan, base_digest: str, digests: DigestCache) -> list[str]:
         h = hashlib.sha256()
         h.update(f"{FORMAT}\nparent {parent}\npost {p.post_args.strip()}\n".encode())
         h.update(f"text {len(s.key_text.encode())}\n".encode() + s.key_text.encode() + b"\n")
-        for src, dest in sorted((str(d), Path(src)) for src, d in s.files):
-            h.update(f"file {src}\0{digests.entry(dest)}\n".encode())
+        hash_files(h, s.files, digests)
         tail = "\n".join(s.tail).encode()
         h.update(f"tail {len(tail)}\n".encode() + tail + b"\n")
         parent = h.hexdigest()
@@ -273,21 +274,20 @@ def record_path(cache_dir: Path, key: str) -> Path:
     return Path(cache_dir) / "steps" / key[:2] / f"{key}.json"
 
 
-def _record(cache_dir: Path, key: str) -> dict[str, Any] | None:
+def _stored(cache_dir: Path, key: str) -> dict[str, Any] | None:
+    """The record of a built step, if it and its manifest are there."""
     try:
         rec: dict[str, Any] = json.loads(record_path(cache_dir, key).read_text())
-        return rec if isinstance(rec.get("manifest"), str) else None
+        ok = isinstance(rec.get("manifest"), str) and cas.manifest_path(cache_dir, rec["manifest"]).is_file()
     except (OSError, ValueError, AttributeError):
         return None
+    return rec if ok else None
 
 
 def stored_manifest(cache_dir: Path, key: str) -> str | None:
     """The manifest of a built step, if it and its manifest are there."""
-    rec = _record(cache_dir, key)
-    if rec is None:
-        return None
-    man: str = rec["manifest"]
-    return man if cas.manifest_path(cache_dir, man).is_file() else None
+    rec = _stored(cache_dir, key)
+    return None if rec is None else str(rec["manifest"])
 
 
 def step_manifests(cache_dir: Path) -> set[str]:
@@ -305,7 +305,7 @@ def step_manifests(cache_dir: Path) -> set[str]:
 def in_userns(*args: str) -> dict[str, Any]:
     """Run ``python -m et_hpc.images.steps ARGS`` as root of a user namespace mapped as
     Apptainer's fakeroot maps it; its one JSON line of output."""
-    cmd = ["unshare", "--map-auto", "--map-root-user", sys.executable, "-m", "et_hpc.images.steps", *args]
+    cmd = [*USERNS, sys.executable, "-m", "et_hpc.images.steps", *args]
     p = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
     if p.returncode != 0:
         err = (p.stderr.strip().splitlines() or [f"exit status {p.returncode}"])[-1]
@@ -375,24 +375,23 @@ def build(
     The last step's root gets the provenance of a whole build of ``whole_def`` before it is stored."""
     res = StepBuild(manifest=None)
     roots = Roots(scratch)
-    have = len(keys)
-    while have > 0 and stored_manifest(cache_dir, keys[have - 1]) is None:
+    have, last = len(keys), None  # the steps built already, and the last one's record
+    while have > 0 and (last := _stored(cache_dir, keys[have - 1])) is None:
         have -= 1
     res.reused = have
     if have == len(keys):
-        res.manifest = stored_manifest(cache_dir, keys[-1])
+        assert last is not None
+        res.manifest = last["manifest"]
         log.write(f"# every step is built already ({len(keys)}): nothing to build\n")
         return res
     with contextlib.ExitStack() as held:
-        if have:
+        if last is not None:
             parent = held.enter_context(roots.hold(keys[have - 1]))
             if not parent.is_dir():
-                man = stored_manifest(cache_dir, keys[have - 1])
-                assert man is not None
                 t = time.monotonic()
                 tmp = roots.dir / f".tmp-{keys[have - 1][:12]}-{secrets.token_hex(4)}"
                 try:
-                    in_userns("materialise", str(cache_dir), man, str(tmp))
+                    in_userns("materialise", str(cache_dir), last["manifest"], str(tmp))
                     roots.keep(tmp, parent)
                 finally:
                     if tmp.exists():
@@ -404,7 +403,7 @@ def build(
             parent = base
         # how many bootstrap history files the base chain has (what a whole build keeps): counted
         # after the first step, then carried in every step's record
-        history = (_record(cache_dir, keys[have - 1]) or {}).get("base_history") if have else None
+        history = last.get("base_history") if last is not None else None
         _run_steps(
             cache_dir, p, keys, have, parent, history, roots, held, res, work=work, whole_def=whole_def, run=run, preludes=preludes, log=log
         )

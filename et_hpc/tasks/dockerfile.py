@@ -146,6 +146,11 @@ def _needs_b64(lines: list[str]) -> bool:
     return any(ln.lstrip().startswith("%") for ln in lines)
 
 
+def files_line(host: Path, dest: str) -> str:
+    """The ``%files`` line that copies ``host`` to ``dest`` (the whole def's and a step build's)."""
+    return f"    {shlex.quote(str(host))} {shlex.quote(dest)}"
+
+
 def write_file_lines(dest: str, content: str, tag: str) -> list[str]:
     """Shell lines for %post that write ``content`` to ``dest`` exactly."""
     body = content.split("\n")
@@ -493,7 +498,7 @@ class _Converter:
         out = [*self.header, ""]
         if self.files:
             out.append("%files")
-            out += [f"    {shlex.quote(str(h))} {shlex.quote(d)}" for h, d in self.files]
+            out += [files_line(h, d) for h, d in self.files]
             out.append("")
         out.append("%post -c /bin/bash")
         out += self.preamble()

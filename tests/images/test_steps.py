@@ -21,12 +21,12 @@ from et_hpc.images.store_gc import gc
 from et_hpc.tasks.dockerfile import convert_dockerfile
 from et_hpc.tasks.loader import load_tasks
 from et_hpc.tasks.recipe import normalise_def as normalise_def_file
-from helpers import REPO
+from helpers import FIXTURES
+from helpers.demo import DEMO
 
 BASE = Path("/cache/base/ubuntu_22.04.sif")
 BASES = {"ubuntu:22.04": BASE, "./ubuntu_22.04.sif": BASE}
-HARBOR_TASK = REPO / "tests" / "fixtures" / "endless-terminals" / "harbor" / "task_000000_0b20fa4e"
-DEMO = REPO / "defs" / "demo"
+HARBOR_TASK = FIXTURES / "harbor" / "task_000000_0b20fa4e"
 
 
 # -- planning, without apptainer -------------------------------------------------------------
