@@ -7,7 +7,7 @@
 - ``boundary_sweep(...)``: between two commands, from the host, stop and kill every process that
   could read the next command: a fork of the shell that never exec'd (non-dumpable: it may hold
   bash's saved copy of its input) and any other process holding the command pipe (a copy made by a
-  redirection such as ``cmd <&10 &``). Returns one note per process ended.
+  redirection such as ``cmd <&10 &``). Returns one note per job ended (its own forks go with it).
 """
 
 from __future__ import annotations
@@ -147,10 +147,11 @@ def _settle(shell: int, session: int) -> tuple[set[int], set[int]] | None:
 
 def boundary_sweep(shell: int, session: int, link: str, rounds: int = 10) -> list[str]:
     """Stop, then kill, every process but the shell that could read the shell's input ``link``;
-    one note per process ended. Forks first get their grace to exec (``_settle``); nothing is
-    written to the shell meanwhile, so nothing can be read."""
+    one note per job ended (a stopped fork of another is part of its job). Forks first get their
+    grace to exec (``_settle``); nothing is written to the shell meanwhile, so nothing can be read."""
     scan = _settle(shell, session)
     stopped: dict[int, tuple[int, str]] = {}
+    parent: dict[int, int] = {}
     for _ in range(rounds):
         found = _victims(shell, session, link, scan)
         scan = None
@@ -159,13 +160,17 @@ def boundary_sweep(shell: int, session: int, link: str, rounds: int = 10) -> lis
             break
         for pid, why in new.items():
             start = procfs.start_time(pid)
-            fd = pidfd_of(pid, start) if start is not None else None
-            if fd is None:
+            st = procfs.stat(pid)  # None: gone or a zombie, it reads nothing more
+            fd = pidfd_of(pid, start) if start is not None and st is not None else None
+            if fd is None or st is None:
                 continue
             pidfd_signal(fd, signal.SIGSTOP)
+            parent[pid] = st[0]
             stopped[pid] = (fd, f"[ended background process {_describe(pid)}: {why}]")
     if not stopped:
         return []
+    # a fork of a job ends with it, under the job's note: the model reads one note per job
+    notes = [note for pid, (_, note) in stopped.items() if not _in_job(pid, parent)]
     fds = [fd for fd, _ in stopped.values()]
     try:
         for fd in fds:
@@ -174,7 +179,20 @@ def boundary_sweep(shell: int, session: int, link: str, rounds: int = 10) -> lis
     finally:
         for fd in fds:
             os.close(fd)
-    return [note for _, note in stopped.values()]
+    return notes
+
+
+def _in_job(pid: int, parent: dict[int, int]) -> bool:
+    """A parent of ``pid`` (as read when it was stopped, or live) is another stopped process."""
+    seen = {pid}
+    ppid: int | None = parent[pid]
+    while ppid is not None and ppid > 1 and ppid not in seen:
+        if ppid in parent:
+            return True
+        seen.add(ppid)
+        st = procfs.stat(ppid)
+        ppid = st[0] if st is not None else None
+    return False
 
 
 def _describe(pid: int) -> str:

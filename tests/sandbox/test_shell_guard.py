@@ -201,6 +201,17 @@ def test_background_programs_survive_and_shell_code_jobs_end(make_shell: MakeShe
     assert nxt.output == "a alive\nb alive\nc gone\nd alive\n", nxt  # and nothing else (no job report)
 
 
+def test_a_job_and_the_forks_it_makes_are_one_note(make_shell: MakeShell) -> None:
+    """A shell-code job that forks all the time (a pipeline of builtins never execs) is caught
+    with forks of its own in flight: all of them end, and the model reads one note for the job."""
+    sh = make_shell(True)
+    r = sh.run("(while :; do : | : | :; done) & echo $! >~/.c; echo started", timeout=30)
+    assert r.output.startswith("started\n"), r.output
+    assert r.output.count("[ended background process") == 1, r.output
+    assert r.output.count(shell_guard.BACKGROUND_NOTE) == 1, r.output
+    assert sh.run("kill -0 $(cat ~/.c) 2>/dev/null && echo alive || echo gone", timeout=30).output == "gone\n"
+
+
 def test_guard_off_leaves_shell_code_jobs_running(make_shell: MakeShell) -> None:
     """The positive control of the test above: without the guard the subshell is not ended."""
     sh = make_shell(False)
