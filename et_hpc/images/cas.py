@@ -22,7 +22,7 @@ import stat
 import subprocess
 import tempfile
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -88,6 +88,45 @@ def tree_digest(entries: Iterable[Entry], *, owners: bool = True) -> str:
 def mtimes(entries: Iterable[Entry]) -> dict[str, int | None]:
     """Path -> mtime (whole seconds, as squashfs keeps them) of files, directories and links."""
     return {e["p"]: e.get("mt") for e in entries if e["t"] in ("f", "d", "l")}
+
+
+PROVENANCE = (".singularity.d/labels.json", ".singularity.d/Singularity")
+
+
+def build_view(entries: Iterable[Entry], read: Callable[[Entry], str]) -> dict[str, tuple]:
+    """Path -> the fields ``tree_digest`` covers, to compare two builds of one recipe entry by
+    entry: the build's provenance files by their text (``read``) with what no two builds share
+    named alike (labels.json's build date, the staged files' temporary directory in the def)."""
+    out = {}
+    for e in entries:
+        fields = tuple(e.get(k) for k in FIELDS[1:])
+        if e["p"] == PROVENANCE[0]:
+            fields = (*fields[:-1], re.sub(r'"org\.label-schema\.build-date": "[^"]*",?', "", read(e)))
+        elif e["p"] == PROVENANCE[1]:
+            fields = (*fields[:-1], re.sub(r"\S*/build-[0-9a-f]{12}-[^/]+/files/", "SCRATCH/build-*/files/", read(e)))
+        out[e["p"]] = fields
+    return out
+
+
+def manifest_view(cache_dir: Path, h: str) -> dict[str, tuple]:
+    """``build_view`` of a stored manifest."""
+    return build_view(read_manifest(cache_dir, h), lambda e: b"".join(read_object(cache_dir, e["h"])).decode())
+
+
+def sif_view(sif: Path, *, scratch: Path | None = None) -> dict[str, tuple]:
+    """``build_view`` of a SIF's root (unpacked to a temp dir under ``scratch``)."""
+    with tempfile.TemporaryDirectory(dir=scratch, prefix="sifview-") as tmp:
+        un = Path(tmp) / "root"
+        unpack_sif(Path(sif), un)
+        try:
+            return build_view(entries_from_sif(sif, un), lambda e: (un / e["p"]).read_text())
+        finally:
+            rmtree(un)
+
+
+def differing(a: dict[str, tuple], b: dict[str, tuple]) -> list[str]:
+    """The paths where two ``build_view``s differ (or only one has), sorted."""
+    return sorted(p for p in a.keys() | b.keys() if a.get(p) != b.get(p))
 
 
 def hash_file(path: Path) -> str:
