@@ -298,8 +298,9 @@ def test_a_stepped_fixture_root_differs_from_a_whole_build_only_where_two_whole_
     kind: str, tid: str, base_sif: Path, tmp_path: Path
 ) -> None:
     """A real task's recipe installs packages, and some files come out different from every build
-    (apt's caches and logs, ldconfig's cache): the task built step by step differs from its whole
-    build only at paths where a second whole build differs from the first too."""
+    (apt's caches and logs, ldconfig's cache, pip's .pyc files, random test data): the task built
+    step by step differs from its whole build only at paths where a second whole build differs
+    from the first too."""
     task = next(t for t in load_tasks(str(FIXTURES / kind)).tasks if t.id == tid)
     cas_store, whole = _stores(base_sif, tmp_path)
     stepped, first, second = cas_store.ensure(task), ImageStore().ensure(task), whole.ensure(task)
@@ -312,7 +313,7 @@ def test_a_stepped_fixture_root_differs_from_a_whole_build_only_where_two_whole_
     a = cas.manifest_view(cas_store.cache_dir, stepped.digest)
     b1, b2 = (cas.sif_view(Path(r.path), scratch=tmp_path) for r in (first, second))
     noise, diff = set(cas.differing(b1, b2)), set(cas.differing(a, b1))
-    assert len(noise) <= 20 and diff <= noise, (sorted(noise), sorted(diff))
+    assert len(noise) * 5 < len(a) and diff <= noise, (sorted(noise)[:50], sorted(diff - noise))
     # positive control: one mode bit of a file the builds agree on is seen
     p = next(p for p, f in sorted(a.items()) if f[0] == "f" and p not in noise and p.startswith("usr/"))
     assert set(cas.differing({**a, p: (a[p][0], a[p][1] ^ 1, *a[p][2:])}, b1)) == diff | {p}
