@@ -117,6 +117,60 @@ def more(a: argparse.Namespace) -> int:
     return 0
 
 
+def from_roots(a: argparse.Namespace) -> int:
+    """``--variants`` variants of every fixture a bench_roots.py run built both ways, step by step
+    on that run's step cache. A fixture's whole build is that run's (the mean of its whole builds),
+    its stepped build that run's first one; the corpus is each fixture and its variants."""
+    run = json.loads((a.from_roots / "roots.json").read_text())
+    stepped = ImageStore(a.from_roots / "steps", layout="cas", base_map=ImageStore().base_map, scratch=a.from_roots / "scratch")
+    rows = []
+    for fx in run["tasks"]:
+        if any(b["status"] != "built" for b in fx["builds"]):
+            continue
+        src = FIXTURES / fx["kind"] / fx["task"]
+        root = a.from_roots / "variants" / fx["task"]
+        shutil.rmtree(root, ignore_errors=True)
+        for i in range(a.variants):
+            make_variant(src, root / f"{src.name}_v{i}", i)
+        tasks = {t.id: t for t in load_tasks(str(root)).tasks}
+        wholes = fx["builds"][1:]
+        row = {
+            "fixture": fx["task"],
+            "whole_cpu_s": round(sum(b["cpu_s"] for b in wholes) / len(wholes), 2),
+            "whole_wall_s": round(sum(b["wall_s"] for b in wholes) / len(wholes), 2),
+            "first_cpu_s": fx["builds"][0]["cpu_s"],
+            "first_wall_s": fx["builds"][0]["wall_s"],
+            "sif_bytes": wholes[0].get("size", 0),
+            "variants": [build(stepped, tasks[f"{src.name}_v{i}"]) for i in range(a.variants)],
+        }
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+    built = [v for r in rows for v in r["variants"] if v["status"] == "built"]
+    n = sum(1 + len(r["variants"]) for r in rows)  # each fixture and its variants
+    whole_cpu = sum(r["whole_cpu_s"] * (1 + len(r["variants"])) for r in rows)
+    whole_wall = sum(r["whole_wall_s"] * (1 + len(r["variants"])) for r in rows)
+    step_cpu = sum(r["first_cpu_s"] + sum(v["cpu_s"] for v in r["variants"]) for r in rows)
+    step_wall = sum(r["first_wall_s"] + sum(v["wall_s"] for v in r["variants"]) for r in rows)
+    summary = {
+        "fixtures": len(rows),
+        "tasks": n,
+        "variants_built": len(built),
+        "variants_failed": sum(len(r["variants"]) for r in rows) - len(built),
+        "variant_cpu_s_mean": round(sum(v["cpu_s"] for v in built) / max(1, len(built)), 2),
+        "variant_wall_s_mean": round(sum(v["wall_s"] for v in built) / max(1, len(built)), 2),
+        "whole_cpu_s": round(whole_cpu, 1),
+        "stepped_cpu_s": round(step_cpu, 1),
+        "cpu_ratio_stepped_over_whole": round(step_cpu / whole_cpu, 3) if whole_cpu else None,
+        "wall_ratio_stepped_over_whole": round(step_wall / whole_wall, 3) if whole_wall else None,
+        "builds_per_hour_whole": round(3600 * n / whole_wall, 1) if whole_wall else None,
+        "builds_per_hour_stepped": round(3600 * n / step_wall, 1) if step_wall else None,
+        "bytes_stepped_store": du(a.from_roots / "steps" / "cas"),
+        "bytes_whole_sifs": sum(r["sif_bytes"] * (1 + len(r["variants"])) for r in rows),
+    }
+    print(json.dumps({"fixtures": rows, "summary": summary}, indent=1))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--fixtures", type=int, default=6, help="fixture tasks, half native, half Harbor")
@@ -129,9 +183,17 @@ def main() -> int:
         help="on an earlier run's --out: build this many new variants per fixture step by step only "
         "(e.g. offline: `ip netns exec NONET runuser -u USER -- python bench/bench_steps.py --more 5`)",
     )
+    ap.add_argument(
+        "--from-roots",
+        type=Path,
+        help="a bench_roots.py --control run's --out (with its JSON saved there as roots.json): build "
+        "--variants variants of each of its fixtures on its step cache",
+    )
     a = ap.parse_args()
     if a.more:
         return more(a)
+    if a.from_roots:
+        return from_roots(a)
     shutil.rmtree(a.out, ignore_errors=True)
     bases = ImageStore().base_map
     whole = ImageStore(a.out / "whole", base_map=bases)
