@@ -10,7 +10,8 @@ staged files' temporary directory in the def) named alike, as no two builds shar
 ``--control`` each task is built whole a second time, into another store: a path where the
 stepped root differs from the first whole build is *explained* when the two whole builds differ
 there too (a file each build writes anew: apt's caches and logs, ldconfig's cache). A path that
-differs only between stepped and whole is a difference of the step build itself. Prints JSON.
+differs only between stepped and whole is a difference of the step build itself. Prints JSON
+(also kept as ``DIR/roots.json``).
 """
 
 from __future__ import annotations
@@ -77,7 +78,9 @@ def main() -> int:
         image_build.remove_tree(a.out / "scratch")
     verdicts = [r["verdict"] for r in res]
     summary = {v: verdicts.count(v) for v in sorted(set(verdicts))}
-    print(json.dumps({"tasks": res, "summary": summary}, indent=1))
+    text = json.dumps({"tasks": res, "summary": summary}, indent=1)
+    (a.out / "roots.json").write_text(text)  # what bench_steps.py --from-roots reads
+    print(text)
     return 0 if "DIFFERENT" not in verdicts else 1
 
 

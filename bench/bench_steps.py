@@ -186,8 +186,7 @@ def main() -> int:
     ap.add_argument(
         "--from-roots",
         type=Path,
-        help="a bench_roots.py --control run's --out (with its JSON saved there as roots.json): build "
-        "--variants variants of each of its fixtures on its step cache",
+        help="a bench_roots.py --control run's --out: build --variants variants of each of its fixtures on its step cache",
     )
     a = ap.parse_args()
     if a.more:
