@@ -52,7 +52,12 @@ def make_variant(src: Path, dest: Path, i: int, comment: bool = False) -> None:
     line = f"echo 'variant {i}' > /root/.et-variant"
     df = dest / "environment" / "Dockerfile"
     if df.is_file():
-        text = df.read_text().rstrip("\n") + f"\nRUN {line}\n"
+        text = df.read_text().rstrip("\n")
+        users = re.findall(r"(?im)^USER\s+(\S+)", text)
+        if users and users[-1] not in ("root", "0"):  # /root as root, then the recipe's own user again
+            text += f"\nUSER root\nRUN {line}\nUSER {users[-1]}\n"
+        else:
+            text += f"\nRUN {line}\n"
         if comment:
             text = text.replace("\nRUN ", "\n# a comment\nRUN ", 1)
         df.write_text(text)
@@ -125,7 +130,7 @@ def from_roots(a: argparse.Namespace) -> int:
     stepped = ImageStore(a.from_roots / "steps", layout="cas", base_map=ImageStore().base_map, scratch=a.from_roots / "scratch")
     rows = []
     for fx in run["tasks"]:
-        if any(b["status"] != "built" for b in fx["builds"]):
+        if any(b["status"] != "built" for b in fx["builds"]) or (a.only and fx["task"] not in a.only):
             continue
         src = FIXTURES / fx["kind"] / fx["task"]
         root = a.from_roots / "variants" / fx["task"]
@@ -188,6 +193,7 @@ def main() -> int:
         type=Path,
         help="a bench_roots.py --control run's --out: build --variants variants of each of its fixtures on its step cache",
     )
+    ap.add_argument("--only", nargs="*", default=[], help="with --from-roots: these fixtures only")
     a = ap.parse_args()
     if a.more:
         return more(a)
