@@ -115,13 +115,8 @@ def manifest_view(cache_dir: Path, h: str) -> dict[str, tuple]:
 
 def sif_view(sif: Path, *, scratch: Path | None = None) -> dict[str, tuple]:
     """``build_view`` of a SIF's root (unpacked to a temp dir under ``scratch``)."""
-    with tempfile.TemporaryDirectory(dir=scratch, prefix="sifview-") as tmp:
-        un = Path(tmp) / "root"
-        unpack_sif(Path(sif), un)
-        try:
-            return build_view(entries_from_sif(sif, un), lambda e: (un / e["p"]).read_text())
-        finally:
-            rmtree(un)
+    with _unpacked(sif, scratch) as (entries, root):
+        return build_view(entries, lambda e: (root / e["p"]).read_text())
 
 
 def differing(a: dict[str, tuple], b: dict[str, tuple]) -> list[str]:
@@ -245,15 +240,16 @@ def _hash_readable(p: Path) -> str:
             os.chmod(p, mode)
 
 
-def sif_digest(sif: Path, *, owners: bool = True, scratch: Path | None = None) -> str:
-    """``tree_digest`` of a SIF's root filesystem (unpacked to a temp dir under ``scratch``)."""
-    with tempfile.TemporaryDirectory(dir=scratch, prefix="sifdigest-") as tmp:
-        dest = Path(tmp) / "root"
-        unpack_sif(Path(sif), dest)
+@contextmanager
+def _unpacked(sif: Path, scratch: Path | None) -> Iterator[tuple[list[Entry], Path]]:
+    """A SIF's entries and its root, unpacked to a temp dir under ``scratch`` while in use."""
+    with tempfile.TemporaryDirectory(dir=scratch, prefix="sif-root-") as tmp:
+        root = Path(tmp) / "root"
+        unpack_sif(Path(sif), root)
         try:
-            return tree_digest(entries_from_sif(sif, dest), owners=owners)
+            yield entries_from_sif(sif, root), root
         finally:
-            rmtree(dest)
+            rmtree(root)  # before the temp dir goes: the image's modes may forbid removing it
 
 
 # -- storing -----------------------------------------------------------------------------------
@@ -346,13 +342,8 @@ def ingest_entries(cache_dir: Path, entries: list[Entry], root: Path) -> tuple[s
 
 def ingest_sif(cache_dir: Path, sif: Path, *, scratch: Path | None = None) -> tuple[str, int]:
     """Store a SIF's root filesystem: (its manifest's sha256, bytes of new objects)."""
-    with tempfile.TemporaryDirectory(dir=scratch, prefix="ingest-") as tmp:
-        dest = Path(tmp) / "root"
-        unpack_sif(Path(sif), dest)
-        try:
-            return ingest_entries(cache_dir, entries_from_sif(sif, dest), dest)
-        finally:
-            rmtree(dest)
+    with _unpacked(sif, scratch) as (entries, root):
+        return ingest_entries(cache_dir, entries, root)
 
 
 def tree_bytes(cache_dir: Path, h: str) -> int:

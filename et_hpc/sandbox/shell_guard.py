@@ -100,6 +100,7 @@ def _candidates(shell: int, session: int) -> tuple[set[int], set[int]]:
 
 
 def _reaches(pid: int, roots: set[int]) -> bool:
+    """``pid`` or one of its parents (as they are now) is in ``roots``."""
     seen: set[int] = set()
     while pid > 1 and pid not in seen:
         if pid in roots:
@@ -169,8 +170,9 @@ def boundary_sweep(shell: int, session: int, link: str, rounds: int = 10) -> lis
             stopped[pid] = (fd, f"[ended background process {_describe(pid)}: {why}]")
     if not stopped:
         return []
-    # a fork of a job ends with it, under the job's note: the model reads one note per job
-    notes = [note for pid, (_, note) in stopped.items() if not _in_job(pid, parent)]
+    # a fork of a job (its parent as read when stopped, theirs as now) ends with it, under the
+    # job's note: the model reads one note per job
+    notes = [note for pid, (_, note) in stopped.items() if not _reaches(parent[pid], set(parent) - {pid})]
     fds = [fd for fd, _ in stopped.values()]
     try:
         for fd in fds:
@@ -180,19 +182,6 @@ def boundary_sweep(shell: int, session: int, link: str, rounds: int = 10) -> lis
         for fd in fds:
             os.close(fd)
     return notes
-
-
-def _in_job(pid: int, parent: dict[int, int]) -> bool:
-    """A parent of ``pid`` (as read when it was stopped, or live) is another stopped process."""
-    seen = {pid}
-    ppid: int | None = parent[pid]
-    while ppid is not None and ppid > 1 and ppid not in seen:
-        if ppid in parent:
-            return True
-        seen.add(ppid)
-        st = procfs.stat(ppid)
-        ppid = st[0] if st is not None else None
-    return False
 
 
 def _describe(pid: int) -> str:
